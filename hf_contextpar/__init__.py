@@ -1,0 +1,22 @@
+"""hf-contextpar: exact context-parallel inference for Hugging Face causal LMs.
+
+    model = hf_contextpar.apply_context_parallel(model)   # under torchrun / accelerate launch
+    out = model.generate(**inputs)                          # same tokens as one device
+    hf_contextpar.remove_context_parallel(model)
+"""
+
+from __future__ import annotations
+
+from .api import apply_context_parallel, get_runtime, remove_context_parallel
+from .cache import ShardedCache
+from .errors import ContextParallelError, UnsupportedModelError
+
+__version__ = "0.1.0"
+__all__ = [
+    "apply_context_parallel",
+    "remove_context_parallel",
+    "get_runtime",
+    "ShardedCache",
+    "ContextParallelError",
+    "UnsupportedModelError",
+]

@@ -1,0 +1,84 @@
+"""apply_context_parallel / remove_context_parallel."""
+
+from __future__ import annotations
+
+import inspect
+
+from . import attention
+from .distributed import resolve_group
+from .errors import ContextParallelError, UnsupportedModelError
+from .generate import ContextParallelRuntime
+
+STRATEGIES = ("auto", "ring_pass_kv")
+_ATTR = "_hf_contextpar"
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def _check_model(model):
+    from hf_contextpar import patches
+
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError("encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs.")
+    text = config.get_text_config(decoder=True)
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if layer_types - _ATTENTION_LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
+            "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
+        )
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        raise UnsupportedModelError("attention sinks (learned per-head sink logits) are not supported by hf-contextpar.")
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
+        )
+    return patches.resolve(config)
+
+
+def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
+                           check_inputs: bool = True):
+    """Patch `model` in place for context-parallel inference over `group` and return it.
+
+    group: a torch.distributed process group; by default the one torchrun / accelerate set up
+        (initialised here with gloo for CPU models, nccl for CUDA ones, if nobody has).
+    strategy: prefill algorithm; "auto" and "ring_pass_kv" (load-balanced ring pass-KV).
+    timeout: seconds any rank waits for its peers before failing with a clear error.
+    check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
+    On a single process this validates the model and changes nothing.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if getattr(model, _ATTR, None) is not None:
+        raise ContextParallelError("context parallelism is already applied to this model.")
+    family = _check_model(model)
+    device = next(model.parameters()).device
+    group, rank, world = resolve_group(group, device=device, timeout=timeout)
+    if world == 1:
+        return model
+    attention.register()
+    runtime = ContextParallelRuntime(model, group, rank, world, check_inputs=check_inputs)
+    runtime.original_attn = model.config._attn_implementation
+    runtime.family_undo = family.apply(model) if family.apply is not None else None
+    model.set_attn_implementation(attention.NAME)
+    runtime.install()
+    setattr(model, _ATTR, runtime)
+    return model
+
+
+def remove_context_parallel(model):
+    """Undo `apply_context_parallel`: hooks removed, original attention restored. Returns the model."""
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        return model
+    runtime.uninstall()
+    model.set_attn_implementation(runtime.original_attn)
+    if runtime.family_undo is not None:
+        runtime.family_undo()
+    delattr(model, _ATTR)
+    return model
+
+
+def get_runtime(model) -> ContextParallelRuntime | None:
+    """The runtime of a patched model (rank, world size, communication counters), or None."""
+    return getattr(model, _ATTR, None)

@@ -1,0 +1,73 @@
+"""The attention implementation and mask function hf-contextpar registers with transformers.
+
+`context_parallel_attention` is what every attention layer calls once the model is switched to
+`attn_implementation="hf_contextpar"`. It looks up the running forward's `Step` (set by the
+model's forward pre-hook) and hands local Q, this rank's packed K/V and global columns to one
+algorithm. The mask function passes the 2D padding mask through untouched: masks are built
+inside the algorithms from global columns, never from HF's local-length 4D masks.
+"""
+
+from __future__ import annotations
+
+import math
+from contextvars import ContextVar
+
+import torch
+
+from ..errors import ContextParallelError
+from .decode import sharded_kv_decode
+from .ring_pass_kv import ring_pass_kv
+
+NAME = "hf_contextpar"
+current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
+
+
+def _local(step, q, kv_local, **attn):
+    """Every rank holds every key (a short forward without a cache): plain local attention."""
+    from ..kernels import attend
+
+    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    res = attend(q, k, v, step.q_cols, step.q_cols, key_valid=step.key_valid(None), **attn)
+    return res if res is not None else (None, None)
+
+
+ALGORITHMS = {"ring_pass_kv": ring_pass_kv, "decode": sharded_kv_decode, "local": _local}
+
+
+def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                               sliding_window=None, softcap=None, **kwargs):
+    step = current_step.get()
+    if step is None:
+        raise ContextParallelError(
+            "hf_contextpar attention ran outside a context-parallel forward. Call the patched "
+            "*ForCausalLM model (or its generate()), not an inner module, or call "
+            "hf_contextpar.remove_context_parallel(model) first."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
+    if step.cache is not None:
+        kv_local = step.cache.layers[module.layer_idx].packed()
+    else:  # no cache: this forward's own K/V are the block
+        kv_local = torch.stack([key, value]).permute(3, 0, 1, 2, 4).contiguous()
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
+    if out is None:  # no key visible for any row (only padding rows can be in that state)
+        out = query.new_zeros(query.shape)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def context_parallel_mask(batch_size=None, q_length=None, kv_length=None, q_offset=None, kv_offset=None,
+                          mask_function=None, attention_mask=None, **kwargs):
+    """Pass the 2D padding mask (B, global length) through; None when nothing is padded."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def register() -> None:
+    """Register with transformers' AttentionInterface and AttentionMaskInterface (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, context_parallel_attention)
+    AttentionMaskInterface.register(NAME, context_parallel_mask)

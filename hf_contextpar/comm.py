@@ -1,0 +1,97 @@
+"""The collectives the attention algorithms use, with byte accounting and clear failures.
+
+Every operation counts the bytes this rank sends and receives, so benchmarks and tests can
+check the traffic against the analytical formulas. A failing collective (a peer died, the
+timeout expired) is re-raised as a ContextParallelError naming the rank and the operation.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .errors import ContextParallelError
+
+
+@dataclass
+class CommStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: dict = field(default_factory=dict)
+
+    def record(self, op: str, sent: int, received: int):
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def reset(self):
+        self.bytes_sent = self.bytes_received = 0
+        self.calls.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+        self.stats = CommStats()
+        self._global = [dist.get_global_rank(group, r) for r in range(world)]
+
+    @contextmanager
+    def _guard(self, what: str):
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, ContextParallelError):
+                raise
+            raise ContextParallelError(
+                f"context-parallel rank {self.rank}/{self.world}: {what} failed ({type(e).__name__}: {e}). "
+                "A peer process probably exited or stalled; check the other ranks' logs. "
+                "Waits end after the timeout given to apply_context_parallel(timeout=...)."
+            ) from e
+
+    def ring_shift(self, send: torch.Tensor | None, recv_shape, dtype, device) -> "PendingRecv":
+        """Post send(send -> rank+1) and recv(<- rank-1) without waiting. Empty tensors are not posted."""
+        nxt, prv = self._global[(self.rank + 1) % self.world], self._global[(self.rank - 1) % self.world]
+        ops, recv = [], None
+        if send is not None and send.numel() > 0:
+            ops.append(dist.P2POp(dist.isend, send, nxt, self.group))
+        if recv_shape is not None and 0 not in recv_shape:
+            recv = torch.empty(recv_shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, recv, prv, self.group))
+        elif recv_shape is not None:
+            recv = torch.empty(recv_shape, dtype=dtype, device=device)
+        with self._guard("ring send/recv"):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        self.stats.record("ring_shift", _nbytes(send) if send is not None else 0,
+                          _nbytes(recv) if recv is not None else 0)
+        return PendingRecv(self, works, recv)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
+        flat = t.contiguous().view(-1)
+        out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
+        with self._guard("all_gather"):
+            _all_gather_flat(out, flat, group=self.group)
+        self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        return out.view(self.world, *t.shape)
+
+
+# torch >= 2.10 names it all_gather_single and deprecates the old name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PendingRecv:
+    def __init__(self, comm: Comm, works, recv):
+        self._comm, self._works, self._recv = comm, works, recv
+
+    def wait(self) -> torch.Tensor:
+        with self._comm._guard("ring send/recv"):
+            for w in self._works:
+                w.wait()
+        return self._recv

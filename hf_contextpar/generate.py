@@ -1,0 +1,242 @@
+"""What happens around each forward of a patched model: shard the prompt, gather the logits.
+
+A forward pre-hook on the *ForCausalLM module turns the caller's inputs into this rank's share:
+- T >= N new tokens: head-tail sharding; each rank runs the model on its ~T/N tokens with their
+  global position ids, attention is ring pass-KV, and every rank stores the K/V of its tokens.
+- T < N (decode, tiny prompts): every rank runs all T tokens; each token's K/V is stored on the
+  least-loaded rank, and attention is sharded-KV decode with an (out, LSE) all-gather.
+The forward hook gathers the requested logits (and hidden states) back into original order on
+every rank and commits the cache's new global length. `generate()` runs unmodified on top.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .attention import current_step
+from .cache import ShardedCache
+from .comm import Comm
+from .errors import ContextParallelError
+from .sharding import head_tail_plan, least_loaded_owners
+
+
+@dataclass
+class Step:
+    """Everything the attention layers of one forward need to know."""
+
+    comm: Comm
+    algorithm: str  # "ring_pass_kv" | "decode" | "local"
+    q_cols: torch.Tensor  # global columns of this rank's query rows (CPU, ascending)
+    kv_cols: list  # per rank: global columns of the keys it holds for this forward
+    cache: ShardedCache | None
+    padding: torch.Tensor | None  # (B, global length) bool, False = padding; None = no padding
+
+    def key_valid(self, rank):
+        if self.padding is None:
+            return None
+        cols = self.q_cols if rank is None else self.kv_cols[rank]
+        return self.padding[:, cols.to(self.padding.device)]
+
+
+@dataclass
+class _Gather:
+    """How to reassemble this forward's kept rows: per rank, the output slots its rows fill."""
+
+    slots: list  # per rank: LongTensor of output positions its kept rows fill, in local order
+    total: int
+    hidden: "_Gather | None" = None  # the same for every row (hidden states), when logits keep fewer
+
+
+def _fingerprint(t: torch.Tensor | None) -> int:
+    """Cheap order-sensitive hash of a tensor's contents (0 for None)."""
+    if t is None:
+        return 0
+    if t.is_floating_point():
+        return int(t.double().sum().view(torch.int64)) ^ int((t.double().flatten()[::97] * 3.1).sum().view(torch.int64))
+    flat = t.long().flatten()
+    w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
+    return int((flat * w).sum())
+
+
+class ContextParallelRuntime:
+    """Per-model state: the group, the hooks, and the attention implementation to restore."""
+
+    def __init__(self, model, group, rank, world, check_inputs: bool = True):
+        self.model = model
+        self.comm = Comm(group, rank, world)
+        self.rank, self.world = rank, world
+        self.check_inputs = check_inputs
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self._params = list(inspect.signature(model.forward).parameters)
+        self._handles = []
+        self._pending = []  # stack of (step, gather, cache, new_length) for running forwards
+
+    # -- hooks -------------------------------------------------------------------------
+    def install(self):
+        m = self.model
+        self._handles = [
+            m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+
+    def uninstall(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre_forward(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        for name, value in zip(self._params, args):
+            kwargs[name] = value
+        self._reject_unsupported(kwargs)
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        x = embeds if embeds is not None else ids
+        if x is None:
+            raise ContextParallelError("pass input_ids or inputs_embeds to the patched model.")
+        batch, num_new = x.shape[0], x.shape[1]
+
+        cache = self._resolve_cache(kwargs.get("past_key_values"), kwargs.get("use_cache"))
+        past = cache.layout.seq_length if cache is not None else 0
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ContextParallelError(
+                "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
+                f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
+            )
+        if mask is not None and mask.shape[1] != past + num_new:
+            raise ContextParallelError(
+                f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
+                f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does."
+            )
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(num_new, device=x.device) + past).unsqueeze(0).expand(batch, -1)
+        if self.check_inputs:
+            self._check_same_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
+
+        new_cols = torch.arange(past, past + num_new)
+        if num_new >= self.world:  # shard the prompt head-tail, ring pass-KV
+            rows = head_tail_plan(num_new, self.world)
+            mine = rows[self.rank]
+            if ids is not None:
+                kwargs["input_ids"] = ids[:, mine.to(ids.device)]
+            if embeds is not None:
+                kwargs["inputs_embeds"] = embeds[:, mine.to(embeds.device)]
+            kwargs["position_ids"] = position_ids[:, mine.to(position_ids.device)]
+            algorithm, q_cols, store = "ring_pass_kv", new_cols[mine], None
+            stored = [new_cols[r] for r in rows]
+            gather = self._plan_gather(kwargs, rows, num_new)
+        else:  # replicate the few new tokens, store each on the least-loaded rank
+            kwargs["position_ids"] = position_ids
+            q_cols, gather = new_cols, None
+            if cache is not None:
+                owned = least_loaded_owners(num_new, cache.layout.counts())
+                algorithm, store, stored = "decode", owned[self.rank], [new_cols[o] for o in owned]
+            else:
+                algorithm, store, stored = "local", None, [new_cols] * self.world
+
+        if cache is not None:
+            cache.layout.begin(stored, store)
+            kv_cols = cache.layout.cols
+        else:
+            kv_cols = stored
+        kwargs["past_key_values"] = cache
+        kwargs["use_cache"] = cache is not None
+        padding = None if mask is None or bool(mask.all()) else mask.bool()
+        step = Step(self.comm, algorithm, q_cols, kv_cols, cache, padding)
+        token = current_step.set(step)
+        self._pending.append((token, gather, cache, past + num_new))
+        return (), kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        if not self._pending:
+            return output
+        token, gather, cache, new_length = self._pending.pop()
+        current_step.reset(token)
+        if cache is not None:
+            cache.layout.end(new_length)
+        if gather is not None and output is not None:
+            if getattr(output, "logits", None) is not None:
+                output.logits = self._gather_rows(output.logits, gather)
+            if getattr(output, "hidden_states", None) is not None:
+                output.hidden_states = tuple(self._gather_rows(h, gather.hidden) for h in output.hidden_states)
+        return output
+
+    # -- helpers -----------------------------------------------------------------------
+    def _reject_unsupported(self, kwargs):
+        if kwargs.get("labels") is not None:
+            raise ContextParallelError(
+                "labels are not supported under context parallelism: compute the loss from the gathered "
+                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
+            )
+        if kwargs.get("output_attentions"):
+            raise ContextParallelError("output_attentions=True is not supported under context parallelism.")
+
+    def _resolve_cache(self, cache, use_cache):
+        if use_cache is None:
+            use_cache = getattr(self.model.config.get_text_config(decoder=True), "use_cache", True)
+        if isinstance(cache, ShardedCache):
+            if cache.layout.world != self.world or cache.layout.rank != self.rank:
+                raise ContextParallelError("this ShardedCache belongs to a different context-parallel group.")
+            return cache
+        if cache is None:
+            return ShardedCache(self.num_layers, self.rank, self.world) if use_cache else None
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # generate()'s fresh default cache
+            return ShardedCache(self.num_layers, self.rank, self.world)
+        if isinstance(cache, Cache):
+            raise ContextParallelError(
+                f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "
+                "ShardedCache. Start from no cache (or generate()'s default) and pass back the "
+                "past_key_values the patched model returned; static/quantized/offloaded caches are not supported."
+            )
+        raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
+
+    def _check_same_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids):
+        fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
+                           _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
+        everyone = self.comm.all_gather(fp.to(self.comm_device(ids, embeds)))
+        if not bool((everyone == everyone[0]).all()):
+            bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
+            raise ContextParallelError(
+                f"context-parallel ranks got different inputs (ranks {bad} differ from rank 0: batch, length, "
+                "cache length or token contents). Every rank must call the model with the same prompt, "
+                "mask and cache; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
+            )
+
+    def comm_device(self, ids, embeds):
+        t = ids if ids is not None else embeds
+        return t.device if t.device.type == "cuda" else torch.device("cpu")
+
+    def _plan_gather(self, kwargs, rows, num_new):
+        """Translate logits_to_keep into this rank's rows and remember where gathered rows go."""
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int):
+            wanted = torch.arange(num_new - keep if keep > 0 else 0, num_new)
+        elif isinstance(keep, torch.Tensor) and keep.dim() == 1 and not keep.dtype == torch.bool:
+            wanted = keep.cpu().long() % num_new
+        else:
+            raise ContextParallelError("under context parallelism logits_to_keep must be an int or a 1D index tensor.")
+        owner = torch.empty(num_new, dtype=torch.long)
+        local_pos = torch.empty(num_new, dtype=torch.long)
+        for r, idx in enumerate(rows):
+            owner[idx] = r
+            local_pos[idx] = torch.arange(idx.numel())
+        slots = [torch.nonzero(owner[wanted] == r).flatten() for r in range(self.world)]
+        kwargs["logits_to_keep"] = local_pos[wanted[slots[self.rank]]]
+        return _Gather(slots, wanted.numel(), hidden=_Gather(list(rows), num_new))
+
+    def _gather_rows(self, local, gather: _Gather):
+        """Rows (dim 1) held by each rank -> all rows in output order, identical on every rank."""
+        counts = [s.numel() for s in gather.slots]
+        width = max(counts)
+        padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
+        padded[:, : local.shape[1]] = local
+        everyone = self.comm.all_gather(padded)
+        out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
+        for r, slots in enumerate(gather.slots):
+            out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]
+        return out

@@ -1,0 +1,194 @@
+"""Local attention of one query block against one key block, returning (out, log-sum-exp).
+
+Masks come from *global* token columns, never from SDPA's top-left `is_causal` on a sharded
+query: key column c is visible to query column q iff c <= q, q - c < window (sliding layers),
+and the key is not padding. Sub-blocks whose mask is trivial (all visible, none visible, or
+the square causal diagonal that head-tail sharding produces) go to the fused kernel without a
+mask; only genuinely irregular blocks pay for an explicit bias.
+
+Kernels: PyTorch's CPU flash kernel and, on CUDA, the flash / memory-efficient kernels, all of
+which return the LSE. Soft-capped logits (Gemma2) and dtypes a kernel lacks use a plain math
+path. Outputs are in the accumulation dtype (fp32, or fp64 for fp64 models).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
+_BIAS_ELEMS = 1 << 25  # cap on the explicit-bias tile, in elements; larger blocks are done in row chunks
+_cuda_ok: dict[torch.dtype, bool] = {}
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def runs(cols: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) index ranges over which `cols` (ascending, CPU) increases by exactly 1."""
+    n = cols.numel()
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(cols[1:] - cols[:-1] != 1).flatten() + 1).tolist()
+    edges = [0, *breaks, n]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _visible(q_cols, k_cols, window, device):
+    qc = q_cols.to(device).unsqueeze(-1)
+    kc = k_cols.to(device).unsqueeze(0)
+    vis = kc <= qc
+    if window is not None:
+        vis &= (qc - kc) < window
+    return vis  # (Tq, Tk)
+
+
+def _classify(q_cols, k_cols, window):
+    """'none', 'all', 'causal' (square diagonal) or 'mask', from column ranges alone."""
+    q_lo, q_hi = int(q_cols[0]), int(q_cols[-1])
+    k_lo, k_hi = int(k_cols[0]), int(k_cols[-1])
+    if k_lo > q_hi or (window is not None and q_lo - k_hi >= window):
+        return "none"
+    if k_hi <= q_lo and (window is None or q_hi - k_lo < window):
+        return "all"
+    contiguous = q_hi - q_lo + 1 == q_cols.numel() and k_hi - k_lo + 1 == k_cols.numel()
+    if contiguous and q_lo == k_lo and q_hi == k_hi and (window is None or q_hi - q_lo < window):
+        return "causal"
+    return "mask"
+
+
+def _math(q, k, v, visible, scale, softcap):
+    """Reference path: explicit scores in the accumulation dtype. visible: bool, broadcastable to scores."""
+    acc = acc_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.to(acc).repeat_interleave(group, dim=1)
+    v = v.to(acc).repeat_interleave(group, dim=1)
+    s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
+    return torch.matmul(p, v), lse
+
+
+def _fused(q, k, v, bias, is_causal, scale):
+    """One fused-kernel call; returns (out, lse) or None when no fused kernel fits."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
+        )
+        return out, lse
+    if q.device.type == "cuda" and _cuda_kernel_ok(q.dtype, q.device):
+        return _cuda_fused(q, k, v, bias, is_causal, scale)
+    return None
+
+
+def _cuda_fused(q, k, v, bias, is_causal, scale):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # local expansion of a block already received; nothing repeated goes over the wire
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return res[0], res[1]
+    if bias is not None:
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)
+    return res[0], res[1][..., : q.shape[2]]
+
+
+def _cuda_kernel_ok(dtype, device) -> bool:
+    """Check the CUDA kernels against the math path once per dtype; fall back to math if they disagree."""
+    if dtype not in _cuda_ok:
+        ok = dtype in (torch.float16, torch.bfloat16, torch.float32)
+        if ok:
+            try:
+                g = torch.Generator(device="cpu").manual_seed(0)
+                q, k, v = (torch.randn(1, 4, 40, 64, generator=g).to(device, dtype) for _ in range(3))
+                k, v = k[:, :2], v[:, :2]
+                vis = torch.rand(40, 40, generator=g).to(device) > 0.3
+                vis[:, 0] = True
+                bias = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill(~vis, -math.inf)
+                tol = 1e-2 if dtype != torch.float32 else 1e-4
+                for b, c, m in ((None, True, torch.ones(40, 40, dtype=torch.bool, device=device).tril()), (bias, False, vis)):
+                    o1, l1 = _cuda_fused(q, k, v, b, c, 0.125)
+                    o2, l2 = _math(q, k, v, m, 0.125, None)
+                    ok &= bool((o1.float() - o2.float()).abs().max() < tol and (l1.float() - l2.float()).abs().max() < tol)
+            except RuntimeError:
+                ok = False
+        _cuda_ok[dtype] = ok
+    return _cuda_ok[dtype]
+
+
+def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+    """One block with an arbitrary mask. Returns (out, lse) in the accumulation dtype, or None."""
+    acc = acc_dtype(q.dtype)
+    kind = _classify(q_cols, k_cols, window)
+    if kind == "none":
+        return None
+    if key_valid is not None and kind != "mask" and bool(key_valid.all()):
+        key_valid = None
+    if softcap is None and key_valid is None and kind in ("all", "causal"):
+        res = _fused(q, k, v, None, kind == "causal", scale)
+        if res is not None:
+            return res[0].to(acc), res[1].to(acc)
+    vis = _visible(q_cols, k_cols, window, q.device)  # (Tq, Tk)
+    if key_valid is not None:
+        vis = (vis.unsqueeze(0) & key_valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, Tq, Tk): shared by all heads
+    else:
+        vis = vis[None, None]  # (1, 1, Tq, Tk)
+    rows_per_tile = max(1, _BIAS_ELEMS // max(1, vis.shape[0] * k.shape[2]))
+    outs, lses = [], []
+    for r0 in range(0, q.shape[2], rows_per_tile):
+        qt, vt = q[:, :, r0 : r0 + rows_per_tile], vis[..., r0 : r0 + rows_per_tile, :]
+        res = None
+        if softcap is None:
+            bias = torch.zeros(vt.shape, dtype=q.dtype, device=q.device).masked_fill(~vt, -math.inf)
+            res = _fused(qt, k, v, bias, False, scale)
+            if res is not None:  # fused kernels report lse 0 for rows that saw nothing: make it -inf
+                res = res[0].to(acc), res[1].to(acc).masked_fill(~vt.any(-1), -math.inf)
+        if res is None:
+            res = _math(qt, k, v, vt, scale, softcap)
+        outs.append(res[0])
+        lses.append(res[1])
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None):
+    """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
+
+    key_valid: optional (B, Tk) bool, False for padding keys. Returns (out, lse) with out
+    (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible.
+    """
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return None
+    whole = _classify(q_cols, k_cols, window)
+    if whole != "mask" or softcap is not None:
+        return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+    q_runs, k_runs = runs(q_cols), runs(k_cols)
+    if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:
+        return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+    # Split into contiguous sub-blocks: with head-tail shards most are trivially masked.
+    from .merge import Accumulator
+
+    acc_t = acc_dtype(q.dtype)
+    outs, lses = [], []
+    for qa, qb in q_runs:
+        acc = Accumulator()
+        for ka, kb in k_runs:
+            kv_valid = key_valid[:, ka:kb] if key_valid is not None else None
+            res = _block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], q_cols[qa:qb], k_cols[ka:kb],
+                         kv_valid, window, scale, softcap)
+            if res is not None:
+                acc.add(*res)
+        if acc.out is None:  # no visible key for these rows
+            shape = (q.shape[0], q.shape[1], qb - qa)
+            acc.out = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t)
+            acc.lse = q.new_full(shape, -math.inf, dtype=acc_t)
+        outs.append(acc.out)
+        lses.append(acc.lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

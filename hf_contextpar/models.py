@@ -1,0 +1,76 @@
+"""Built-in random-initialised models and a byte-level tokenizer: everything works offline.
+
+`tiny-<family>` names build a small config of that family (seeded, so every rank builds the
+same weights). They exist for the default demo and the test suite; any hub id or local
+directory works in their place.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=65536, initializer_range=0.2, tie_word_embeddings=False,
+               bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=24),
+    "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention"]),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma2": dict(model_type="gemma2", sliding_window=24, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=15.0, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(model_type="gemma3_text", sliding_window=24, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(model_type="phi3", sliding_window=40, num_key_value_heads=4),
+    "olmo2": dict(model_type="olmo2"),
+}
+DEFAULT_MODEL = "tiny-llama"
+
+
+def tiny_config(family: str, **overrides):
+    spec = {**_COMMON, **TINY_CONFIGS[family], **overrides}
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def tiny_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A seeded random-initialised model of `family` (same weights on every rank)."""
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """UTF-8 bytes as tokens 0..255 plus <s>=256, </s>=257, <pad>=258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_order = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(byte_order)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    out.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    return out
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+k in byte order.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in printable:
+        return ord(ch)
+    rest = [b for b in range(256) if b not in printable]
+    return rest[ord(ch) - 256]
+
+
+def sample_text(num_chars: int | None = None) -> str:
+    """English text already on every Python install (pydoc's topic help), for offline prompts."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text if num_chars is None else text[:num_chars]

@@ -1,0 +1,71 @@
+"""Which model families hf-contextpar supports, and what each needs beyond the generic hook.
+
+One registry keyed by `config.model_type` (as Liger-Kernel does). The generic hook is
+transformers' AttentionInterface + AttentionMaskInterface, a sharded cache and forward hooks
+on the *ForCausalLM module; it covers every family below. A family lists here only what is
+particular to it: a `check(config)` that rejects configurations which would not be exact, and
+an optional `apply(model) -> undo` for a family that needs a reversible patch of its own.
+Installed as `hf_contextpar.patches`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hf_contextpar.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class FamilyPatch:
+    model_type: str
+    description: str
+    check: Callable | None = None  # check(config) raises UnsupportedModelError
+    apply: Callable | None = None  # apply(model) -> undo(); for families that need more than the generic hook
+
+
+REGISTRY: dict[str, FamilyPatch] = {}
+
+
+def register(patch: FamilyPatch) -> FamilyPatch:
+    """Add (or replace) a family. Users can register a family they have verified themselves."""
+    REGISTRY[patch.model_type] = patch
+    return patch
+
+
+def _text_only_gemma3(config):
+    raise UnsupportedModelError(
+        "Gemma3ForConditionalGeneration (model_type 'gemma3') mixes bidirectional image-token attention "
+        "into the causal mask, which hf-contextpar does not shard. Load the text model with "
+        "Gemma3ForCausalLM (model_type 'gemma3_text')."
+    )
+
+
+for _mt, _desc in [
+    ("llama", "Llama 2/3/3.x: GQA, RoPE"),
+    ("mistral", "Mistral: GQA, sliding window on every layer"),
+    ("qwen2", "Qwen2/2.5: GQA, QKV bias, optional sliding layers"),
+    ("qwen3", "Qwen3: GQA, QK-norm"),
+    ("gemma2", "Gemma2: alternating sliding/global layers, attention and final logit soft-capping"),
+    ("gemma3_text", "Gemma3 (text): alternating sliding/global layers, QK-norm, dual RoPE"),
+    ("phi3", "Phi-3: fused QKV, sliding window"),
+    ("olmo2", "OLMo 2: QK-norm, post-norm blocks"),
+]:
+    register(FamilyPatch(_mt, _desc))
+register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
+
+
+def resolve(config) -> FamilyPatch:
+    """The registry entry for a config, after its family check; a clear error if there is none."""
+    patch = REGISTRY.get(config.model_type)
+    if patch is None:
+        supported = ", ".join(sorted(k for k, p in REGISTRY.items() if p.check is None))
+        raise UnsupportedModelError(
+            f"model_type '{config.model_type}' is not supported by hf-contextpar (supported: {supported}). "
+            "If its attention is plain causal softmax attention over one KV cache, you can opt in with "
+            "hf_contextpar.patches.register(FamilyPatch('<model_type>', '<description>')) and verify it "
+            "with the exactness harness."
+        )
+    if patch.check is not None:
+        patch.check(config)
+    return patch
