@@ -1,0 +1,146 @@
+"""One rank of the exactness matrix. Every rank builds the unpatched reference model in-process
+(that *is* the single-process run: nothing distributed touches it), then the patched copy, and
+records differences. Writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hf_contextpar
+from hf_contextpar.eval import first_divergence, logits_diff
+from hf_contextpar.models import tiny_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
+
+
+def impl_for(family):
+    return "eager" if family == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
+
+
+def gathered_equal(t: torch.Tensor) -> bool:
+    """Is `t` bitwise identical on every rank?"""
+    if not dist.is_initialized():
+        return True
+    world = dist.get_world_size()
+    bufs = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(bufs, t.contiguous())
+    return all(torch.equal(b, bufs[0]) for b in bufs)
+
+
+def local_tokens(cache) -> int:
+    """Tokens this rank's cache holds per layer (N = 1 leaves HF's own DynamicCache in place)."""
+    return cache.local_length if isinstance(cache, hf_contextpar.ShardedCache) else cache.get_seq_length()
+
+
+def pair(family, dtype, seed=0):
+    ref = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
+    cp = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
+    hf_contextpar.apply_context_parallel(cp, timeout=120)
+    return ref, cp
+
+
+def prompt(length, seed, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, length), generator=g)
+
+
+def left_padded(lengths, seed, pad_id=258):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), pad_id)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(0, 256, (n,), generator=g)
+        mask[i, -n:] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def run_family(family, n, records):
+    def rec(case, **kw):
+        records.append(dict(family=family, n=n, case=case, **kw))
+
+    lengths = sorted({1, max(1, n - 1), 2 * n + 1, 301})
+    for dtype in (torch.float64, torch.float32):
+        ref, cp = pair(family, dtype)
+        dname = str(dtype).split(".")[-1]
+        # prefill logits at all positions
+        for length in lengths if dtype == torch.float64 else [2 * n + 1, 301]:
+            ids = prompt(length, seed=length)
+            d = logits_diff(cp(ids).logits, ref(ids).logits)
+            rec("prefill_logits", dtype=dname, length=length, max_diff=d)
+        # greedy generate, 32 new tokens, with cache-size check
+        for length in (2 * n + 1, 97):
+            ids = prompt(length, seed=1000 + length)
+            out_ref = ref.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            out = cp.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                              return_dict_in_generate=True)
+            total = out.sequences.shape[1] - 1  # the last token's K/V is never computed
+            rec("greedy", dtype=dname, length=length, tokens_equal=torch.equal(out.sequences, out_ref),
+                diverge=first_divergence(out.sequences, out_ref), ranks_agree=gathered_equal(out.sequences),
+                cache_tokens=local_tokens(out.past_key_values), cache_bound=math.ceil(total / n) + 1)
+        # left-padded batch of 3 prompts of different lengths
+        ids, mask = left_padded([37, 64, 19], seed=7)
+        mine, theirs = cp(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        d = logits_diff(mine, theirs, mask)
+        if torch.isnan(theirs[mask.bool()]).any():  # HF's fp64 eager softmax runs in fp32 and NaNs on padding
+            rec("padded_batch", dtype=dname, reference_nan=True, finite=bool(torch.isfinite(mine[mask.bool()]).all()))
+            continue
+        out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+        out = cp.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+        rec("padded_batch", dtype=dname, max_diff=d, tokens_equal=torch.equal(out, out_ref),
+            diverge=first_divergence(out, out_ref), ranks_agree=gathered_equal(out))
+        if dtype == torch.float32:
+            # seeded sampling: identical on all ranks and equal to the single process
+            ids = prompt(45, seed=45)
+            torch.manual_seed(123)
+            s_ref = ref.generate(ids, max_new_tokens=32, do_sample=True, top_k=0, top_p=1.0, min_new_tokens=32)
+            torch.manual_seed(123)
+            s_cp = cp.generate(ids, max_new_tokens=32, do_sample=True, top_k=0, top_p=1.0, min_new_tokens=32)
+            rec("sampling", dtype=dname, tokens_equal=torch.equal(s_cp, s_ref), ranks_agree=gathered_equal(s_cp))
+            # remove_context_parallel restores bit-identical stock behaviour
+            hf_contextpar.remove_context_parallel(cp)
+            ids = prompt(53, seed=53)
+            same = torch.equal(cp(ids).logits, ref(ids).logits)
+            g_same = torch.equal(cp.generate(ids, max_new_tokens=8, do_sample=False),
+                                 ref.generate(ids, max_new_tokens=8, do_sample=False))
+            rec("removed", dtype=dname, bitwise=same and g_same)
+
+    # bf16: the bound is what swapping the attention kernel alone changes on one process
+    ref, cp = pair(family, torch.bfloat16)
+    ids = prompt(301, seed=301)
+    r = ref(ids).logits
+    if impl_for(family) == "sdpa":
+        alt = tiny_model(family, dtype=torch.bfloat16, attn_implementation="eager")
+        kernel_swap = logits_diff(alt(ids).logits, r)
+    else:  # only one kernel exists (Gemma2 eager): use bf16's own rounding, bf16 vs the fp32 model
+        kernel_swap = logits_diff(tiny_model(family, dtype=torch.float32, attn_implementation="eager")(ids).logits, r)
+    rec("bf16_prefill", dtype="bfloat16", max_diff=logits_diff(cp(ids).logits, r), kernel_swap=kernel_swap)
+
+
+def main():
+    out_dir, families = sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else FAMILIES
+    torch.set_num_threads(1)
+    hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
+    rank, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    records = []
+    for family in families:
+        try:
+            run_family(family, n, records)
+        except Exception as e:  # recorded, so one broken family does not hide the others
+            import traceback
+
+            records.append(dict(family=family, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Start N processes of a script the way torchrun does (RANK, WORLD_SIZE, MASTER_*), on CPU/gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = None):
+    """Run `python args...` as n ranks; returns a list of CompletedProcess-like (returncode, stdout, stderr)."""
+    port = free_port()
+    procs = []
+    for rank in range(n):
+        e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                 LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS="1",
+                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            err += f"\n[launcher] killed after {timeout}s"
+        results.append((p.returncode, out, err))
+    return results

@@ -1,0 +1,53 @@
+"""The exactness matrix: every supported family, N = 1..4 processes on CPU/gloo, against the
+unpatched single-process model. One launch per N runs every family (see cp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cp_worker import FAMILIES  # noqa: E402
+from launch import launch  # noqa: E402
+
+FP64_TOL = {"gemma2": 1e-5}  # HF's Gemma2 eager path does its softmax in fp32, even for fp64 models
+_results: dict[int, list] = {}
+
+
+def results(n: int, tmp_path_factory) -> list[list[dict]]:
+    if n not in _results:
+        out = tmp_path_factory.mktemp(f"cp{n}")
+        procs = launch(n, [os.path.join(os.path.dirname(__file__), "cp_worker.py"), str(out)], timeout=1200)
+        for rank, (rc, _, err) in enumerate(procs):
+            assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
+        _results[n] = [json.load(open(out / f"rank{r}.json")) for r in range(n)]
+    return _results[n]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_family_exact(n, family, tmp_path_factory):
+    for rank, records in enumerate(results(n, tmp_path_factory)):
+        mine = [r for r in records if r["family"] == family]
+        errors = [r["error"] for r in mine if r["case"] == "error"]
+        assert not errors, f"rank {rank}: {errors[0]}"
+        cases = {r["case"] for r in mine}
+        assert {"prefill_logits", "greedy", "padded_batch", "sampling", "removed", "bf16_prefill"} <= cases
+        for r in mine:
+            where = f"rank {rank} {r}"
+            if r["case"] == "prefill_logits" or (r["case"] == "padded_batch" and "max_diff" in r):
+                tol = FP64_TOL.get(family, 1e-10) if r["dtype"] == "float64" else 1e-4
+                assert r["max_diff"] <= tol, where
+            if r["case"] in ("greedy", "padded_batch", "sampling") and "tokens_equal" in r:
+                assert r["tokens_equal"] and r["ranks_agree"], where
+            if r["case"] == "padded_batch" and r.get("reference_nan") and n > 1:  # N = 1 runs the stock model
+                assert r["finite"], where
+            if r["case"] == "greedy":
+                assert r["cache_tokens"] <= r["cache_bound"], where
+            if r["case"] == "removed":
+                assert r["bitwise"], where
+            if r["case"] == "bf16_prefill":
+                assert r["max_diff"] <= max(r["kernel_swap"], 1e-2), where

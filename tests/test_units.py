@@ -1,0 +1,98 @@
+"""Single-process unit tests: sharding, merge, the local LSE kernel, input validation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hf_contextpar.kernels import _math, attend
+from hf_contextpar.merge import Accumulator, merge_stacked
+from hf_contextpar.sharding import head_tail_plan, least_loaded_owners
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("t", [0, 1, 2, 3, 7, 8, 9, 17, 64, 301])
+def test_head_tail_covers_and_balances(n, t):
+    plan = head_tail_plan(t, n)
+    allidx = torch.cat(plan).sort().values
+    assert torch.equal(allidx, torch.arange(t))
+    sizes = [p.numel() for p in plan]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) == math.ceil(t / n)
+    for p in plan:
+        assert torch.equal(p, p.sort().values)
+    if n > 1 and t >= 4 * n:  # rank 0 holds the first and the last chunk
+        assert plan[0][0] == 0 and plan[0][-1] == t - 1
+
+
+def test_least_loaded_levels_and_round_robins():
+    owned = least_loaded_owners(7, [5, 4, 5])
+    counts = [5 + len(owned[0]), 4 + len(owned[1]), 5 + len(owned[2])]
+    assert max(counts) - min(counts) <= 1
+    assert owned[1][0] == 0  # the short shard gets the first token
+    assert sorted(torch.cat(owned).tolist()) == list(range(7))
+
+
+def _reference(q, k, v, qc, kc, valid, window, scale, softcap):
+    vis = kc[None, :] <= qc[:, None]
+    if window:
+        vis &= (qc[:, None] - kc[None, :]) < window
+    vis = vis[None, None]
+    if valid is not None:
+        vis = vis & valid[:, None, None, :]
+    return _math(q.double(), k.double(), v.double(), vis, scale, softcap)
+
+
+COLS = [
+    (torch.cat([torch.arange(0, 5), torch.arange(15, 20)]), torch.cat([torch.arange(5, 10), torch.arange(10, 15)])),
+    (torch.cat([torch.arange(0, 5), torch.arange(15, 20)]), torch.cat([torch.arange(0, 5), torch.arange(15, 20)])),
+    (torch.arange(20, 21), torch.tensor([0, 1, 2, 5, 7, 9, 11, 20])),
+    (torch.arange(3, 9), torch.arange(0, 12)),
+    (torch.arange(0, 4), torch.arange(10, 14)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cols", range(len(COLS)))
+@pytest.mark.parametrize("window,padded,softcap", list(itertools.product([None, 4], [False, True], [None, 5.0])))
+def test_attend_matches_math(dtype, cols, window, padded, softcap):
+    torch.manual_seed(cols)
+    qc, kc = COLS[cols]
+    b = 2
+    q = torch.randn(b, 4, len(qc), 8, dtype=dtype)
+    k, v = torch.randn(b, 2, len(kc), 8, dtype=dtype), torch.randn(b, 2, len(kc), 8, dtype=dtype)
+    valid = torch.rand(b, len(kc)) > 0.3 if padded else None
+    got = attend(q, k, v, qc, kc, scale=0.3, key_valid=valid, window=window, softcap=softcap)
+    out, lse = _reference(q, k, v, qc, kc, valid, window, 0.3, softcap)
+    if got is None:
+        assert torch.isneginf(lse).all()
+        return
+    seen = ~torch.isneginf(lse)
+    assert torch.equal(torch.isneginf(got[1]), ~seen)
+    assert (got[0][~seen] == 0).all()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (got[0].double() - out)[seen].abs().max() < tol
+    assert (got[1].double() - lse)[seen].abs().max() < tol
+
+
+def test_merge_of_key_splits_is_exact():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 30, 8, dtype=torch.float64), torch.randn(1, 2, 30, 8, dtype=torch.float64)
+    full = _math(q, k, v, None, 0.5, None)
+    parts = [_math(q, k[:, :, a:b], v[:, :, a:b], None, 0.5, None) for a, b in [(0, 7), (7, 19), (19, 30)]]
+    acc = Accumulator()
+    for p in parts:
+        acc.add(*p)
+    assert (acc.out - full[0]).abs().max() < 1e-13 and (acc.lse - full[1]).abs().max() < 1e-13
+    out, lse = merge_stacked(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert (out - full[0]).abs().max() < 1e-13 and (lse - full[1]).abs().max() < 1e-13
+
+
+def test_merge_keeps_empty_rows_finite():
+    out = torch.zeros(2, 1, 3, 4)
+    lse = torch.full((2, 1, 3), -math.inf)
+    o, l = merge_stacked(out, lse)
+    assert torch.isneginf(l).all() and (o == 0).all()
