@@ -1,0 +1,135 @@
+"""`python -m hf_contextpar generate`: the main job, launched with torchrun or accelerate.
+
+    torchrun --nproc_per_node 2 -m hf_contextpar generate --max-new-tokens 32
+    torchrun --nproc_per_node 2 -m hf_contextpar generate --model meta-llama/Llama-3.2-1B --prompt-file book.txt
+
+Prints the generated text once (rank 0), time to first token, decode tokens/s and every rank's
+KV-cache size. `--baseline` first runs the unpatched model on rank 0 alone (the other ranks
+wait) and reports its TTFT and whether the tokens are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .models import DEFAULT_MODEL, TINY_CONFIGS, byte_tokenizer, sample_text, tiny_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def load(name: str, dtype: torch.dtype, device: torch.device):
+    """A built-in `tiny-<family>` (random weights, offline) or any hub id / local directory."""
+    if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
+        family = name[5:]
+        impl = "eager" if family == "gemma2" else "sdpa"
+        return tiny_model(family, dtype=dtype, attn_implementation=impl).to(device), byte_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(
+            f"could not load '{name}' ({e}). Use a local directory, a hub id that is cached or reachable "
+            f"(HF_HUB_OFFLINE=1 uses the cache only), or a built-in model: "
+            + ", ".join(f"tiny-{f}" for f in TINY_CONFIGS)
+        ) from None
+    return model.to(device).eval(), tok
+
+
+class _FirstToken:
+    """A generate() streamer that timestamps the first new token."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _timed_generate(model, inputs, max_new_tokens):
+    streamer = _FirstToken()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, streamer=streamer, return_dict_in_generate=True)
+    end = time.perf_counter()
+    ttft = streamer.first - start
+    tok_s = (max_new_tokens - 1) / (end - streamer.first) if max_new_tokens > 1 else float("nan")
+    return out, ttft, tok_s
+
+
+def cmd_generate(args):
+    import hf_contextpar
+
+    rank = int(os.environ.get("RANK", "0"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    model, tok = load(args.model, DTYPES[args.dtype], device)
+    text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else sample_text()
+    ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
+
+    baseline = None
+    if args.baseline and rank == 0:
+        out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
+        baseline = (out.sequences, ttft, tok_s)
+    hf_contextpar.apply_context_parallel(model, strategy=args.strategy, timeout=args.timeout)
+    runtime = hf_contextpar.get_runtime(model)
+    world = runtime.world if runtime else 1
+    if dist.is_initialized():
+        dist.barrier()  # ranks start together (and wait for the baseline)
+    out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
+    cache = out.past_key_values
+    local = torch.tensor([cache.local_length if runtime else cache.get_seq_length(),
+                          cache.local_nbytes() if runtime else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)])
+    per_rank = runtime.comm.all_gather(local.to(device if cuda else "cpu")).cpu() if runtime else local[None]
+    if rank == 0:
+        new = out.sequences[0, ids.shape[1]:]
+        print(tok.decode(new, skip_special_tokens=True))
+        print("-" * 60)
+        print(f"model {args.model}  dtype {args.dtype}  processes {world}  prompt {ids.shape[1]} tokens  "
+              f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}")
+        print(f"TTFT {ttft * 1000:.1f} ms   decode {tok_s:.1f} tokens/s")
+        for r, (tokens, nbytes) in enumerate(per_rank.tolist()):
+            print(f"  rank {r}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB")
+        if baseline is not None:
+            same = torch.equal(baseline[0].cpu(), out.sequences.cpu())
+            print(f"unpatched, 1 process: TTFT {baseline[1] * 1000:.1f} ms   decode {baseline[2]:.1f} tokens/s   "
+                  f"TTFT speed-up {baseline[1] / ttft:.2f}x   tokens identical: {same}")
+        sys.stdout.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hf_contextpar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="context-parallel generate() on one prompt")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in tiny-<family> (default {DEFAULT_MODEL})")
+    g.add_argument("--prompt-file", help="UTF-8 text file (default: English text shipped with Python)")
+    g.add_argument("--prompt-tokens", type=int, default=4096, help="truncate the prompt to this many tokens")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--strategy", default="auto")
+    g.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
+    g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
+    g.add_argument("--baseline", action="store_true", help="also time the unpatched model on rank 0 alone")
+    g.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
+    g.set_defaults(func=cmd_generate)
+    args = p.parse_args(argv)
+    args.func(args)

@@ -1,0 +1,59 @@
+"""One rank of an error scenario; prints 'RESULT <text>' lines the test reads."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+
+import hf_contextpar
+from hf_contextpar.models import tiny_model
+
+
+def main():
+    scenario = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=float(os.environ.get("CP_TIMEOUT", "60")))
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            if scenario == "mismatch":
+                model.generate(ids + rank, max_new_tokens=4)
+            elif scenario == "dies":
+                if rank == 1:
+                    os._exit(3)
+                start = time.time()
+                try:
+                    model.generate(ids, max_new_tokens=4)
+                finally:
+                    print(f"RESULT elapsed {time.time() - start:.1f}", flush=True)
+            elif scenario == "stalls":
+                if rank == 1:
+                    time.sleep(45)
+                    os._exit(4)
+                start = time.time()
+                try:
+                    model.generate(ids, max_new_tokens=4)
+                finally:
+                    print(f"RESULT elapsed {time.time() - start:.1f}", flush=True)
+            elif scenario == "mask4d":
+                model(ids, attention_mask=torch.ones(1, 1, 40, 40))
+            elif scenario == "labels":
+                model(ids, labels=ids)
+            elif scenario == "foreign_cache":
+                cache = DynamicCache()
+                cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
+                model(ids, past_key_values=cache)
+        print("RESULT no error", flush=True)
+    except hf_contextpar.ContextParallelError as e:
+        print(f"RESULT ContextParallelError {e}", flush=True)
+    if dist.is_initialized() and scenario not in ("dies", "stalls"):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

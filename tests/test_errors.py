@@ -1,0 +1,96 @@
+"""Bad input fails with a clear error, on every rank, instead of a hang or a wrong answer."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_contextpar
+from hf_contextpar.models import tiny_config, tiny_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import launch  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "error_worker.py")
+
+
+def _results(procs):
+    return [[line[7:] for line in out.splitlines() if line.startswith("RESULT ")] for _, out, _ in procs]
+
+
+@pytest.mark.parametrize("scenario,needle", [
+    ("mismatch", "different inputs"),
+    ("mask4d", "2D padding mask"),
+    ("labels", "labels are not supported"),
+    ("foreign_cache", "cannot be used under context parallelism"),
+])
+def test_bad_input_is_rejected_on_every_rank(scenario, needle):
+    procs = launch(2, [WORKER, scenario], timeout=300)
+    for rank, lines in enumerate(_results(procs)):
+        assert lines and lines[-1].startswith("ContextParallelError") and needle in lines[-1], (rank, procs[rank][2][-2000:])
+
+
+@pytest.mark.parametrize("scenario,code,limit", [("dies", 3, 15), ("stalls", 4, 30)])
+def test_lost_rank_fails_the_others_within_the_timeout(scenario, code, limit):
+    """A peer that exits, or stalls without exiting, makes rank 0 raise within the 8 s timeout."""
+    procs = launch(2, [WORKER, scenario], timeout=300, env={"CP_TIMEOUT": "8"})
+    assert procs[1][0] == code
+    lines = _results(procs)[0]
+    assert any(line.startswith("ContextParallelError") for line in lines), procs[0][2][-2000:]
+    elapsed = float(next(line for line in lines if line.startswith("elapsed")).split()[1])
+    assert elapsed < limit
+
+
+def test_bad_strategy():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        hf_contextpar.apply_context_parallel(tiny_model("llama"), strategy="bogus")
+
+
+def _from_config(model_type, **kw):
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+
+
+@pytest.mark.parametrize("build,needle", [
+    (lambda: _from_config("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64), "not supported by hf-contextpar"),
+    (lambda: _from_config("gpt_oss", num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, num_local_experts=2, vocab_size=64,
+                          layer_types=["full_attention"]), "sinks"),
+    (lambda: _from_config("qwen3_next", num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=64, num_experts=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                          linear_key_head_dim=8, linear_value_head_dim=8,
+                          layer_types=["linear_attention", "full_attention"]), "linear-attention"),
+])
+def test_unsupported_models_are_rejected(build, needle):
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match=needle):
+        hf_contextpar.apply_context_parallel(build())
+
+
+def test_encoder_decoder_rejected():
+    from transformers import AutoModelForSeq2SeqLM
+
+    t5 = AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model("t5", d_model=32, d_ff=32, num_layers=1, num_heads=2,
+                                                                 d_kv=16, vocab_size=64))
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="encoder-decoder"):
+        hf_contextpar.apply_context_parallel(t5)
+
+
+def test_gemma3_multimodal_rejected():
+    from hf_contextpar import patches
+
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="Gemma3ForCausalLM"):
+        patches.resolve(AutoConfig.for_model("gemma3"))
+
+
+def test_single_process_is_a_faithful_no_op():
+    model = tiny_model("qwen3")
+    ref = tiny_model("qwen3")
+    assert hf_contextpar.apply_context_parallel(model) is model
+    ids = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert model.config._attn_implementation == "sdpa"
