@@ -75,7 +75,7 @@ def run_family(family, n, records):
             d = logits_diff(cp(ids).logits, ref(ids).logits)
             rec("prefill_logits", dtype=dname, length=length, max_diff=d)
         # greedy generate, 32 new tokens, with cache-size check
-        for length in (2 * n + 1, 97):
+        for length in (1, 2 * n + 1, 97) if dtype == torch.float64 else (2 * n + 1, 97):
             ids = prompt(length, seed=1000 + length)
             out_ref = ref.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
             out = cp.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
@@ -90,11 +90,21 @@ def run_family(family, n, records):
         d = logits_diff(mine, theirs, mask)
         if torch.isnan(theirs[mask.bool()]).any():  # HF's fp64 eager softmax runs in fp32 and NaNs on padding
             rec("padded_batch", dtype=dname, reference_nan=True, finite=bool(torch.isfinite(mine[mask.bool()]).all()))
-            continue
-        out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-        out = cp.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-        rec("padded_batch", dtype=dname, max_diff=d, tokens_equal=torch.equal(out, out_ref),
-            diverge=first_divergence(out, out_ref), ranks_agree=gathered_equal(out))
+        else:
+            out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            out = cp.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            rec("padded_batch", dtype=dname, max_diff=d, tokens_equal=torch.equal(out, out_ref),
+                diverge=first_divergence(out, out_ref), ranks_agree=gathered_equal(out))
+        if dtype == torch.float64:
+            # beam search reorders the sharded cache; hidden states come back gathered in order
+            ids = prompt(41, seed=41, batch=2)
+            b_ref = ref.generate(ids, num_beams=3, max_new_tokens=12, do_sample=False, early_stopping=False)
+            b_cp = cp.generate(ids, num_beams=3, max_new_tokens=12, do_sample=False, early_stopping=False)
+            rec("beam_search", dtype=dname, tokens_equal=torch.equal(b_cp, b_ref), ranks_agree=gathered_equal(b_cp))
+            h_ref = ref(ids, output_hidden_states=True).hidden_states
+            h_cp = cp(ids, output_hidden_states=True).hidden_states
+            rec("hidden_states", dtype=dname, count_equal=len(h_ref) == len(h_cp),
+                max_diff=max(logits_diff(a, b) for a, b in zip(h_cp, h_ref)))
         if dtype == torch.float32:
             # seeded sampling: identical on all ranks and equal to the single process
             ids = prompt(45, seed=45)

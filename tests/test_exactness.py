@@ -35,13 +35,16 @@ def test_family_exact(n, family, tmp_path_factory):
         errors = [r["error"] for r in mine if r["case"] == "error"]
         assert not errors, f"rank {rank}: {errors[0]}"
         cases = {r["case"] for r in mine}
-        assert {"prefill_logits", "greedy", "padded_batch", "sampling", "removed", "bf16_prefill"} <= cases
+        assert {"prefill_logits", "greedy", "padded_batch", "sampling", "removed", "bf16_prefill",
+                "beam_search", "hidden_states"} <= cases
         for r in mine:
             where = f"rank {rank} {r}"
-            if r["case"] == "prefill_logits" or (r["case"] == "padded_batch" and "max_diff" in r):
+            if r["case"] in ("prefill_logits", "hidden_states") or (r["case"] == "padded_batch" and "max_diff" in r):
                 tol = FP64_TOL.get(family, 1e-10) if r["dtype"] == "float64" else 1e-4
                 assert r["max_diff"] <= tol, where
-            if r["case"] in ("greedy", "padded_batch", "sampling") and "tokens_equal" in r:
+            if r["case"] == "hidden_states":
+                assert r["count_equal"], where
+            if r["case"] in ("greedy", "padded_batch", "sampling", "beam_search") and "tokens_equal" in r:
                 assert r["tokens_equal"] and r["ranks_agree"], where
             if r["case"] == "padded_batch" and r.get("reference_nan") and n > 1:  # N = 1 runs the stock model
                 assert r["finite"], where
