@@ -120,6 +120,7 @@ def cmd_generate(args):
                   f"TTFT speed-up {baseline[1] / ttft:.2f}x   tokens identical: {same}")
         sys.stdout.flush()
     if dist.is_initialized():
+        dist.barrier()  # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
 
 
