@@ -9,7 +9,7 @@ from .distributed import resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
 from .generate import ContextParallelRuntime
 
-STRATEGIES = ("auto", "ring_pass_kv")
+STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q")
 _ATTR = "_hf_contextpar"
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -37,12 +37,15 @@ def _check_model(model):
 
 
 def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
-                           check_inputs: bool = True):
+                           check_inputs: bool = True, calibration=None, planner_rule: str = "alg5"):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
     group: a torch.distributed process group; by default the one torchrun / accelerate set up
         (initialised here with gloo for CPU models, nccl for CUDA ones, if nobody has).
-    strategy: prefill algorithm; "auto" and "ring_pass_kv" (load-balanced ring pass-KV).
+    strategy: prefill algorithm: "ring_pass_kv", "ring_pass_q", or "auto" to let the planner pick
+        per call from T, P and the machine's measured C and BW (Meta Alg. 5).
+    calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
+        calibrate` saves, else built-in defaults). planner_rule: "alg5" or "empirical" (App. D).
     timeout: seconds any rank waits for its peers before failing with a clear error.
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
     On a single process this validates the model and changes nothing.
@@ -57,7 +60,8 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     if world == 1:
         return model
     attention.register()
-    runtime = ContextParallelRuntime(model, group, rank, world, check_inputs=check_inputs)
+    runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
+                                     calibration=calibration, planner_rule=planner_rule)
     runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
     model.set_attn_implementation(attention.NAME)

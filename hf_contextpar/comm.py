@@ -82,6 +82,20 @@ class Comm:
         return out.view(self.world, *t.shape)
 
 
+    def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
+        """send[j] goes to rank j; returns what every rank sent to this one (shapes known in advance)."""
+        flat = torch.cat([t.reshape(-1) for t in send])
+        out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
+        out = torch.empty(sum(out_sizes), dtype=flat.dtype, device=flat.device)
+        in_sizes = [t.numel() for t in send]
+        with self._guard("all_to_all"):
+            dist.all_to_all_single(out, flat, out_sizes, in_sizes, group=self.group)
+        esize = flat.element_size()
+        self.stats.record("all_to_all", esize * (flat.numel() - in_sizes[self.rank]),
+                          esize * (out.numel() - out_sizes[self.rank]))
+        return [chunk.view(shape) for chunk, shape in zip(out.split(out_sizes), recv_shapes)]
+
+
 # torch >= 2.10 names it all_gather_single and deprecates the old name
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -21,6 +21,7 @@ from .attention import current_step
 from .cache import ShardedCache
 from .comm import Comm
 from .errors import ContextParallelError
+from .planner import Calibration, ModelShape, choose
 from .sharding import head_tail_plan, least_loaded_owners
 
 
@@ -29,8 +30,9 @@ class Step:
     """Everything the attention layers of one forward need to know."""
 
     comm: Comm
-    algorithm: str  # "ring_pass_kv" | "decode" | "local"
+    algorithm: str  # "ring_pass_kv" | "ring_pass_q" | "decode" | "local"
     q_cols: torch.Tensor  # global columns of this rank's query rows (CPU, ascending)
+    q_cols_all: list  # the same for every rank (pass-Q moves queries)
     kv_cols: list  # per rank: global columns of the keys it holds for this forward
     cache: ShardedCache | None
     padding: torch.Tensor | None  # (B, global length) bool, False = padding; None = no padding
@@ -65,8 +67,14 @@ def _fingerprint(t: torch.Tensor | None) -> int:
 class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and the attention implementation to restore."""
 
-    def __init__(self, model, group, rank, world, check_inputs: bool = True):
+    def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
+                 calibration=None, planner_rule: str = "alg5"):
         self.model = model
+        self.strategy, self.planner_rule = strategy, planner_rule
+        device = next(model.parameters()).device
+        self.calibration = Calibration.resolve(calibration, device.type)
+        self.shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
+        self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.comm = Comm(group, rank, world)
         self.rank, self.world = rank, world
         self.check_inputs = check_inputs
@@ -119,20 +127,21 @@ class ContextParallelRuntime:
             self._check_same_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
 
         new_cols = torch.arange(past, past + num_new)
-        if num_new >= self.world:  # shard the prompt head-tail, ring pass-KV
-            rows = head_tail_plan(num_new, self.world)
+        if num_new >= self.world:  # shard the new tokens head-tail; ring pass-KV or pass-Q
+            rows = head_tail_plan(num_new, self.world, cache.layout.counts() if cache is not None else None)
             mine = rows[self.rank]
             if ids is not None:
                 kwargs["input_ids"] = ids[:, mine.to(ids.device)]
             if embeds is not None:
                 kwargs["inputs_embeds"] = embeds[:, mine.to(embeds.device)]
             kwargs["position_ids"] = position_ids[:, mine.to(position_ids.device)]
-            algorithm, q_cols, store = "ring_pass_kv", new_cols[mine], None
+            algorithm, q_cols, store = self._choose(num_new, past), new_cols[mine], None
             stored = [new_cols[r] for r in rows]
+            q_cols_all = stored
             gather = self._plan_gather(kwargs, rows, num_new)
         else:  # replicate the few new tokens, store each on the least-loaded rank
             kwargs["position_ids"] = position_ids
-            q_cols, gather = new_cols, None
+            q_cols, gather, q_cols_all = new_cols, None, [new_cols] * self.world
             if cache is not None:
                 owned = least_loaded_owners(num_new, cache.layout.counts())
                 algorithm, store, stored = "decode", owned[self.rank], [new_cols[o] for o in owned]
@@ -147,7 +156,7 @@ class ContextParallelRuntime:
         kwargs["past_key_values"] = cache
         kwargs["use_cache"] = cache is not None
         padding = None if mask is None or bool(mask.all()) else mask.bool()
-        step = Step(self.comm, algorithm, q_cols, kv_cols, cache, padding)
+        step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding)
         token = current_step.set(step)
         self._pending.append((token, gather, cache, past + num_new))
         return (), kwargs
@@ -167,6 +176,12 @@ class ContextParallelRuntime:
         return output
 
     # -- helpers -----------------------------------------------------------------------
+    def _choose(self, num_new: int, past: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        self.last_decision = choose(num_new, past, self.world, self.shape, self.calibration, self.planner_rule)
+        return self.last_decision.strategy
+
     def _reject_unsupported(self, kwargs):
         if kwargs.get("labels") is not None:
             raise ContextParallelError(

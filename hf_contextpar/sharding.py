@@ -12,27 +12,40 @@ from __future__ import annotations
 import torch
 
 
-def chunk_bounds(num_tokens: int, num_chunks: int) -> list[int]:
-    """Boundaries of `num_chunks` near-equal chunks of `num_tokens` (the first ones get the extras)."""
-    base, extra = divmod(num_tokens, num_chunks)
+def level_shares(num_tokens: int, counts: list[int]) -> list[int]:
+    """How many of `num_tokens` new tokens each rank takes: floor or ceil of T/N, the extra ones
+    going to the ranks that hold the fewest tokens (lowest rank on ties), so shards that were
+    within one token of each other stay so, turn after turn."""
+    world = len(counts)
+    base, extra = divmod(num_tokens, world)
+    by_load = sorted(range(world), key=lambda r: (counts[r], r))
+    shares = [base] * world
+    for r in by_load[:extra]:
+        shares[r] += 1
+    return shares
+
+
+def head_tail_plan(num_tokens: int, world_size: int, counts: list[int] | None = None) -> list[torch.Tensor]:
+    """Per rank, the ascending indices (0..num_tokens-1) of the new tokens it takes.
+
+    The tokens are cut into 2N contiguous chunks laid out as head_0 .. head_{N-1}, tail_{N-1} ..
+    tail_0, and rank i takes head_i and tail_i: chunks i and 2N-1-i. Rank i's share (see
+    `level_shares`, given the tokens each rank already caches) is split evenly between its head
+    and its tail, so every rank gets the same slice of the causal triangle.
+    """
+    shares = level_shares(num_tokens, counts or [0] * world_size)
+    heads = [(s + 1) // 2 for s in shares]
+    tails = [s - h for s, h in zip(shares, heads)]
+    sizes = heads + tails[::-1]
     bounds = [0]
-    for j in range(num_chunks):
-        bounds.append(bounds[-1] + base + (1 if j < extra else 0))
-    return bounds
-
-
-def head_tail_indices(num_tokens: int, world_size: int, rank: int) -> torch.Tensor:
-    """Ascending indices (0..num_tokens-1) of the new tokens rank `rank` takes: chunks r and 2N-1-r."""
-    b = chunk_bounds(num_tokens, 2 * world_size)
-    head = torch.arange(b[rank], b[rank + 1])
-    tail_chunk = 2 * world_size - 1 - rank
-    tail = torch.arange(b[tail_chunk], b[tail_chunk + 1])
-    return torch.cat([head, tail])
-
-
-def head_tail_plan(num_tokens: int, world_size: int) -> list[torch.Tensor]:
-    """`head_tail_indices` for every rank."""
-    return [head_tail_indices(num_tokens, world_size, r) for r in range(world_size)]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    plan = []
+    for r in range(world_size):
+        tail_chunk = 2 * world_size - 1 - r
+        plan.append(torch.cat([torch.arange(bounds[r], bounds[r + 1]),
+                               torch.arange(bounds[tail_chunk], bounds[tail_chunk + 1])]))
+    return plan
 
 
 def least_loaded_owners(num_tokens: int, counts: list[int]) -> list[torch.Tensor]:

@@ -27,6 +27,15 @@ def test_head_tail_covers_and_balances(n, t):
         assert plan[0][0] == 0 and plan[0][-1] == t - 1
 
 
+def test_head_tail_keeps_shards_level_over_turns():
+    counts = [0, 0, 0]
+    for t in [5, 7, 1, 2, 11, 4, 300, 3]:
+        plan = head_tail_plan(t, 3, counts)
+        assert sorted(torch.cat(plan).tolist()) == list(range(t))
+        counts = [c + p.numel() for c, p in zip(counts, plan)]
+        assert max(counts) - min(counts) <= 1, counts
+
+
 def test_least_loaded_levels_and_round_robins():
     owned = least_loaded_owners(7, [5, 4, 5])
     counts = [5 + len(owned[0]), 4 + len(owned[1]), 5 + len(owned[2])]

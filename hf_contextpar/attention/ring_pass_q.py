@@ -1,0 +1,43 @@
+"""Ring pass-Q (Meta CP paper, Alg. 3).
+
+K/V stay where they are cached; each rank's query block travels N-1 hops around the ring and is
+attended against every rank's local K/V (the next block in flight while one is computed). The
+partial (out, LSE) for rank j's queries end up spread over all ranks, so one All2All sends them
+home, where they merge in rank order. Cheaper than pass-KV when the new tokens are few next to
+the cache: T/(T+P) <= 2 N_KV / N_H (CP paper Eq. 1); see `planner`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import acc_dtype, attend
+from ..merge import merge_stacked
+
+
+def ring_pass_q(step, q, kv_local, **attn):
+    comm, rank, world = step.comm, step.comm.rank, step.comm.world
+    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    b, h, _, d = q.shape
+    partial = [None] * world
+    block, src = q.contiguous(), rank
+    for hop in range(world):
+        pending = None
+        if hop < world - 1:
+            nxt = (rank - hop - 1) % world
+            pending = comm.ring_shift(block, (b, h, step.q_cols_all[nxt].numel(), d), block.dtype, block.device)
+        res = attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
+        packed = torch.empty((b, h, block.shape[2], d + 1), dtype=acc_dtype(q.dtype), device=q.device)
+        if res is None:
+            packed[..., :d], packed[..., d] = 0.0, -math.inf
+        else:
+            packed[..., :d], packed[..., d] = res[0], res[1]
+        partial[src] = packed
+        if pending is not None:
+            block, src = pending.wait(), nxt
+    mine = q.shape[2]
+    home = comm.all_to_all(partial, [(b, h, mine, d + 1)] * world)
+    stacked = torch.stack(home)
+    return merge_stacked(stacked[..., :d], stacked[..., d])
