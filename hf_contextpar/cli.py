@@ -124,6 +124,56 @@ def cmd_generate(args):
         dist.destroy_process_group()
 
 
+def _setup(args):
+    """Model and patch for the calibrate / sweep commands."""
+    import hf_contextpar
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    model, _ = load(args.model, DTYPES[args.dtype], device)
+    hf_contextpar.apply_context_parallel(model, calibration=getattr(args, "calibration", None))
+    runtime = hf_contextpar.get_runtime(model)
+    if runtime is None:
+        raise SystemExit("run this command under torchrun (or accelerate launch) with at least 2 processes.")
+    return model, runtime, device
+
+
+def cmd_calibrate(args):
+    from .calibrate import measure
+
+    model, runtime, device = _setup(args)
+    cal = measure(runtime.comm, runtime.shape, DTYPES[args.dtype], device, tokens=args.tokens)
+    if runtime.rank == 0:
+        path = cal.save(args.out)
+        print(f"C  (attention, achieved) = {cal.attn_flops / 1e9:.2f} GFLOP/s per rank")
+        print(f"BW (ring send/recv)      = {cal.bandwidth / 1e9:.3f} GB/s")
+        print(f"saved to {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cmd_sweep(args):
+    import json
+
+    from .calibrate import format_sweep, miss_rate_sweep
+
+    model, runtime, device = _setup(args)
+    rates = [float(x) for x in args.miss_rates.split(",")]
+    rows, coeffs = miss_rate_sweep(model, runtime, args.total, rates, repeats=args.repeats, device=device)
+    if runtime.rank == 0:
+        cal = runtime.calibration
+        print(f"model {args.model}  N={runtime.world}  total context {args.total}  threads/rank {torch.get_num_threads()}  "
+              f"C={cal.attn_flops / 1e9:.2f} GFLOP/s  BW={cal.bandwidth / 1e9:.3f} GB/s ({cal.source})")
+        print(format_sweep(rows, coeffs))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(rows=rows, h_refit=coeffs), f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m hf_contextpar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,5 +190,25 @@ def main(argv=None):
     g.add_argument("--baseline", action="store_true", help="also time the unpatched model on rank 0 alone")
     g.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     g.set_defaults(func=cmd_generate)
+
+    def common(sp):
+        sp.add_argument("--model", default="tiny-llama_gqa8")
+        sp.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+        sp.add_argument("--threads", type=int, default=0)
+        sp.add_argument("--cpu", action="store_true")
+
+    c = sub.add_parser("calibrate", help="measure attention FLOP/s and ring bandwidth for the planner")
+    common(c)
+    c.add_argument("--tokens", type=int, default=2048, help="query/key block length for the kernel timing")
+    c.add_argument("--out", help="where to save (default: $HF_CONTEXTPAR_CALIBRATION or ~/.cache/hf_contextpar/)")
+    c.set_defaults(func=cmd_calibrate)
+    w = sub.add_parser("sweep", help="time pass-KV vs pass-Q over KV-cache miss rates; check the planner")
+    common(w)
+    w.add_argument("--total", type=int, default=8192, help="total context T+P")
+    w.add_argument("--miss-rates", default="0.005,0.01,0.025,0.05,0.1,0.25,0.5,1.0")
+    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--calibration", help="calibration JSON (default: the saved one, else defaults)")
+    w.add_argument("--out", help="write the table as JSON")
+    w.set_defaults(func=cmd_sweep)
     args = p.parse_args(argv)
     args.func(args)

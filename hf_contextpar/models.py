@@ -28,6 +28,9 @@ TINY_CONFIGS: dict[str, dict] = {
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(model_type="phi3", sliding_window=40, num_key_value_heads=4),
     "olmo2": dict(model_type="olmo2"),
+    # benchmark model: attention-dominated, 8 query heads per KV head (Llama-3-70B's ratio)
+    "llama_gqa8": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                       num_key_value_heads=1, head_dim=32),
 }
 DEFAULT_MODEL = "tiny-llama"
 

@@ -1,0 +1,105 @@
+"""Measure the planner's machine constants, and check its choices against measured timings.
+
+`python -m hf_contextpar calibrate` (under torchrun) times the local attention kernel (C, in
+FLOP/s) and the ring send/recv (BW, in bytes/s) on this machine and saves them where the
+planner looks. `python -m hf_contextpar sweep` times ring pass-KV and ring pass-Q side by side
+on partial prefills over a fixed total context at several KV-cache miss rates, reports which
+was faster and what the planner chose, and refits the empirical h(T,P) from the timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .kernels import attend
+from .planner import Calibration, ModelShape, choose, empirical_h, fit_h
+
+
+def _median_time(fn, repeats: int, barrier=None) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(comm, shape: ModelShape, dtype=torch.float32, device="cpu", tokens: int = 2048,
+            message_bytes: int = 1 << 23, repeats: int = 5) -> Calibration:
+    """Achieved attention FLOP/s of the local kernel and ring bandwidth, agreed by all ranks (min)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, shape.num_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
+    cols = torch.arange(tokens)
+    t_attn = _median_time(lambda: attend(q, k, k, cols + tokens, cols, scale=0.1), repeats)
+    flops = 4 * tokens * tokens * shape.num_heads * shape.head_dim / t_attn
+    buf = torch.zeros(message_bytes // 4, dtype=torch.float32, device=device)
+    t_ring = _median_time(lambda: comm.ring_shift(buf, buf.shape, buf.dtype, buf.device).wait(), repeats,
+                          barrier=lambda: dist.barrier(group=comm.group))
+    bw = message_bytes / t_ring
+    agreed = comm.all_gather(torch.tensor([flops, bw], dtype=torch.float64)).min(dim=0).values.tolist()
+    return Calibration(attn_flops=agreed[0], bandwidth=agreed[1], source="measured",
+                       details=dict(world=comm.world, tokens=tokens, message_bytes=message_bytes,
+                                    threads=torch.get_num_threads(), dtype=str(dtype), device=str(device),
+                                    heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim))
+
+
+@torch.no_grad()
+def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device="cpu"):
+    """Time pass-KV and pass-Q partial prefills of T = rate*total new tokens over P = total-T cached."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, total), generator=g).to(device)
+    rows = []
+    strategy = runtime.strategy
+    try:
+        for rate in rates:
+            T = max(runtime.world, round(rate * total))
+            P = total - T
+            runtime.strategy = "ring_pass_kv"
+            cache = model(ids[:, :P], use_cache=True, logits_to_keep=1).past_key_values if P else None
+            times = {}
+            for s in ("ring_pass_kv", "ring_pass_q"):
+                runtime.strategy = s
+
+                def partial_prefill():
+                    model(ids[:, P:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    if cache is not None:
+                        cache.crop(P)
+
+                times[s] = _median_time(partial_prefill, repeats, barrier=lambda: dist.barrier(group=runtime.comm.group))
+            d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, "alg5")
+            rows.append(dict(miss_rate=T / total, T=T, P=P, pass_kv_s=times["ring_pass_kv"], pass_q_s=times["ring_pass_q"],
+                             planner=d.strategy, predicted_pass_kv_s=d.predicted_pass_kv_s,
+                             predicted_pass_q_s=d.predicted_pass_q_s))
+    finally:
+        runtime.strategy = strategy
+    for r in rows:
+        faster = "ring_pass_kv" if r["pass_kv_s"] <= r["pass_q_s"] else "ring_pass_q"
+        r["faster"] = faster
+        r["planner_right"] = r["planner"] == faster
+        r["planner_loss"] = r[f"{'pass_kv' if r['planner'] == 'ring_pass_kv' else 'pass_q'}_s"] / min(r["pass_kv_s"], r["pass_q_s"]) - 1
+    coeffs = None
+    usable = [(r["T"], r["P"], r["pass_kv_s"], r["pass_q_s"]) for r in rows if r["P"] > 0]
+    if len(usable) >= 3:
+        coeffs = fit_h(usable)
+        for r in rows:
+            r["empirical_refit"] = "ring_pass_kv" if empirical_h(r["T"], max(r["P"], 0), coeffs) > 0 else "ring_pass_q"
+    return rows, coeffs
+
+
+def format_sweep(rows, coeffs) -> str:
+    lines = ["| miss rate | T | P | pass-KV ms | pass-Q ms | faster | planner (Alg.5) | planner loss | h refit |",
+             "|---:|---:|---:|---:|---:|---|---|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['miss_rate']:.3f} | {r['T']} | {r['P']} | {r['pass_kv_s'] * 1e3:.1f} | {r['pass_q_s'] * 1e3:.1f} | "
+                     f"{r['faster']} | {r['planner']} | {r['planner_loss'] * 100:.1f}% | {r.get('empirical_refit', '-')} |")
+    if coeffs:
+        lines.append(f"refit h(T,P) = {coeffs[0]:.3f} log T + {coeffs[1]:.3f} log(T/(T+P)) + {coeffs[2]:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The pass-KV / pass-Q planner: Alg. 5 boundaries, the roofline, h(T,P), calibration I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from hf_contextpar.planner import (Calibration, ModelShape, alg5_prefers_pass_kv, choose, empirical_h, fit_h,
+                                   predicted_times)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import launch  # noqa: E402
+
+SHAPE = ModelShape(num_heads=8, num_kv_heads=1, head_dim=64, elem_bytes=2)  # 2 N_KV / N_H = 0.25
+CAL = Calibration(attn_flops=1e12, bandwidth=1e9)
+N = 4
+
+
+def test_alg5_threshold_on_T():
+    t_thr = N * CAL.attn_flops * SHAPE.num_kv_heads * SHAPE.elem_bytes / (2 * SHAPE.num_heads * CAL.bandwidth)
+    assert t_thr == 500.0
+    # at and above the threshold pass-KV wins at any miss rate, however large the cache
+    assert alg5_prefers_pass_kv(500, 10**9, N, SHAPE, CAL)[0]
+    assert choose(501, 10**9, N, SHAPE, CAL).strategy == "ring_pass_kv"
+
+
+def test_alg5_threshold_on_miss_rate():
+    T = 100  # below the T threshold: the miss rate decides
+    miss_thr = 2 * 1 / 8 - 4 * T * CAL.bandwidth / (N * CAL.attn_flops * 2)
+    assert math.isclose(miss_thr, 0.25 - 0.05)
+    P_at = round(T / miss_thr) - T  # T/(T+P) == 0.2 exactly
+    assert choose(T, P_at, N, SHAPE, CAL).strategy == "ring_pass_kv"
+    assert choose(T, P_at + 1, N, SHAPE, CAL).strategy == "ring_pass_q"
+    assert choose(T, P_at - 1, N, SHAPE, CAL).strategy == "ring_pass_kv"
+
+
+def test_predicted_times_hand_computed():
+    T, P = 1000, 3000
+    c = 4 * T * (T + P) * 8 * 64 / (N * N * 1e12)  # 5.12e-4 s per ring step
+    m_kv = 2 * (T + P) / N * 1 * 64 * 2 / 1e9  # 2.56e-4 s
+    m_q = T / N * 8 * 64 * 2 / 1e9  # 2.56e-4 s
+    a2a = (N - 1) * T / N * 8 * 65 * 4 / 1e9
+    kv, q = predicted_times(T, P, N, SHAPE, CAL)
+    assert math.isclose(kv, 3 * max(c, m_kv) + c) and math.isclose(q, 3 * max(c, m_q) + c + a2a)
+    assert kv < q  # both rings hidden under compute, pass-Q pays the All2All
+
+
+def test_empirical_h_paper_and_refit():
+    # the paper's fit: long prompts with a high miss rate -> pass-KV; short over a huge cache -> pass-Q
+    assert empirical_h(8192, 0) > 0  # full prefill: pass-KV
+    assert empirical_h(128, 128 * 1000) < 0 and empirical_h(4096, 4096) > 0
+    truth = (-0.7, 1.3, 4.0)
+    samples = []
+    for T in (64, 256, 1024, 4096):
+        for P in (0, T, 10 * T, 100 * T):
+            ratio = math.exp(empirical_h(T, P, truth))  # t_q / t_kv
+            samples.append((T, P, 1.0, ratio))
+    assert all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip(fit_h(samples), truth))
+
+
+def test_calibration_roundtrip_and_resolution(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    Calibration(attn_flops=3e10, bandwidth=2e9, source="measured").save(str(path))
+    assert Calibration.load(str(path)).attn_flops == 3e10
+    monkeypatch.setenv("HF_CONTEXTPAR_CALIBRATION", str(path))
+    assert Calibration.resolve().bandwidth == 2e9  # the saved file wins over defaults
+    monkeypatch.setenv("HF_CONTEXTPAR_CALIBRATION", str(tmp_path / "missing.json"))
+    assert Calibration.resolve().source == "default"
+    with pytest.raises(FileNotFoundError, match="calibrate"):
+        Calibration.resolve(str(tmp_path / "nope.json"))
+
+
+def test_calibrate_and_sweep_commands(tmp_path):
+    cal = tmp_path / "cal.json"
+    env = {"HF_CONTEXTPAR_CALIBRATION": str(cal)}
+    procs = launch(2, ["-m", "hf_contextpar", "calibrate", "--tokens", "256"], timeout=300, env=env)
+    assert all(rc == 0 for rc, _, _ in procs), procs[0][2][-3000:]
+    data = json.load(open(cal))
+    assert data["source"] == "measured" and data["attn_flops"] > 0 and data["bandwidth"] > 0
+    out = tmp_path / "sweep.json"
+    procs = launch(2, ["-m", "hf_contextpar", "sweep", "--total", "512", "--miss-rates", "0.05,0.25,0.5,1.0",
+                       "--repeats", "1", "--out", str(out)], timeout=300, env=env)
+    assert all(rc == 0 for rc, _, _ in procs), procs[0][2][-3000:]
+    rows = json.load(open(out))["rows"]
+    assert len(rows) == 4 and all(r["pass_kv_s"] > 0 and r["pass_q_s"] > 0 for r in rows)
+    assert "miss rate" in procs[0][1]
