@@ -213,7 +213,8 @@ class ContextParallelRuntime:
     def _check_same_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids):
         fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
                            _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
-        everyone = self.comm.all_gather(fp.to(self.comm_device(ids, embeds)))
+        t = ids if ids is not None else embeds
+        everyone = self.comm.all_gather(fp.to(t.device if t.device.type == "cuda" else "cpu"))
         if not bool((everyone == everyone[0]).all()):
             bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
             raise ContextParallelError(
@@ -221,10 +222,6 @@ class ContextParallelRuntime:
                 "cache length or token contents). Every rank must call the model with the same prompt, "
                 "mask and cache; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
             )
-
-    def comm_device(self, ids, embeds):
-        t = ids if ids is not None else embeds
-        return t.device if t.device.type == "cuda" else torch.device("cpu")
 
     def _plan_gather(self, kwargs, rows, num_new):
         """Translate logits_to_keep into this rank's rows and remember where gathered rows go."""

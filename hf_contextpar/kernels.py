@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .merge import Accumulator
+
 _MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
 _BIAS_ELEMS = 1 << 25  # cap on the explicit-bias tile, in elements; larger blocks are done in row chunks
 _cuda_ok: dict[torch.dtype, bool] = {}
@@ -173,8 +175,6 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:
         return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
     # Split into contiguous sub-blocks: with head-tail shards most are trivially masked.
-    from .merge import Accumulator
-
     acc_t = acc_dtype(q.dtype)
     outs, lses = [], []
     for qa, qb in q_runs:

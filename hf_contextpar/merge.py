@@ -43,3 +43,19 @@ class Accumulator:
             self.out, self.lse = out, lse
         else:
             self.out, self.lse = merge_pair(self.out, self.lse, out, lse)
+
+
+def pack_partial(res, shape, dtype, device):
+    """(out, lse) -> one (B, H, T, D+1) tensor for a collective; None (nothing visible) -> zeros / -inf."""
+    b, h, t, d = shape
+    packed = torch.empty((b, h, t, d + 1), dtype=dtype, device=device)
+    if res is None:
+        packed[..., :d], packed[..., d] = 0.0, -float("inf")
+    else:
+        packed[..., :d], packed[..., d] = res[0], res[1]
+    return packed
+
+
+def merge_packed(stacked):
+    """Merge partials packed by `pack_partial` and stacked on dim 0, in that (rank) order."""
+    return merge_stacked(stacked[..., :-1], stacked[..., -1])

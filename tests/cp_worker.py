@@ -105,6 +105,13 @@ def run_family(family, n, records):
             h_cp = cp(ids, output_hidden_states=True).hidden_states
             rec("hidden_states", dtype=dname, count_equal=len(h_ref) == len(h_cp),
                 max_diff=max(logits_diff(a, b) for a, b in zip(h_cp, h_ref)))
+            # inputs_embeds instead of input_ids, for a forward and for generate()
+            emb = ref.get_input_embeddings()(ids)
+            rec("prefill_logits", dtype=dname, length=-ids.shape[1], max_diff=logits_diff(cp(inputs_embeds=emb).logits,
+                                                                                         ref(inputs_embeds=emb).logits))
+            e_ref = ref.generate(inputs_embeds=emb, max_new_tokens=12, do_sample=False)
+            e_cp = cp.generate(inputs_embeds=emb, max_new_tokens=12, do_sample=False)
+            rec("greedy_embeds", dtype=dname, tokens_equal=torch.equal(e_cp, e_ref), ranks_agree=gathered_equal(e_cp))
         if dtype == torch.float32:
             # seeded sampling: identical on all ranks and equal to the single process
             ids = prompt(45, seed=45)

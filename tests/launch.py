@@ -35,3 +35,13 @@ def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = Non
             err += f"\n[launcher] killed after {timeout}s"
         results.append((p.returncode, out, err))
     return results
+
+
+def run_matrix(n: int, worker: str, out_dir) -> list[list[dict]]:
+    """Launch `worker OUT` on n ranks and return every rank's OUT/rank{r}.json records."""
+    import json
+
+    procs = launch(n, [worker, str(out_dir)], timeout=1200)
+    for rank, (rc, _, err) in enumerate(procs):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
+    return [json.load(open(os.path.join(str(out_dir), f"rank{r}.json"))) for r in range(n)]

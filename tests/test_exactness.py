@@ -3,7 +3,6 @@ unpatched single-process model. One launch per N runs every family (see cp_worke
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import FAMILIES  # noqa: E402
-from launch import launch  # noqa: E402
+from launch import run_matrix  # noqa: E402
 
 FP64_TOL = {"gemma2": 1e-5}  # HF's Gemma2 eager path does its softmax in fp32, even for fp64 models
 _results: dict[int, list] = {}
@@ -19,11 +18,8 @@ _results: dict[int, list] = {}
 
 def results(n: int, tmp_path_factory) -> list[list[dict]]:
     if n not in _results:
-        out = tmp_path_factory.mktemp(f"cp{n}")
-        procs = launch(n, [os.path.join(os.path.dirname(__file__), "cp_worker.py"), str(out)], timeout=1200)
-        for rank, (rc, _, err) in enumerate(procs):
-            assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
-        _results[n] = [json.load(open(out / f"rank{r}.json")) for r in range(n)]
+        worker = os.path.join(os.path.dirname(__file__), "cp_worker.py")
+        _results[n] = run_matrix(n, worker, tmp_path_factory.mktemp(f"cp{n}"))
     return _results[n]
 
 
@@ -36,7 +32,7 @@ def test_family_exact(n, family, tmp_path_factory):
         assert not errors, f"rank {rank}: {errors[0]}"
         cases = {r["case"] for r in mine}
         assert {"prefill_logits", "greedy", "padded_batch", "sampling", "removed", "bf16_prefill",
-                "beam_search", "hidden_states"} <= cases
+                "beam_search", "hidden_states", "greedy_embeds"} <= cases
         for r in mine:
             where = f"rank {rank} {r}"
             if r["case"] in ("prefill_logits", "hidden_states") or (r["case"] == "padded_batch" and "max_diff" in r):
@@ -44,7 +40,7 @@ def test_family_exact(n, family, tmp_path_factory):
                 assert r["max_diff"] <= tol, where
             if r["case"] == "hidden_states":
                 assert r["count_equal"], where
-            if r["case"] in ("greedy", "padded_batch", "sampling", "beam_search") and "tokens_equal" in r:
+            if r["case"] in ("greedy", "greedy_embeds", "padded_batch", "sampling", "beam_search") and "tokens_equal" in r:
                 assert r["tokens_equal"] and r["ranks_agree"], where
             if r["case"] == "padded_batch" and r.get("reference_nan") and n > 1:  # N = 1 runs the stock model
                 assert r["finite"], where

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import launch  # noqa: E402
+from launch import run_matrix  # noqa: E402
 from multiturn_worker import FAMILIES  # noqa: E402
 
 _results: dict[int, list] = {}
 
 
-def results(n, tmp_path_factory):
+def results(n: int, tmp_path_factory) -> list[list[dict]]:
     if n not in _results:
-        out = tmp_path_factory.mktemp(f"mt{n}")
-        procs = launch(n, [os.path.join(os.path.dirname(__file__), "multiturn_worker.py"), str(out)], timeout=1200)
-        for rank, (rc, _, err) in enumerate(procs):
-            assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
-        _results[n] = [json.load(open(out / f"rank{r}.json")) for r in range(n)]
+        worker = os.path.join(os.path.dirname(__file__), "multiturn_worker.py")
+        _results[n] = run_matrix(n, worker, tmp_path_factory.mktemp(f"mt{n}"))
     return _results[n]
 
 

@@ -9,12 +9,10 @@ the cache: T/(T+P) <= 2 N_KV / N_H (CP paper Eq. 1); see `planner`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..kernels import acc_dtype, attend
-from ..merge import merge_stacked
+from ..merge import merge_packed, pack_partial
 
 
 def ring_pass_q(step, q, kv_local, **attn):
@@ -29,15 +27,8 @@ def ring_pass_q(step, q, kv_local, **attn):
             nxt = (rank - hop - 1) % world
             pending = comm.ring_shift(block, (b, h, step.q_cols_all[nxt].numel(), d), block.dtype, block.device)
         res = attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
-        packed = torch.empty((b, h, block.shape[2], d + 1), dtype=acc_dtype(q.dtype), device=q.device)
-        if res is None:
-            packed[..., :d], packed[..., d] = 0.0, -math.inf
-        else:
-            packed[..., :d], packed[..., d] = res[0], res[1]
-        partial[src] = packed
+        partial[src] = pack_partial(res, block.shape, acc_dtype(q.dtype), q.device)
         if pending is not None:
             block, src = pending.wait(), nxt
-    mine = q.shape[2]
-    home = comm.all_to_all(partial, [(b, h, mine, d + 1)] * world)
-    stacked = torch.stack(home)
-    return merge_stacked(stacked[..., :d], stacked[..., d])
+    home = comm.all_to_all(partial, [(b, h, q.shape[2], d + 1)] * world)
+    return merge_packed(torch.stack(home))
