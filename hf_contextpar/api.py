@@ -10,6 +10,7 @@ from .errors import ContextParallelError, UnsupportedModelError
 from .generate import ContextParallelRuntime
 
 STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q")
+DECODES = ("auto", "replicated", "ring_pass_q")
 _ATTR = "_hf_contextpar"
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -37,7 +38,8 @@ def _check_model(model):
 
 
 def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
-                           check_inputs: bool = True, calibration=None, planner_rule: str = "alg5"):
+                           check_inputs: bool = True, calibration=None, planner_rule: str = "alg5",
+                           decode: str = "auto"):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
     group: a torch.distributed process group; by default the one torchrun / accelerate set up
@@ -47,11 +49,16 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "alg5" or "empirical" (App. D).
     timeout: seconds any rank waits for its peers before failing with a clear error.
+    decode: "replicated" (every rank computes each new token, sharded-KV attention), "ring_pass_q"
+        (batched ring pass-Q decode, Meta Alg. 4: each rank runs ~B/N sequences), or "auto": batched
+        pass-Q when the batch has at least one sequence per rank, replicated otherwise.
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
     On a single process this validates the model and changes nothing.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}.")
     if getattr(model, _ATTR, None) is not None:
         raise ContextParallelError("context parallelism is already applied to this model.")
     family = _check_model(model)
@@ -61,7 +68,7 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
         return model
     attention.register()
     runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
-                                     calibration=calibration, planner_rule=planner_rule)
+                                     calibration=calibration, planner_rule=planner_rule, decode=decode)
     runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
     model.set_attn_implementation(attention.NAME)

@@ -12,6 +12,7 @@ every rank and commits the cache's new global length. `generate()` runs unmodifi
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +37,21 @@ class Step:
     kv_cols: list  # per rank: global columns of the keys it holds for this forward
     cache: ShardedCache | None
     padding: torch.Tensor | None  # (B, global length) bool, False = padding; None = no padding
+    batch: int = 1
+    batch_rows: list | None = None  # batched pass-Q decode: per rank, the slice of sequences it runs
 
-    def key_valid(self, rank):
+    def batch_size(self, rank) -> int:
+        return len(range(self.batch)[self.batch_rows[rank]])
+
+    def key_valid(self, rank, rows=slice(None)):
+        """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""
         if self.padding is None:
             return None
         cols = self.q_cols if rank is None else self.kv_cols[rank]
-        return self.padding[:, cols.to(self.padding.device)]
+        pad = self.padding[rows]
+        if cols.dim() == 2:
+            return pad.gather(1, cols[rows].clamp(min=0).to(pad.device))
+        return pad[:, cols.to(pad.device)]
 
 
 @dataclass
@@ -51,6 +61,7 @@ class _Gather:
     slots: list  # per rank: LongTensor of output positions its kept rows fill, in local order
     total: int
     hidden: "_Gather | None" = None  # the same for every row (hidden states), when logits keep fewer
+    dim: int = 1  # 1: sequence positions were sharded; 0: batch rows were (batched pass-Q decode)
 
 
 def _fingerprint(t: torch.Tensor | None) -> int:
@@ -68,13 +79,14 @@ class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and the attention implementation to restore."""
 
     def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
-                 calibration=None, planner_rule: str = "alg5"):
+                 calibration=None, planner_rule: str = "alg5", decode: str = "auto"):
         self.model = model
-        self.strategy, self.planner_rule = strategy, planner_rule
+        self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
         self.shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
+        self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)
         self.rank, self.world = rank, world
         self.check_inputs = check_inputs
@@ -139,6 +151,20 @@ class ContextParallelRuntime:
             stored = [new_cols[r] for r in rows]
             q_cols_all = stored
             gather = self._plan_gather(kwargs, rows, num_new)
+        elif cache is not None and num_new == 1 and (offset := self._rotation(cache.layout, batch)) is not None:
+            # batched ring pass-Q decode: sequence b runs (and stores its token) on rank (b + offset) mod N
+            batch_rows = [slice((r - offset) % self.world, None, self.world) for r in range(self.world)]
+            mine = batch_rows[self.rank]
+            for name in ("input_ids", "inputs_embeds"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = kwargs[name][mine]
+            kwargs["position_ids"] = position_ids.expand(batch, -1)[mine]
+            algorithm, q_cols, q_cols_all = "ring_pass_q_decode", new_cols, [new_cols] * self.world
+            cache.layout.begin_rows(past, batch_rows, batch)
+            cache.layout.rotation = offset
+            everyone = torch.arange(batch)
+            gather = _Gather([everyone[rows] for rows in batch_rows], batch, dim=0)
+            gather.hidden = gather
         else:  # replicate the few new tokens, store each on the least-loaded rank
             kwargs["position_ids"] = position_ids
             q_cols, gather, q_cols_all = new_cols, None, [new_cols] * self.world
@@ -149,14 +175,17 @@ class ContextParallelRuntime:
                 algorithm, store, stored = "local", None, [new_cols] * self.world
 
         if cache is not None:
-            cache.layout.begin(stored, store)
+            if algorithm != "ring_pass_q_decode":
+                cache.layout.begin(stored, store)
             kv_cols = cache.layout.cols
         else:
             kv_cols = stored
         kwargs["past_key_values"] = cache
         kwargs["use_cache"] = cache is not None
         padding = None if mask is None or bool(mask.all()) else mask.bool()
-        step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding)
+        step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding, batch,
+                    batch_rows if algorithm == "ring_pass_q_decode" else None)
+        self.algorithm_counts[algorithm] += 1
         token = current_step.set(step)
         self._pending.append((token, gather, cache, past + num_new))
         return (), kwargs
@@ -176,6 +205,30 @@ class ContextParallelRuntime:
         return output
 
     # -- helpers -----------------------------------------------------------------------
+    def _rotation(self, layout, batch: int) -> int | None:
+        """The offset o for a batched pass-Q decode step (sequence b on rank (b + o) mod N), or None
+        for a replicated step. Alg. 4 advances o by one per step; a step runs batched only if every
+        sequence's token then lands on one of the ranks holding the fewest of that sequence's tokens,
+        so every sequence's shards stay within one token. Right after an uneven prefill the few
+        replicated steps that level the shards come first."""
+        if self.decode == "replicated":
+            return None
+        if batch < self.world:
+            if self.decode == "ring_pass_q":
+                raise ContextParallelError(
+                    f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {self.world} ranks); "
+                    "use decode='auto', which falls back to replicated sharded-KV decode."
+                )
+            return None
+        counts = layout.sequence_counts(batch)
+        least = counts == counts.min(dim=1, keepdim=True).values
+        b = torch.arange(batch)
+        for step in range(1, self.world + 1):
+            offset = (layout.rotation + step) % self.world
+            if bool(least[b, (b + offset) % self.world].all()):
+                return offset
+        return None
+
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":
             return self.strategy
@@ -242,7 +295,9 @@ class ContextParallelRuntime:
         return _Gather(slots, wanted.numel(), hidden=_Gather(list(rows), num_new))
 
     def _gather_rows(self, local, gather: _Gather):
-        """Rows (dim 1) held by each rank -> all rows in output order, identical on every rank."""
+        """Rows (dim 1, or 0 for batch rows) held by each rank -> all of them in order, identical on every rank."""
+        if gather.dim == 0:
+            return self._gather_rows(local.transpose(0, 1), _Gather(gather.slots, gather.total)).transpose(0, 1)
         counts = [s.numel() for s in gather.slots]
         width = max(counts)
         padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))

@@ -143,6 +143,12 @@ def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
         vis = (vis.unsqueeze(0) & key_valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, Tq, Tk): shared by all heads
     else:
         vis = vis[None, None]  # (1, 1, Tq, Tk)
+    return _masked(q, k, v, vis, scale, softcap)
+
+
+def _masked(q, k, v, vis, scale, softcap):
+    """Attention under an explicit mask vis (B or 1, 1, Tq, Tk), in row tiles that bound the bias size."""
+    acc = acc_dtype(q.dtype)
     rows_per_tile = max(1, _BIAS_ELEMS // max(1, vis.shape[0] * k.shape[2]))
     outs, lses = [], []
     for r0 in range(0, q.shape[2], rows_per_tile):
@@ -160,14 +166,32 @@ def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
+def _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+    """Keys whose columns differ per sequence: k_cols (B, Tk), -1 marking an empty slot."""
+    qc = q_cols.to(q.device).view(1, -1, 1)
+    kc = k_cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
+    vis = (kc >= 0) & (kc <= qc)
+    if window is not None:
+        vis &= (qc - kc) < window
+    if key_valid is not None:
+        vis &= key_valid.unsqueeze(1)
+    if not bool(vis.any()):
+        return None
+    return _masked(q, k, v, vis.unsqueeze(1), scale, softcap)
+
+
 def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
-    key_valid: optional (B, Tk) bool, False for padding keys. Returns (out, lse) with out
-    (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible.
+    key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
+    holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
+    pass-Q decode. Returns (out, lse) with out (B, H, Tq, D) and lse (B, H, Tq) in the
+    accumulation dtype, or None if no key is visible.
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
         return None
+    if k_cols.dim() == 2:
+        return _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
     whole = _classify(q_cols, k_cols, window)
     if whole != "mask" or softcap is not None:
         return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)

@@ -38,6 +38,19 @@ def local_tokens(cache) -> int:
     return cache.local_length if isinstance(cache, hf_contextpar.ShardedCache) else cache.get_seq_length()
 
 
+def per_sequence_spread(cache) -> int:
+    """Largest difference, over sequences, between the ranks' token counts for that sequence."""
+    if not isinstance(cache, hf_contextpar.ShardedCache):
+        return 0
+    cols = cache.layout.cols
+    batch = max(c.shape[0] if c.dim() == 2 else 1 for c in cols)
+    spread = 0
+    for b in range(batch):
+        counts = [int((c[b] >= 0).sum()) if c.dim() == 2 else c.numel() for c in cols]
+        spread = max(spread, max(counts) - min(counts))
+    return spread
+
+
 def pair(family, dtype, seed=0):
     ref = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
     cp = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
@@ -95,6 +108,21 @@ def run_family(family, n, records):
             out = cp.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
             rec("padded_batch", dtype=dname, max_diff=d, tokens_equal=torch.equal(out, out_ref),
                 diverge=first_divergence(out, out_ref), ranks_agree=gathered_equal(out))
+        # batches of 2 and 5 unequal prompts: batched ring pass-Q decode wherever B >= N
+        for lengths in ([23, 57], [37, 64, 19, 50, 41]):
+            ids, mask = left_padded(lengths, seed=len(lengths))
+            out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True)
+            counts = hf_contextpar.get_runtime(cp).algorithm_counts.copy() if n > 1 else {}
+            out = cp.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              return_dict_in_generate=True)
+            pass_q = (hf_contextpar.get_runtime(cp).algorithm_counts["ring_pass_q_decode"]
+                      - counts.get("ring_pass_q_decode", 0)) if n > 1 else 0
+            if any(torch.isnan(l).any() for l in out_ref.logits):  # HF's fp64 eager Gemma2 NaNs on padded rows
+                continue
+            rec("batched_decode", dtype=dname, batch=len(lengths), pass_q_steps=pass_q,
+                tokens_equal=torch.equal(out.sequences, out_ref.sequences), ranks_agree=gathered_equal(out.sequences),
+                spread=per_sequence_spread(out.past_key_values))
         if dtype == torch.float64:
             # beam search reorders the sharded cache; hidden states come back gathered in order
             ids = prompt(41, seed=41, batch=2)

@@ -33,6 +33,7 @@ def test_family_exact(n, family, tmp_path_factory):
         cases = {r["case"] for r in mine}
         assert {"prefill_logits", "greedy", "padded_batch", "sampling", "removed", "bf16_prefill",
                 "beam_search", "hidden_states", "greedy_embeds"} <= cases
+        assert any(r["case"] == "batched_decode" for r in mine)
         for r in mine:
             where = f"rank {rank} {r}"
             if r["case"] in ("prefill_logits", "hidden_states") or (r["case"] == "padded_batch" and "max_diff" in r):
@@ -40,7 +41,10 @@ def test_family_exact(n, family, tmp_path_factory):
                 assert r["max_diff"] <= tol, where
             if r["case"] == "hidden_states":
                 assert r["count_equal"], where
-            if r["case"] in ("greedy", "greedy_embeds", "padded_batch", "sampling", "beam_search") and "tokens_equal" in r:
+            if r["case"] == "batched_decode":  # every sequence's shards stay level; pass-Q decode ran where B >= N
+                assert r["spread"] <= 1 and (r["pass_q_steps"] >= 8) == (r["batch"] >= n > 1), where
+            if r["case"] in ("greedy", "greedy_embeds", "padded_batch", "sampling", "beam_search", "batched_decode") \
+                    and "tokens_equal" in r:
                 assert r["tokens_equal"] and r["ranks_agree"], where
             if r["case"] == "padded_batch" and r.get("reference_nan") and n > 1:  # N = 1 runs the stock model
                 assert r["finite"], where

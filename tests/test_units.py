@@ -105,3 +105,19 @@ def test_merge_keeps_empty_rows_finite():
     lse = torch.full((2, 1, 3), -math.inf)
     o, l = merge_stacked(out, lse)
     assert torch.isneginf(l).all() and (o == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_attend_with_per_sequence_key_columns(window):
+    """After batched pass-Q decode each sequence holds different columns on a rank (-1: empty slot)."""
+    torch.manual_seed(0)
+    kc = torch.tensor([[0, 1, 2, 5, 8, -1], [0, 1, 2, 4, 7, 10]])
+    qc = torch.tensor([11])
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 6, 8, dtype=torch.float64), torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    k[0, :, 5] = 1e3  # an empty slot (the cache zero-fills them) must not leak in
+    out, lse = attend(q, k, v, qc, kc, scale=0.3, window=window)
+    for b in range(2):
+        keep = (kc[b] >= 0) & (kc[b] <= 11) & ((11 - kc[b] < window) if window else True)
+        o, l = _math(q[b : b + 1], k[b : b + 1, :, keep], v[b : b + 1, :, keep], None, 0.3, None)
+        assert (out[b] - o[0]).abs().max() < 1e-12 and (lse[b] - l[0]).abs().max() < 1e-12

@@ -18,6 +18,7 @@ from ..errors import ContextParallelError
 from .decode import sharded_kv_decode
 from .ring_pass_kv import ring_pass_kv
 from .ring_pass_q import ring_pass_q
+from .ring_pass_q_decode import ring_pass_q_decode
 
 NAME = "hf_contextpar"
 current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
@@ -32,7 +33,8 @@ def _local(step, q, kv_local, **attn):
     return res if res is not None else (None, None)
 
 
-ALGORITHMS = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "decode": sharded_kv_decode, "local": _local}
+ALGORITHMS = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "decode": sharded_kv_decode,
+              "ring_pass_q_decode": ring_pass_q_decode, "local": _local}
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
