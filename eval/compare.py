@@ -21,3 +21,77 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
         return min(a.shape[-1], b.shape[-1])
     diff = (a != b).any(dim=0).nonzero()
     return int(diff[0]) if diff.numel() else None
+
+
+# -- tolerances -------------------------------------------------------------------------------
+FLOAT_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+LOW_PRECISION_FLOOR = 1e-2
+
+
+def tolerance(dtype: torch.dtype, model_type: str = "", kernel_swap: float | None = None) -> tuple[float, str]:
+    """(max |logit diff| allowed, how it was chosen) for a model of `dtype`.
+
+    fp64 1e-10 and fp32 1e-4 are far above what a reordered sum costs and far below what a
+    wrong mask or a missing block costs. Gemma2 in fp64 gets 1e-5 because HF's own Gemma2
+    attention computes its softmax in fp32. bf16/fp16 get what swapping the attention kernel
+    alone changes on one process (`kernel_swap`, measured by the harness: the unpatched model
+    with eager vs SDPA attention), with a floor of 1e-2 for models where that happens to be tiny.
+    """
+    if dtype in FLOAT_TOL:
+        if dtype == torch.float64 and model_type == "gemma2":
+            return 1e-5, "fp64, Gemma2 (HF computes its softmax in fp32)"
+        return FLOAT_TOL[dtype], f"{str(dtype).split('.')[-1]} fixed tolerance"
+    ks = kernel_swap if kernel_swap is not None else 0.0
+    return max(ks, LOW_PRECISION_FLOOR), f"max(attention kernel swap {ks:.3g}, floor {LOW_PRECISION_FLOOR:g})"
+
+
+# -- generation --------------------------------------------------------------------------------
+def step_logits_diff(ref: torch.Tensor, cp: torch.Tensor, steps: int) -> float:
+    """Max |diff| over the first `steps` generated steps' logits ((S, V) each)."""
+    steps = min(steps, ref.shape[0], cp.shape[0])
+    if steps == 0:
+        return 0.0
+    return logits_diff(ref[:steps], cp[:steps])
+
+
+def compare_generation(ref_tokens: torch.Tensor, ref_logits: torch.Tensor, cp_tokens: torch.Tensor,
+                       cp_logits: torch.Tensor) -> dict:
+    """Token identity, first divergence, and max logit diff over the steps both runs share a prefix for.
+
+    After the first divergent token the two runs condition on different text, so their later
+    logits are not comparable; the divergent step itself still is (same prefix), so it is included.
+    """
+    div = first_divergence(ref_tokens[None], cp_tokens[None])
+    steps = ref_tokens.numel() if div is None else div + 1
+    return dict(tokens_identical=div is None, first_divergence=div,
+                max_logit_diff=step_logits_diff(ref_logits, cp_logits, steps), steps_compared=min(
+                    steps, ref_logits.shape[0], cp_logits.shape[0]))
+
+
+# -- teacher forcing ---------------------------------------------------------------------------
+def window_metrics(ref_logits: torch.Tensor, cp_logits: torch.Tensor, ids: torch.Tensor, rows: int = 512) -> dict:
+    """Per window ((T, V) logits, (T,) ids): max |logit diff|, max |NLL diff| per predicted token,
+    perplexity both ways, argmax agreement. Computed in fp64, `rows` positions at a time so a long
+    window with a large vocabulary needs no (T, V) fp64 copy."""
+    if ref_logits.shape != cp_logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref_logits.shape)} vs {tuple(cp_logits.shape)}")
+    T = ref_logits.shape[0]
+    max_diff, max_nll, agree = 0.0, 0.0, 0
+    nll_ref = torch.zeros((), dtype=torch.float64)
+    nll_cp = torch.zeros((), dtype=torch.float64)
+    for s in range(0, T, rows):
+        a = ref_logits[s:s + rows].double()
+        b = cp_logits[s:s + rows].to(a.device).double()
+        max_diff = max(max_diff, float((a - b).abs().max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        n = min(s + rows, T - 1) - s  # positions in this chunk that predict a next token
+        if n > 0:
+            target = ids[s + 1:s + 1 + n].to(a.device)[:, None]
+            la = -torch.log_softmax(a[:n], -1).gather(1, target).squeeze(1)
+            lb = -torch.log_softmax(b[:n], -1).gather(1, target).squeeze(1)
+            max_nll = max(max_nll, float((la - lb).abs().max()))
+            nll_ref += la.sum().cpu()
+            nll_cp += lb.sum().cpu()
+    predicted = max(T - 1, 1)
+    return dict(max_logit_diff=max_diff, max_nll_diff=max_nll, ppl_ref=float(torch.exp(nll_ref / predicted)),
+                ppl_cp=float(torch.exp(nll_cp / predicted)), argmax_agreement=agree / T)

@@ -1,0 +1,174 @@
+"""Run the unpatched single-process model and the context-parallel model on the same cases.
+
+Every rank loads the same model. The reference for a case is the unpatched model run in-process
+on one rank: nothing distributed touches it, so it *is* the single-process run. Cases go in
+rounds of N: in each round rank r runs the reference of the round's r-th case (unpatched), then
+all ranks patch the model and run the round's cases with context parallelism, and rank r compares
+its case. The model is patched and unpatched in place (`remove_context_parallel` restores stock
+behaviour bit for bit), so one copy of the weights serves both, references are computed N at a
+time, and only one reference per rank is held at once. With `--reference FILE` the references
+come from a saved single-process run instead (for models that fit only when sharded).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import hf_contextpar
+
+from .needlebench import DataError
+
+
+class Dist:
+    """Rank, world size and the few object collectives the harness needs (no-ops on one process)."""
+
+    def __init__(self, timeout: float, cuda: bool):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device(f"cuda:{local}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ:
+                raise SystemExit("WORLD_SIZE > 1 but no MASTER_ADDR: start the harness with torchrun or accelerate launch.")
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.group = dist.group.WORLD if self.world > 1 else None
+
+    def broadcast(self, obj):
+        """rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self):
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()  # nobody tears the group down while a peer still uses it
+            dist.destroy_process_group()
+
+
+def on_rank0(d: Dist, fn):
+    """Run fn on rank 0 only and give every rank its result; an exception there becomes SystemExit everywhere
+    (instead of the other ranks waiting for a broadcast that never comes)."""
+    payload = None
+    if d.rank == 0:
+        try:
+            payload = ("ok", fn())
+        except DataError as e:
+            payload = ("error", str(e))
+        except Exception as e:  # noqa: BLE001 - reported to every rank, with its message
+            payload = ("error", f"{type(e).__name__}: {e}")
+    status, value = d.broadcast(payload)
+    if status == "error":
+        raise SystemExit(value)
+    return value
+
+
+def fingerprint(ids) -> str:
+    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).numpy().tobytes()).hexdigest()[:16]
+
+
+def kernel_swap(model, ids: torch.Tensor) -> float | None:
+    """Max |logit diff| of the unpatched model between its attention kernel and the other of eager/SDPA:
+    what a kernel change alone moves low-precision logits by (the bf16/fp16 tolerance)."""
+    from .compare import logits_diff
+
+    original = model.config._attn_implementation
+    other = "sdpa" if original == "eager" else "eager"
+    with torch.no_grad():
+        a = model(ids).logits
+        try:
+            model.set_attn_implementation(other)
+        except (ValueError, ImportError):
+            return None
+        try:
+            b = model(ids).logits
+        finally:
+            model.set_attn_implementation(original)
+    return logits_diff(a, b)
+
+
+def run_rounds(d: Dist, model, cases: list, *, strategy: str, reference: dict | None, ref_fn, cp_fn, compare_fn,
+               desc: str) -> list:
+    """The loop described in the module docstring. Returns every case's record, in case order, on every rank."""
+    mine = []
+    patched = False
+    bar = tqdm(total=len(cases), desc=desc, disable=d.rank != 0, dynamic_ncols=True)
+    for start in range(0, len(cases), d.world):
+        chunk = cases[start:start + d.world]
+        own = chunk[d.rank] if d.rank < len(chunk) else None
+        if reference is None:
+            if patched:
+                hf_contextpar.remove_context_parallel(model)
+                patched = False
+            t0 = time.perf_counter()
+            ref = ref_fn(model, own) if own is not None else None
+            ref_s = time.perf_counter() - t0
+        else:
+            ref, ref_s = (reference[own["key"]] if own is not None else None), None
+        if not patched:
+            hf_contextpar.apply_context_parallel(model, strategy=strategy, group=d.group)
+            patched = True
+        for i, case in enumerate(chunk):
+            bar.set_postfix_str(case["label"])
+            t0 = time.perf_counter()
+            out = cp_fn(model, case)
+            cp_s = time.perf_counter() - t0
+            if i == d.rank:
+                rec = compare_fn(case, ref, out)
+                rec.update(index=case["index"], cp_seconds=round(cp_s, 3),
+                           ref_seconds=round(ref_s, 3) if ref_s is not None else None)
+                mine.append(rec)
+            bar.update(1)
+    bar.close()
+    if patched:
+        hf_contextpar.remove_context_parallel(model)
+    records = [r for part in d.all_gather(mine) for r in part]
+    return sorted(records, key=lambda r: r["index"])
+
+
+def load_reference(path: str, kind: str, cases: list, meta: dict) -> dict:
+    """A saved single-process run, checked against this run's cases (same prompts, same settings)."""
+    if not os.path.exists(path):
+        raise SystemExit(f"--reference {path}: no such file. Make it with the same command on one process "
+                         "and --save-reference FILE.")
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if saved.get("kind") != kind:
+        raise SystemExit(f"--reference {path} is a {saved.get('kind')} reference, not {kind}.")
+    for k in ("model", "dtype") + (("max_new_tokens",) if kind == "needlebench" else ()):
+        if saved["meta"].get(k) != meta.get(k):
+            raise SystemExit(f"--reference {path} was made with {k}={saved['meta'].get(k)!r}, this run has {meta.get(k)!r}.")
+    refs = saved["cases"]
+    for c in cases:
+        r = refs.get(c["key"])
+        if r is None:
+            raise SystemExit(f"--reference {path} has no case {c['key']}; save a reference with the same arguments.")
+        if r["prompt_sha"] != fingerprint(c["ids"]):
+            raise SystemExit(f"--reference {path}: the prompt of case {c['key']} differs from this run's "
+                             "(different tokenizer, data or seed).")
+    return refs
+
+
+def save_reference(path: str, kind: str, meta: dict, refs: dict):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(dict(kind=kind, meta=meta, cases=refs), path)
