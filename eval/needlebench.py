@@ -52,8 +52,9 @@ class NeedlePrompt:
     keywords: list
     question: str
     context: str  # the haystack with the needles in it
+    needles: list = field(default_factory=list)  # as inserted ("\n" + needle + "\n"), in order of position
     needle_at: list = field(default_factory=list)  # char offsets of the needles in `context`
-    target_at: list = field(default_factory=list)  # char offsets the depths asked for (before snapping)
+    target_at: list = field(default_factory=list)  # char offsets in the haystack (without needles) the depths ask for
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def build_prompt(task: str, length: int, depth: int, content, hay_ids: list, tok
         text = _template(full, question, task)
         ids = encode(text)
         if len(ids) <= length:
-            return NeedlePrompt(task, length, depth, text, ids, keywords, question, full, at, targets)
+            return NeedlePrompt(task, length, depth, text, ids, keywords, question, full, wrapped, at, targets)
         budget -= len(ids) - length + 1
     raise DataError(f"could not fit a prompt into {length} tokens; the tokenizer does not round-trip the haystack.")
 

@@ -1,0 +1,145 @@
+"""The exactness harness (`python -m hf_contextpar.eval`): prompt construction, and end to end on
+the built-in model, offline, N=2 (CPU, gloo): it says "equivalent" for the real engine and
+"not equivalent" (exit 1) for an engine with one ring step dropped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import launch  # noqa: E402
+
+from hf_contextpar.eval import needlebench as nb  # noqa: E402
+from hf_contextpar.models import byte_tokenizer  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "eval_worker.py")
+SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\n")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return nb.builtin_data()
+
+
+def _check_placement(p, depths):
+    """Every needle starts a sentence (or the haystack) and no sentence ends between it and its depth point."""
+    haystack, removed = p.context, 0
+    for needle in p.needles:
+        haystack = haystack.replace(needle, "", 1)
+    assert len(haystack) == len(p.context) - sum(map(len, p.needles))
+    ends = [m.end() for m in SENTENCE_END.finditer(haystack)]
+    for needle, at, target, depth in zip(p.needles, p.needle_at, p.target_at, depths):
+        assert p.context[at:at + len(needle)] == needle
+        at_h = at - removed  # offset in the haystack without the needles inserted before this one
+        removed += len(needle)
+        assert at_h == 0 or at_h == len(haystack) or at_h in ends, repr(haystack[at_h - 20:at_h + 20])
+        assert at_h <= target and not any(at_h < e <= target for e in ends), repr(haystack[at_h:target + 1])
+        # the byte tokenizer makes haystack tokens and characters the same scale
+        assert abs(target / len(haystack) - depth / 100) < 0.005, (target, len(haystack), depth)
+
+
+@pytest.mark.parametrize("length", [1024, 3000])
+@pytest.mark.parametrize("depth", [0, 10, 33, 50, 77, 100])
+def test_single_needle_at_depth_within_one_sentence(tok, data, length, depth):
+    (p,) = nb.build_cases(data, tok, ["single_retrieval"], [length], [depth])
+    assert length - 24 <= len(p.ids) <= length, (len(p.ids), length)
+    assert len(p.needles) == 1 and p.context.count(p.needles[0]) == 1
+    _check_placement(p, [depth])
+    assert p.ids == tok(p.text).input_ids
+    assert p.text.rstrip().endswith(p.question) and p.keywords[0] in p.needles[0]
+
+
+@pytest.mark.parametrize("task", ["multi_retrieval", "multi_reasoning"])
+@pytest.mark.parametrize("length", [1500, 4096])
+@pytest.mark.parametrize("depth", [0, 40, 95, 100])
+def test_multi_needles_at_spaced_depths_within_budget(tok, data, task, length, depth):
+    (p,) = nb.build_cases(data, tok, [task], [length], [depth], spacing=10)
+    assert length - 24 <= len(p.ids) <= length, (len(p.ids), length)
+    assert len(p.needles) == (3 if task == "multi_retrieval" else 2)
+    _check_placement(p, [min(100, depth + 10 * i) for i in range(len(p.needles))])
+    assert all(k.lower() in "".join(p.needles).lower() for k in p.keywords)
+
+
+def test_prompt_too_short_is_a_clear_error(tok, data):
+    with pytest.raises(nb.DataError, match="leaves no room for a haystack"):
+        nb.build_cases(data, tok, ["multi_retrieval"], [300], [50])
+
+
+def test_scores():
+    assert nb.score("single_retrieval", "The number is 7341.", ["7341"]) == 100
+    assert nb.score("single_retrieval", "The number is 7314.", ["7341"]) == 0
+    assert nb.score("multi_retrieval", "19 and copper heron", ["19", "copper heron", "Ovid"]) == pytest.approx(200 / 3)
+    assert nb.score("multi_reasoning", "The garden has Saffron crocuses", ["saffron", "crocuses"]) == 100
+
+
+def _report(out):
+    with open(os.path.join(out, "report.json")) as f:
+        rep = json.load(f)
+    for name in ("report.md", "heatmap.png", "logit_diff.png") if rep["summary"]["kind"] == "needlebench" else ("report.md", "logit_diff.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    return rep
+
+
+def _check(procs, expect_rc):
+    for rank, (rc, out, err) in enumerate(procs):
+        assert rc == expect_rc, f"rank {rank} exited {rc} (expected {expect_rc}):\n{out[-2000:]}\n{err[-4000:]}"
+
+
+def test_needlebench_equivalent_n2(tmp_path):
+    out = tmp_path / "nb"
+    procs = launch(2, ["-m", "hf_contextpar.eval", "needlebench", "--model", "tiny-llama", "--lengths", "1024",
+                       "--depths", "0,50,100", "--max-new-tokens", "6", "--out", str(out)], timeout=300)
+    _check(procs, 0)
+    assert "needlebench: EQUIVALENT" in procs[0][1] and procs[1][1] == ""  # rank 0 reports, the others stay quiet
+    rep = _report(out)
+    s = rep["summary"]
+    assert s["verdict"] == "equivalent" and s["world"] == 2 and s["cases"] == 9 and s["tolerance"] == 1e-4
+    assert {(c["task"], c["depth"]) for c in rep["cases"]} == {(t, d) for t in nb.TASKS for d in (0, 50, 100)}
+    for c in rep["cases"]:
+        assert c["tokens_identical"] and c["first_divergence"] is None and c["max_logit_diff"] <= 1e-4
+        assert c["ref_answer"] == c["cp_answer"] and c["new_tokens"] == [6, 6] and c["prompt_tokens"] <= 1024
+    md = open(out / "report.md").read()
+    assert "**Verdict: equivalent**" in md and md.count("| single_retrieval |") == 3
+
+
+def test_needlebench_broken_ring_is_not_equivalent(tmp_path):
+    out = tmp_path / "broken"
+    procs = launch(2, [WORKER, "needlebench", "--model", "tiny-llama", "--lengths", "1024", "--depths", "0,100",
+                       "--tasks", "single_retrieval", "--max-new-tokens", "4", "--strategy", "ring_pass_kv",
+                       "--out", str(out)], timeout=300, env={"HF_CONTEXTPAR_TEST_BREAK_RING": "1"})
+    _check(procs, 1)
+    assert "needlebench: NOT EQUIVALENT" in procs[0][1]
+    s = _report(out)["summary"]
+    assert s["verdict"] == "not equivalent" and s["equivalent_cases"] == 0 and s["worst_logit_diff"] > 1e-2
+
+
+def test_bookcorpus_saved_reference_n2(tmp_path):
+    ref = tmp_path / "ref.pt"
+    args = ["-m", "hf_contextpar.eval", "bookcorpus", "--model", "tiny-llama", "--window", "700", "--num-windows", "3"]
+    _check(launch(1, args + ["--save-reference", str(ref)], timeout=300), 0)
+    out = tmp_path / "bc"
+    procs = launch(2, args + ["--reference", str(ref), "--out", str(out)], timeout=300)
+    _check(procs, 0)
+    rep = _report(out)
+    assert rep["summary"]["verdict"] == "equivalent" and rep["summary"]["reference"].startswith("saved single-process run")
+    assert [c["window"] for c in rep["cases"]] == [0, 1, 2]
+    for c in rep["cases"]:
+        assert c["tokens"] == 700 and c["argmax_agreement"] == 1.0 and c["max_logit_diff"] <= 1e-4
+        assert c["max_nll_diff"] <= 1e-4 and c["ppl_ref"] == pytest.approx(c["ppl_cp"], rel=1e-5) and c["ppl_ref"] > 1
+
+
+def test_length_beyond_context_is_a_clear_error(tmp_path):
+    procs = launch(1, ["-m", "hf_contextpar.eval", "needlebench", "--model", "tiny-llama", "--lengths", "70000",
+                       "--out", str(tmp_path)], timeout=120)
+    _check(procs, 2)
+    assert "exceeds the model's context (max_position_embeddings = 65536)" in procs[0][2]
