@@ -1,12 +1,17 @@
 """The collectives the attention algorithms use, with byte accounting and clear failures.
 
 Every operation counts the bytes this rank sends and receives, so benchmarks and tests can
-check the traffic against the analytical formulas. A failing collective (a peer died, the
-timeout expired) is re-raised as a ContextParallelError naming the rank and the operation.
+check the traffic against the analytical formulas, and the wall time this rank spends blocked
+in communication (`stats.wait_s`, per operation in `stats.waits`): the whole of a blocking
+collective, and for the ring only the posting plus the part of `wait()` that the attention of
+the block in hand did not hide, i.e. the exposed communication. On CUDA these are host-side
+times (NCCL waits are stream-ordered). A failing collective (a peer died, the timeout
+expired) is re-raised as a ContextParallelError naming the rank and the operation.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -21,15 +26,23 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     calls: dict = field(default_factory=dict)
+    wait_s: float = 0.0  # seconds blocked in communication (exposed), all operations
+    waits: dict = field(default_factory=dict)  # the same per operation
 
     def record(self, op: str, sent: int, received: int):
         self.bytes_sent += sent
         self.bytes_received += received
         self.calls[op] = self.calls.get(op, 0) + 1
 
+    def add_wait(self, op: str, seconds: float):
+        self.wait_s += seconds
+        self.waits[op] = self.waits.get(op, 0.0) + seconds
+
     def reset(self):
         self.bytes_sent = self.bytes_received = 0
+        self.wait_s = 0.0
         self.calls.clear()
+        self.waits.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -43,7 +56,9 @@ class Comm:
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
 
     @contextmanager
-    def _guard(self, what: str):
+    def _guard(self, what: str, op: str | None = None):
+        """Translate failures into ContextParallelError and charge the time spent to stats.waits[op]."""
+        t0 = time.perf_counter()
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
@@ -54,6 +69,8 @@ class Comm:
                 "A peer process probably exited or stalled; check the other ranks' logs. "
                 "Waits end after the timeout given to apply_context_parallel(timeout=...)."
             ) from e
+        finally:
+            self.stats.add_wait(op or what, time.perf_counter() - t0)
 
     def ring_shift(self, send: torch.Tensor | None, recv_shape, dtype, device) -> "PendingRecv":
         """Post send(send -> rank+1) and recv(<- rank-1) without waiting. Empty tensors are not posted."""
@@ -66,7 +83,7 @@ class Comm:
             ops.append(dist.P2POp(dist.irecv, recv, prv, self.group))
         elif recv_shape is not None:
             recv = torch.empty(recv_shape, dtype=dtype, device=device)
-        with self._guard("ring send/recv"):
+        with self._guard("ring send/recv", "ring_shift"):
             works = dist.batch_isend_irecv(ops) if ops else []
         self.stats.record("ring_shift", _nbytes(send) if send is not None else 0,
                           _nbytes(recv) if recv is not None else 0)
@@ -76,7 +93,7 @@ class Comm:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
-        with self._guard("all_gather"):
+        with self._guard("all_gather", "all_gather"):
             _all_gather_flat(out, flat, group=self.group)
         self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
@@ -88,7 +105,7 @@ class Comm:
         out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         out = torch.empty(sum(out_sizes), dtype=flat.dtype, device=flat.device)
         in_sizes = [t.numel() for t in send]
-        with self._guard("all_to_all"):
+        with self._guard("all_to_all", "all_to_all"):
             dist.all_to_all_single(out, flat, out_sizes, in_sizes, group=self.group)
         esize = flat.element_size()
         self.stats.record("all_to_all", esize * (flat.numel() - in_sizes[self.rank]),
@@ -105,7 +122,7 @@ class PendingRecv:
         self._comm, self._works, self._recv = comm, works, recv
 
     def wait(self) -> torch.Tensor:
-        with self._comm._guard("ring send/recv"):
+        with self._comm._guard("ring send/recv", "ring_shift"):
             for w in self._works:
                 w.wait()
         return self._recv

@@ -1,0 +1,136 @@
+"""The benchmark end to end at tiny sizes (N=2, then N=1 into the same directory), and the cost model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import launch  # noqa: E402
+
+from hf_contextpar import costmodel  # noqa: E402
+
+ROW_FIELDS = ["kind", "strategy", "N", "run_N", "length", "threads_per_rank", "ttft_s", "ttft_all_s", "ttit_s",
+              "ttit_all_s", "kv_bytes_per_rank", "peak_bytes_per_rank", "peak_delta_bytes_per_rank",
+              "bytes_sent_per_rank", "bytes_received_per_rank", "comm_wait_s_per_rank", "decode_comm_wait_s_per_rank",
+              "comm_wait_frac", "comm_wait_by_op_s_per_rank", "ttft_cpu_s_per_rank", "predicted_ttft_s", "speedup_vs_unpatched", "speedup_vs_unpatched_all_cores",
+              "ttit_ratio_vs_unpatched", "decode_overhead_s", "tokens", "tokens_match_unpatched", "kv_bound_bytes",
+              "kv_within_bound"]
+RUN_FIELDS = ["N", "threads_per_rank", "cores", "model", "machine", "small_collective_s", "decode_floor_s", "shape",
+              "skipped", "lengths"]
+# tiny-llama: 2 layers, 4 query heads, 2 KV heads, head_dim 16, vocab 384, fp32
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 384
+
+
+def _bench(tmp_path, n):
+    args = ["-m", "hf_contextpar.bench", "--model", "tiny-llama", "--lengths", "64,128", "--repeats", "1",
+            "--new-tokens", "3", "--out", str(tmp_path)]
+    if n == 1:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        res = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+        results = [(res.returncode, res.stdout, res.stderr)]
+    else:
+        results = launch(n, args, timeout=300)
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
+    return results[0][1], json.load(open(tmp_path / "bench.json"))
+
+
+def test_bench_end_to_end(tmp_path):
+    from hf_contextpar.api import STRATEGIES
+
+    stdout, report = _bench(tmp_path, 2)
+    run = report["runs"]["2"]
+    assert all(k in run for k in RUN_FIELDS), set(RUN_FIELDS) - set(run)
+    assert run["small_collective_s"] > 0 and run["decode_floor_s"] == pytest.approx(LAYERS * run["small_collective_s"])
+    skipped = {s["strategy"] for s in run["skipped"]}
+    ran = [s for s in STRATEGIES if s != "auto" and s not in skipped]
+    assert "ring_pass_kv" in ran
+    rows = report["rows"]
+    for r in rows:
+        missing = [k for k in ROW_FIELDS if k not in r]
+        assert not missing, (r["strategy"], missing)
+    cp = [r for r in rows if r["kind"] == "cp"]
+    assert sorted((r["strategy"], r["length"]) for r in cp) == sorted((s, t) for s in ran for t in (64, 128))
+    assert {r["strategy"] for r in rows if r["kind"] == "baseline"} <= {"unpatched", "unpatched_all_cores"}
+    for r in cp:
+        assert r["N"] == 2 and len(r["kv_bytes_per_rank"]) == 2 and len(r["tokens"]) == 3
+        assert r["tokens_match_unpatched"], r["strategy"]  # the benchmark checks exactness too
+        assert r["kv_within_bound"], (r["kv_bytes_per_rank"], r["kv_bound_bytes"])
+        assert all(0 < w < r["ttft_s"] for w in r["comm_wait_s_per_rank"])
+        assert r["predicted_ttft_s"] is None or r["predicted_ttft_s"] > 0
+    for r in (r for r in cp if r["strategy"] == "ring_pass_kv"):
+        # each rank sends its own KV block (KV heads only, never repeated) once per layer, plus the input
+        # check (7 int64) and the gathered last-token logits
+        kv_block = LAYERS * (r["length"] // 2) * 2 * KV_HEADS * HEAD_DIM * 4
+        for sent in r["bytes_sent_per_rank"]:
+            assert kv_block <= sent <= kv_block + 7 * 8 + VOCAB * 4
+    for name in ("bench.md", *report["plots"]):
+        assert (tmp_path / name).stat().st_size > 0
+    assert set(report["plots"]) == {"ttft.png", "speedup.png", "kv_memory.png"}
+    assert open(tmp_path / "ttft.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "| ring_pass_kv | 2 |" in stdout and "## Targets" in stdout
+    assert any("exposed communication ring_pass_kv N=2" in t["target"] for t in report["targets"])
+
+    # an N=1 run into the same directory adds its rows and keeps the N=2 ones
+    _, merged = _bench(tmp_path, 1)
+    assert set(merged["runs"]) == {"1", "2"}
+    assert {r["run_N"] for r in merged["rows"]} == {1, 2}
+    assert len([r for r in merged["rows"] if r["run_N"] == 2]) == len(rows)
+    one = [r for r in merged["rows"] if r["run_N"] == 1 and r["kind"] == "cp"]
+    assert one and all(r["bytes_sent_per_rank"] == [0] and r["tokens_match_unpatched"] for r in one)
+    assert any(t["target"].startswith("N=1 patched") for t in merged["targets"])
+
+
+# -- cost model: hand-computed cases ---------------------------------------------------------------
+SHAPE = costmodel.Shape(layers=1, heads=2, kv_heads=1, head_dim=4, linear_weights=100, elem_bytes=4)
+MACHINE = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e2, latency=0.5)
+
+
+def test_costmodel_hand_computed():
+    # T=8: causal attention FLOPs 4*2*4*8*8/2 = 1024; linear 2*100*T/N/100
+    assert costmodel.attention_flops(8, SHAPE) == 1024
+    assert costmodel.predict_ttft("ring_pass_kv", 8, 1, SHAPE, MACHINE) == pytest.approx(16 + 1.024)
+    # N=2: linear 8; a = 1024/2/1000 = 0.512, a/N = 0.256; KV message 0.5 + 2*4*1*4*4/100 = 1.78 (exposed)
+    # attention (N-1)*max(0.256, 1.78) + 0.256 = 2.036; plus 2 per-forward collectives of 0.5
+    assert costmodel.predict_ttft("ring_pass_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 2.036 + 1.0)
+    # pass-Q: Q message 0.5 + 4*2*4*4/100 = 1.78; All2All 0.5 + 1*4*2*5*4/100 = 2.1
+    assert costmodel.predict_ttft("ring_pass_q", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.78 + 0.256 + 2.1 + 1.0)
+    # all-gather KV: 0.5 + 1*4*2*1*4*4/100 = 1.78, then the whole share 0.512
+    assert costmodel.predict_ttft("allgather_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.78 + 0.512 + 1.0)
+    # KV-Runahead, last rank: 4*2*4*4*(8-2)/1000 = 0.768, one hop of 4 tokens' KV: 0.5 + 2*4*1*4*4/100 = 1.78
+    assert costmodel.predict_ttft("kv_runahead", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 0.768 + 1.78 + 1.0)
+    # Ulysses: QKV in 1/2*4*(2+2*2)*4*4/100 = 1.92, O out 1/2*4*2*4*4/100 = 0.64, two latencies
+    assert costmodel.predict_ttft("ulysses", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.0 + 1.92 + 0.64 + 0.512 + 1.0)
+    assert costmodel.predict_ttft("no_such_strategy", 8, 2, SHAPE, MACHINE) is None
+    # exposed communication: everything above the same prediction with free communication (8 + 0.512)
+    assert costmodel.exposed_comm("ring_pass_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(11.036 - 8.512)
+    assert costmodel.decode_floor(costmodel.Shape(3, 2, 1, 4, 100, 4), MACHINE) == pytest.approx(1.5)
+
+
+def test_costmodel_overlap_and_scaling():
+    free = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2)  # infinite bandwidth, no latency
+    for n in (2, 3, 4):
+        one = costmodel.predict_ttft("ring_pass_kv", 4096, 1, SHAPE, free)
+        assert costmodel.predict_ttft("ring_pass_kv", 4096, n, SHAPE, free) == pytest.approx(one / n)
+    # compute-bound ring: the KV message hides under a/N, so bandwidth drops out entirely
+    slow_net = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e6, latency=0.0)
+    T = 4096  # a/N = 4*2*4*T*T/2/2/2/1e3 = 67109 s >> message 2*2048*1*4*4/1e6 = 0.066 s
+    assert costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, slow_net) == pytest.approx(
+        costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, free))
+    assert costmodel.exposed_comm("ring_pass_kv", T, 2, SHAPE, slow_net) == pytest.approx(0.0, abs=1e-6)
+    assert not math.isnan(costmodel.predict_ttft("ring_pass_q", T, 2, SHAPE, slow_net))
+
+
+def test_costmodel_shape_from_model():
+    from hf_contextpar.models import tiny_model
+
+    shape = costmodel.Shape.from_model(tiny_model("llama"))
+    # q, o: 64x64; k, v: 64x32; gate, up, down: 64x128
+    assert shape == costmodel.Shape(layers=2, heads=4, kv_heads=2, head_dim=16,
+                                    linear_weights=2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128, elem_bytes=4)
