@@ -9,7 +9,7 @@ from .distributed import resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
 from .generate import ContextParallelRuntime
 
-STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q")
+STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 DECODES = ("auto", "replicated", "ring_pass_q")
 _ATTR = "_hf_contextpar"
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -37,15 +37,33 @@ def _check_model(model):
     return patches.resolve(config)
 
 
+def _check_ulysses(config, world: int):
+    """Ulysses moves whole heads: N must divide the query heads and the KV heads (no KV head is repeated)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % world or kv_heads % world:
+        raise UnsupportedModelError(
+            f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
+            f"heads and {kv_heads} KV heads, which {world} does not divide. Use strategy='ring_pass_kv' (or any "
+            f"other strategy), or a number of processes that divides {kv_heads}."
+        )
+
+
 def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
                            check_inputs: bool = True, calibration=None, planner_rule: str = "alg5",
-                           decode: str = "auto"):
+                           decode: str = "auto", kvr_partitions=None):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
     group: a torch.distributed process group; by default the one torchrun / accelerate set up
         (initialised here with gloo for CPU models, nccl for CUDA ones, if nobody has).
-    strategy: prefill algorithm: "ring_pass_kv", "ring_pass_q", or "auto" to let the planner pick
-        per call from T, P and the machine's measured C and BW (Meta Alg. 5).
+    strategy: prefill algorithm: "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead",
+        "ulysses", or "auto" to let the planner pick pass-KV or pass-Q per call from T, P and the
+        machine's measured C and BW (Meta Alg. 5). KV-Runahead runs on fresh prompts; a partial
+        prefill over a non-empty cache uses ring pass-KV. Ulysses needs N to divide the query and
+        KV head counts.
+    kvr_partitions: for "kv_runahead", a partition table (PartitionTable, dict or JSON path from
+        `python -m hf_contextpar kvr-table`) to interpolate partitions from (KVR-P); None: even (KVR-E).
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "alg5" or "empirical" (App. D).
     timeout: seconds any rank waits for its peers before failing with a clear error.
@@ -66,9 +84,12 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1:
         return model
+    if strategy == "ulysses":
+        _check_ulysses(model.config, world)
     attention.register()
     runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
-                                     calibration=calibration, planner_rule=planner_rule, decode=decode)
+                                     calibration=calibration, planner_rule=planner_rule, decode=decode,
+                                     kvr_partitions=kvr_partitions)
     runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
     model.set_attn_implementation(attention.NAME)

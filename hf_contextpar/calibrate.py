@@ -103,3 +103,47 @@ def format_sweep(rows, coeffs) -> str:
     if coeffs:
         lines.append(f"refit h(T,P) = {coeffs[0]:.3f} log T + {coeffs[1]:.3f} log(T/(T+P)) + {coeffs[2]:.3f}")
     return "\n".join(lines)
+
+
+def _agreed(runtime, seconds: float) -> float:
+    """The slowest rank's time: a prefill is done when every rank is."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    return float(runtime.control.all_gather(t).max())
+
+
+@torch.no_grad()
+def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
+    """Median TTFT (slowest rank) of a KV-Runahead prefill of `ids` with contiguous partition `sizes`."""
+    from .partitions import PartitionTable
+
+    table = PartitionTable(runtime.world)
+    table.add(ids.shape[1], sizes)
+    saved = runtime.strategy, runtime.partitions
+    runtime.strategy, runtime.partitions = "kv_runahead", table
+    try:
+        t = _median_time(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats,
+                         barrier=lambda: dist.barrier(group=runtime.comm.group))
+    finally:
+        runtime.strategy, runtime.partitions = saved
+    return _agreed(runtime, t)
+
+
+def kvr_table(model, runtime, lengths, points: int = 5, repeats: int = 3, min_stride: int | None = None,
+              device="cpu", log=None):
+    """KVR-S at each context length (hierarchical grid search on measured TTFT), as a PartitionTable."""
+    from .partitions import PartitionTable, even, search
+
+    table = PartitionTable(runtime.world, details=dict(points=points, repeats=repeats, threads=torch.get_num_threads()))
+    g = torch.Generator().manual_seed(0)
+    for length in lengths:
+        ids = torch.randint(0, 256, (1, length), generator=g).to(device)
+        sizes, seconds, measured = search(length, runtime.world,
+                                          lambda s: kvr_prefill_seconds(model, runtime, ids, s, repeats),
+                                          points=points, min_stride=min_stride)
+        table.add(length, sizes)
+        even_s = measured[tuple(even(length, runtime.world))]
+        table.details[str(length)] = dict(sizes=sizes, seconds=seconds, even_seconds=even_s, evaluated=len(measured))
+        if log:
+            log(f"T={length}: searched {sizes} {seconds * 1e3:.1f} ms vs even {even(length, runtime.world)} "
+                f"{even_s * 1e3:.1f} ms ({len(measured)} partitions measured)")
+    return table

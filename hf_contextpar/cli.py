@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .api import DECODES, STRATEGIES
 from .models import DEFAULT_MODEL, TINY_CONFIGS, byte_tokenizer, sample_text, tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -95,7 +96,8 @@ def cmd_generate(args):
     if args.baseline and rank == 0:
         out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
         baseline = (out.sequences, ttft, tok_s)
-    hf_contextpar.apply_context_parallel(model, strategy=args.strategy, timeout=args.timeout)
+    hf_contextpar.apply_context_parallel(model, strategy=args.strategy, decode=args.decode, timeout=args.timeout,
+                                         kvr_partitions=args.kvr_partitions)
     runtime = hf_contextpar.get_runtime(model)
     world = runtime.world if runtime else 1
     if dist.is_initialized():
@@ -104,7 +106,7 @@ def cmd_generate(args):
     cache = out.past_key_values
     local = torch.tensor([cache.local_length if runtime else cache.get_seq_length(),
                           cache.local_nbytes() if runtime else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)])
-    per_rank = runtime.comm.all_gather(local.to(device if cuda else "cpu")).cpu() if runtime else local[None]
+    per_rank = runtime.control.all_gather(local.to(device if cuda else "cpu")).cpu() if runtime else local[None]
     if rank == 0:
         new = out.sequences[0, ids.shape[1]:]
         print(tok.decode(new, skip_special_tokens=True))
@@ -174,6 +176,21 @@ def cmd_sweep(args):
     dist.destroy_process_group()
 
 
+def cmd_kvr_table(args):
+    from .calibrate import kvr_table
+
+    model, runtime, device = _setup(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    log = print if runtime.rank == 0 else None
+    table = kvr_table(model, runtime, lengths, points=args.points, repeats=args.repeats, device=device, log=log)
+    if runtime.rank == 0:
+        table.details.update(model=args.model, dtype=args.dtype)
+        print(f"saved to {table.save(args.out)}; use apply_context_parallel(model, strategy='kv_runahead', "
+              f"kvr_partitions='{args.out}')")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m hf_contextpar", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +201,9 @@ def main(argv=None):
     g.add_argument("--prompt-tokens", type=int, default=4096, help="truncate the prompt to this many tokens")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    g.add_argument("--strategy", default="auto")
+    g.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
+    g.add_argument("--decode", default="auto", choices=DECODES, help="decode algorithm (default: batched pass-Q when B >= N)")
+    g.add_argument("--kvr-partitions", help="KV-Runahead partition table from `kvr-table` (default: even partitions)")
     g.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
     g.add_argument("--baseline", action="store_true", help="also time the unpatched model on rank 0 alone")
@@ -210,5 +229,12 @@ def main(argv=None):
     w.add_argument("--calibration", help="calibration JSON (default: the saved one, else defaults)")
     w.add_argument("--out", help="write the table as JSON")
     w.set_defaults(func=cmd_sweep)
+    k = sub.add_parser("kvr-table", help="search KV-Runahead partitions (KVR-S) at several lengths; save the table (KVR-P)")
+    common(k)
+    k.add_argument("--lengths", default="1024,2048,4096", help="context lengths to search")
+    k.add_argument("--points", type=int, default=5, help="grid points per boundary and level")
+    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--out", default="kvr_partitions.json")
+    k.set_defaults(func=cmd_kvr_table)
     args = p.parse_args(argv)
     args.func(args)

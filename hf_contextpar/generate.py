@@ -1,10 +1,13 @@
 """What happens around each forward of a patched model: shard the prompt, gather the logits.
 
 A forward pre-hook on the *ForCausalLM module turns the caller's inputs into this rank's share:
-- T >= N new tokens: head-tail sharding; each rank runs the model on its ~T/N tokens with their
-  global position ids, attention is ring pass-KV, and every rank stores the K/V of its tokens.
-- T < N (decode, tiny prompts): every rank runs all T tokens; each token's K/V is stored on the
-  least-loaded rank, and attention is sharded-KV decode with an (out, LSE) all-gather.
+- T >= N new tokens (prefill): head-tail sharding (contiguous partitions for KV-Runahead); each
+  rank runs the model on its share with global position ids, attention is the chosen prefill
+  strategy (attention/), and every rank stores the K/V of its tokens.
+- One new token per sequence with B >= N sequences (batched decode, Meta Alg. 4): sequence b runs
+  on rank (b + offset) mod N, which stores its K/V; queries travel the ring.
+- Otherwise (B < N decode, tiny prompts): every rank runs all T tokens; each token's K/V is
+  stored on the least-loaded rank, and attention is sharded-KV decode with an (out, LSE) all-gather.
 The forward hook gathers the requested logits (and hidden states) back into original order on
 every rank and commits the cache's new global length. `generate()` runs unmodified on top.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
@@ -22,8 +25,9 @@ from .attention import current_step
 from .cache import ShardedCache
 from .comm import Comm
 from .errors import ContextParallelError
+from .partitions import PartitionTable, even
 from .planner import Calibration, ModelShape, choose
-from .sharding import head_tail_plan, least_loaded_owners
+from .sharding import contiguous_plan, head_tail_plan, least_loaded_owners
 
 
 @dataclass
@@ -31,7 +35,7 @@ class Step:
     """Everything the attention layers of one forward need to know."""
 
     comm: Comm
-    algorithm: str  # "ring_pass_kv" | "ring_pass_q" | "decode" | "local"
+    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
     q_cols: torch.Tensor  # global columns of this rank's query rows (CPU, ascending)
     q_cols_all: list  # the same for every rank (pass-Q moves queries)
     kv_cols: list  # per rank: global columns of the keys it holds for this forward
@@ -39,6 +43,9 @@ class Step:
     padding: torch.Tensor | None  # (B, global length) bool, False = padding; None = no padding
     batch: int = 1
     batch_rows: list | None = None  # batched pass-Q decode: per rank, the slice of sequences it runs
+    num_layers: int = 0
+    layer: int = 0  # index of the attention layer running now
+    state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
 
     def batch_size(self, rank) -> int:
         return len(range(self.batch)[self.batch_rows[rank]])
@@ -79,15 +86,18 @@ class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and the attention implementation to restore."""
 
     def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
-                 calibration=None, planner_rule: str = "alg5", decode: str = "auto"):
+                 calibration=None, planner_rule: str = "alg5", decode: str = "auto", kvr_partitions=None):
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
+        self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
         self.shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
-        self.comm = Comm(group, rank, world)
+        self.comm = Comm(group, rank, world)  # attention traffic: what the strategies move
+        self.control = Comm(group, rank, world)  # the input check and the logits gather
+        self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
         self.rank, self.world = rank, world
         self.check_inputs = check_inputs
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -139,15 +149,15 @@ class ContextParallelRuntime:
             self._check_same_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
 
         new_cols = torch.arange(past, past + num_new)
-        if num_new >= self.world:  # shard the new tokens head-tail; ring pass-KV or pass-Q
-            rows = head_tail_plan(num_new, self.world, cache.layout.counts() if cache is not None else None)
+        if num_new >= self.world:  # shard the new tokens (head-tail, or contiguous for KV-Runahead)
+            algorithm, rows = self._prefill_plan(num_new, past, cache)
             mine = rows[self.rank]
             if ids is not None:
                 kwargs["input_ids"] = ids[:, mine.to(ids.device)]
             if embeds is not None:
                 kwargs["inputs_embeds"] = embeds[:, mine.to(embeds.device)]
             kwargs["position_ids"] = position_ids[:, mine.to(position_ids.device)]
-            algorithm, q_cols, store = self._choose(num_new, past), new_cols[mine], None
+            q_cols, store = new_cols[mine], None
             stored = [new_cols[r] for r in rows]
             q_cols_all = stored
             gather = self._plan_gather(kwargs, rows, num_new)
@@ -184,8 +194,10 @@ class ContextParallelRuntime:
         kwargs["use_cache"] = cache is not None
         padding = None if mask is None or bool(mask.all()) else mask.bool()
         step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding, batch,
-                    batch_rows if algorithm == "ring_pass_q_decode" else None)
+                    batch_rows if algorithm == "ring_pass_q_decode" else None, self.num_layers)
         self.algorithm_counts[algorithm] += 1
+        self.last_forward = dict(algorithm=algorithm, tokens=num_new, past=past,
+                                 bytes_sent=-self.comm.stats.bytes_sent, bytes_received=-self.comm.stats.bytes_received)
         token = current_step.set(step)
         self._pending.append((token, gather, cache, past + num_new))
         return (), kwargs
@@ -195,6 +207,8 @@ class ContextParallelRuntime:
             return output
         token, gather, cache, new_length = self._pending.pop()
         current_step.reset(token)
+        self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
+        self.last_forward["bytes_received"] += self.comm.stats.bytes_received
         if cache is not None:
             cache.layout.end(new_length)
         if gather is not None and output is not None:
@@ -228,6 +242,19 @@ class ContextParallelRuntime:
             if bool(least[b, (b + offset) % self.world].all()):
                 return offset
         return None
+
+    def _prefill_plan(self, num_new: int, past: int, cache):
+        """The prefill algorithm for this call and, per rank, the indices of the new tokens it takes."""
+        algorithm = self._choose(num_new, past)
+        if algorithm == "kv_runahead":
+            if past == 0:
+                sizes = self.partitions.sizes(num_new, self.world) if self.partitions else even(num_new, self.world)
+                return algorithm, contiguous_plan(sizes)
+            # the chain needs every earlier token on an earlier rank, which only a fresh prompt has
+            algorithm = "ring_pass_kv"
+        if algorithm == "ulysses" and cache is not None and any(c.dim() == 2 for c in cache.layout.cols):
+            algorithm = "allgather_kv"  # after batched decode no single column order exists to sort keys into
+        return algorithm, head_tail_plan(num_new, self.world, cache.layout.counts() if cache is not None else None)
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":
@@ -267,7 +294,7 @@ class ContextParallelRuntime:
         fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
                            _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
         t = ids if ids is not None else embeds
-        everyone = self.comm.all_gather(fp.to(t.device if t.device.type == "cuda" else "cpu"))
+        everyone = self.control.all_gather(fp.to(t.device if t.device.type == "cuda" else "cpu"))
         if not bool((everyone == everyone[0]).all()):
             bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
             raise ContextParallelError(
@@ -302,7 +329,7 @@ class ContextParallelRuntime:
         width = max(counts)
         padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
         padded[:, : local.shape[1]] = local
-        everyone = self.comm.all_gather(padded)
+        everyone = self.control.all_gather(padded)
         out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
         for r, slots in enumerate(gather.slots):
             out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]

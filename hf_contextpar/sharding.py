@@ -61,3 +61,36 @@ def least_loaded_owners(num_tokens: int, counts: list[int]) -> list[torch.Tensor
         owned[r].append(t)
         counts[r] += 1
     return [torch.tensor(o, dtype=torch.long) for o in owned]
+
+
+def partition_sizes(num_tokens: int, ratios) -> list[int]:
+    """Contiguous partition sizes for `num_tokens` from fractions `ratios` (any positive weights).
+
+    Sizes are cumulative roundings, so they sum to num_tokens exactly; when there are at least as
+    many tokens as ranks every rank gets one or more (a rank with nothing to compute would only
+    add a hop to the chain)."""
+    weights = [max(float(r), 0.0) for r in ratios]
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"partition ratios must have a positive sum, got {list(ratios)}")
+    bounds, acc = [0], 0.0
+    for w in weights:
+        acc += w
+        bounds.append(round(num_tokens * acc / total))
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if num_tokens >= len(sizes):
+        for r in range(len(sizes)):
+            while sizes[r] == 0:
+                donor = max(range(len(sizes)), key=sizes.__getitem__)
+                sizes[donor] -= 1
+                sizes[r] += 1
+    return sizes
+
+
+def contiguous_plan(sizes: list[int]) -> list[torch.Tensor]:
+    """Per rank, the indices of its contiguous chunk: rank i takes the i-th `sizes[i]` tokens."""
+    plan, start = [], 0
+    for size in sizes:
+        plan.append(torch.arange(start, start + size))
+        start += size
+    return plan

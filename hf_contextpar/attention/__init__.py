@@ -15,10 +15,13 @@ from contextvars import ContextVar
 import torch
 
 from ..errors import ContextParallelError
+from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
+from .kv_runahead import kv_runahead
 from .ring_pass_kv import ring_pass_kv
 from .ring_pass_q import ring_pass_q
 from .ring_pass_q_decode import ring_pass_q_decode
+from .ulysses import ulysses
 
 NAME = "hf_contextpar"
 current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
@@ -33,8 +36,9 @@ def _local(step, q, kv_local, **attn):
     return res if res is not None else (None, None)
 
 
-ALGORITHMS = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "decode": sharded_kv_decode,
-              "ring_pass_q_decode": ring_pass_q_decode, "local": _local}
+PREFILL = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "allgather_kv": allgather_kv,
+           "kv_runahead": kv_runahead, "ulysses": ulysses}
+ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": _local}
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -53,6 +57,7 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
     else:  # no cache: this forward's own K/V are the block
         kv_local = torch.stack([key, value]).permute(3, 0, 1, 2, 4).contiguous()
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    step.layer = module.layer_idx
     out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = query.new_zeros(query.shape)

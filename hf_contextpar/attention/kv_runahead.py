@@ -1,0 +1,52 @@
+"""KV-Runahead (Apple, arXiv 2405.05329, 4.1-4.3).
+
+The prompt is cut into contiguous, possibly uneven partitions c_0..c_{N-1} (`sharding.
+contiguous_plan`). Rank i needs the K/V of every earlier token, so the K/V travels one way down a
+chain: rank i attends its queries to its own block (causal) while the prefix from rank i-1 is
+still arriving, then to each prefix block as it lands, and forwards its own block and every
+block it receives to rank i+1. Only point-to-point messages, no collective; total traffic is
+(N-1)/2 C rows for even partitions, half an all-gather's (KVR Eqs. 4-7).
+
+Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 received
+(blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
+done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection.
+Partial prefill over a non-empty cache runs ring pass-KV instead (see generate.py).
+"""
+
+from __future__ import annotations
+
+from ..kernels import attend
+from ..merge import Accumulator
+
+
+def _post_receives(step, layer, like):
+    """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
+    rank = step.comm.rank
+    shapes = [(step.kv_cols[src].numel(), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
+    step.state[("kvr_recv", layer)] = [(src, step.comm.ring_shift(None, shape, like.dtype, like.device))
+                                       for src, shape in zip(range(rank - 1, -1, -1), shapes)]
+
+
+def kv_runahead(step, q, kv_local, **attn):
+    comm, rank, world = step.comm, step.comm.rank, step.comm.world
+    last = rank == world - 1
+    pending = step.state.pop(("kvr_recv", step.layer), None)
+    if pending is None:
+        _post_receives(step, step.layer, kv_local)
+        pending = step.state.pop(("kvr_recv", step.layer))
+    sends = [] if last else [comm.ring_shift(kv_local, None, kv_local.dtype, kv_local.device)]
+    acc = Accumulator()
+    blocks = [(rank, kv_local)]
+    for i in range(len(pending) + 1):
+        src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
+        if i > 0 and not last:
+            sends.append(comm.ring_shift(block, None, block.dtype, block.device))
+        k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
+        res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
+        if res is not None:
+            acc.add(*res)
+    if step.layer + 1 < step.num_layers:
+        _post_receives(step, step.layer + 1, kv_local)
+    for s in sends:  # the blocks must stay untouched until they are out
+        s.wait()
+    return acc.out, acc.lse

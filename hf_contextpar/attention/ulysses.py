@@ -1,0 +1,41 @@
+"""Ulysses-style head all-to-all (CSPS SP-NTP, 3.2.1; DeepSpeed-Ulysses).
+
+Q and this forward's K/V arrive sharded by sequence. One all-to-all turns them into shards by
+head: rank j gets every token of query heads [j H/N, (j+1) H/N) and of the matching KV heads
+[j H_kv/N, (j+1) H_kv/N) (GQA groups stay whole; KV heads are sent as stored, never repeated).
+With every column in hand, the rows are put in global order and one causal attention runs over
+the whole sequence; a second all-to-all sends each rank its tokens' outputs for all heads.
+Needs N to divide both H and H_kv (checked by apply_context_parallel). No LSE merge: each head
+sees all its keys at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ulysses(step, q, kv_local, **attn):
+    from ..kernels import attend
+
+    comm, rank, world = step.comm, step.comm.rank, step.comm.world
+    b, h, t, d = q.shape
+    hq, hk = h // world, kv_local.shape[3] // world
+    q_sizes = [c.numel() for c in step.q_cols_all]
+    kv_sizes = [c.numel() for c in step.kv_cols]
+    # sequence-sharded -> head-sharded
+    qs = comm.all_to_all([q[:, j * hq:(j + 1) * hq] for j in range(world)],
+                         [(b, hq, n, d) for n in q_sizes])
+    kvs = comm.all_to_all([kv_local[:, :, :, j * hk:(j + 1) * hk] for j in range(world)],
+                          [(n, 2, b, hk, d) for n in kv_sizes])
+    q_cols, q_order = torch.cat(step.q_cols_all).sort()
+    k_cols, k_order = torch.cat(step.kv_cols).sort()
+    qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))
+    kvh = torch.cat(kvs, dim=0).index_select(0, k_order.to(q.device))
+    k, v = kvh[:, 0].permute(1, 2, 0, 3), kvh[:, 1].permute(1, 2, 0, 3)
+    key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
+    res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
+    out = res[0] if res is not None else qh.new_zeros(qh.shape, dtype=torch.float32)
+    # head-sharded -> sequence-sharded: rank i gets its own tokens back, for our heads
+    out = out.to(q.dtype).index_select(2, q_order.argsort().to(q.device))
+    back = comm.all_to_all(list(out.split(q_sizes, dim=2)), [(b, hq, t, d)] * world)
+    return torch.cat(back, dim=1), None

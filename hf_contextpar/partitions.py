@@ -1,0 +1,114 @@
+"""KV-Runahead's context partitions (KVR paper 4.2): even (KVR-E), searched (KVR-S), predicted (KVR-P).
+
+In the KV-Runahead chain a later rank attends to a longer prefix and waits longer for it, so
+TTFT is lowest when earlier ranks take more tokens. `search` finds the partition by the paper's
+hierarchical grid search on measured TTFT: boundaries start at the even split, every boundary is
+moved over a small grid with a coarse stride, the best point is kept and the stride halves
+until it reaches the minimum. `PartitionTable` stores searched partitions as ratios per context
+length and predicts a partition for any length by linear interpolation between the two nearest
+entries (clamped to the end entries outside the table). `python -m hf_contextpar kvr-table`
+builds and saves one for a model and N on the running machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from .sharding import partition_sizes
+
+
+def even(num_tokens: int, world: int) -> list[int]:
+    """KVR-E: contiguous partitions of equal size (the first ranks take the remainder)."""
+    return partition_sizes(num_tokens, [1.0] * world)
+
+
+@dataclass
+class PartitionTable:
+    """Searched partition ratios per context length, for one N. Predicts partitions (KVR-P)."""
+
+    world: int
+    entries: dict = field(default_factory=dict)  # context length -> ratios (sum 1)
+    details: dict = field(default_factory=dict)
+
+    def add(self, length: int, sizes: list[int]):
+        if len(sizes) != self.world:
+            raise ValueError(f"a partition for {self.world} ranks needs {self.world} sizes, got {sizes}")
+        self.entries[int(length)] = [s / sum(sizes) for s in sizes]
+
+    def ratios(self, length: int) -> list[float]:
+        if not self.entries:
+            raise ValueError("the partition table is empty; build it with `python -m hf_contextpar kvr-table`.")
+        keys = sorted(self.entries)
+        i = bisect.bisect_left(keys, length)
+        if i == 0 or (i < len(keys) and keys[i] == length):
+            return list(self.entries[keys[i if i < len(keys) else -1]])
+        if i == len(keys):
+            return list(self.entries[keys[-1]])
+        lo, hi = keys[i - 1], keys[i]
+        w = (length - lo) / (hi - lo)
+        return [(1 - w) * a + w * b for a, b in zip(self.entries[lo], self.entries[hi])]
+
+    def sizes(self, length: int, world: int) -> list[int]:
+        """KVR-P: the interpolated partition of `length` tokens (exact integer sizes)."""
+        if world != self.world:
+            raise ValueError(f"this partition table was built for {self.world} ranks, not {world}; "
+                             "build one for this N with `python -m hf_contextpar kvr-table`.")
+        return partition_sizes(length, self.ratios(length))
+
+    def save(self, path: str) -> str:
+        with open(path, "w") as f:
+            json.dump(dict(world=self.world, entries={str(k): v for k, v in sorted(self.entries.items())},
+                           details=self.details), f, indent=1)
+        return path
+
+    @classmethod
+    def load(cls, source) -> "PartitionTable":
+        """From a PartitionTable, a dict (as saved) or a JSON path."""
+        if isinstance(source, cls):
+            return source
+        if not isinstance(source, dict):
+            with open(source) as f:
+                source = json.load(f)
+        return cls(int(source["world"]), {int(k): list(v) for k, v in source["entries"].items()},
+                   dict(source.get("details", {})))
+
+
+def search(num_tokens: int, world: int, measure, points: int = 5, min_stride: int | None = None):
+    """KVR-S: hierarchical grid search of the partition minimising `measure(sizes) -> seconds`.
+
+    The world-1 inner boundaries start at the even split; each level tries `points` positions per
+    boundary (stride apart, centred on the best so far), keeps the best and halves the stride,
+    down to `min_stride` tokens (default: about 1% of the context). Every measured partition is
+    remembered, so the even split counts as a candidate and the result is never slower than it
+    in these measurements. Returns (best sizes, best seconds, {sizes: seconds}).
+    """
+    if num_tokens < world:
+        raise ValueError(f"cannot partition {num_tokens} tokens over {world} ranks")
+    min_stride = max(1, min_stride or num_tokens // 100)
+    measured: dict[tuple, float] = {}
+
+    def timed(bounds) -> float:
+        sizes = tuple(b - a for a, b in zip((0, *bounds), (*bounds, num_tokens)))
+        if sizes not in measured:
+            measured[sizes] = measure(list(sizes))
+        return measured[sizes]
+
+    best = tuple(itertools.accumulate(even(num_tokens, world)))[:-1]
+    timed(best)
+    stride = max(min_stride, num_tokens // (2 * world))
+    offsets = [k - points // 2 for k in range(points)]
+    while True:
+        for deltas in itertools.product(offsets, repeat=world - 1):
+            bounds = tuple(b + d * stride for b, d in zip(best, deltas))
+            if all(a < b for a, b in zip((0, *bounds), (*bounds, num_tokens))):
+                timed(bounds)
+        best_sizes = min(measured, key=measured.get)
+        best = tuple(itertools.accumulate(best_sizes))[:-1]
+        if stride <= min_stride:
+            break
+        stride = max(min_stride, stride // 2)
+    best_sizes = min(measured, key=measured.get)
+    return list(best_sizes), measured[best_sizes], measured
