@@ -164,7 +164,9 @@ def cmd_needlebench(args) -> int:
                    ref_score=nb.score(case["task"], ref_answer, case["keywords"]),
                    cp_score=nb.score(case["task"], cp_answer, case["keywords"]),
                    new_tokens=[int(ref["tokens"].numel()), int(cp_tokens.numel())])
-        rec["equivalent"] = rec["tokens_identical"] and rec["max_logit_diff"] <= tol
+        rec["near_tie"] = rec["divergence_margin"] is not None and rec["divergence_margin"] <= 2 * tol
+        identical = rec["tokens_identical"] or (args.allow_near_ties and rec["near_tie"])
+        rec["equivalent"] = identical and rec["max_logit_diff"] <= tol
         return rec
 
     records = run_rounds(d, model, cases, strategy=args.strategy, reference=reference, ref_fn=ref_fn,
@@ -172,7 +174,8 @@ def cmd_needlebench(args) -> int:
                          desc=f"needlebench N={d.world}")
     ref_desc = f"saved single-process run {args.reference}" if args.reference else "unpatched model on one process, same run"
     base = _base(args, d, source, ref_desc, rule, ks, warning)
-    base.update(tasks=tasks, lengths=lengths, depths=depths, max_new_tokens=args.max_new_tokens)
+    base.update(tasks=tasks, lengths=lengths, depths=depths, max_new_tokens=args.max_new_tokens,
+                allow_near_ties=args.allow_near_ties)
     return _finish(args, d, "needlebench", records, tol, base, started)
 
 
@@ -272,6 +275,10 @@ def main(argv=None) -> int:
     n.add_argument("--num-needles", type=int, default=3, help="needles in multi_retrieval (default 3)")
     n.add_argument("--reasoning-needles", type=int, default=2, help="facts in multi_reasoning (default 2)")
     n.add_argument("--spacing", type=int, default=10, help="%% of the haystack between consecutive needles (default 10)")
+    n.add_argument("--allow-near-ties", action="store_true",
+                   help="accept a token divergence at a step where the reference's top choice beat the context-parallel "
+                        "one by at most twice the tolerance (low precision: a kernel swap flips such ties too); "
+                        "default: generated tokens must be identical")
     n.add_argument("--no-chat-template", action="store_true", help="prompt with plain text even if the tokenizer has a chat template")
     n.set_defaults(func=cmd_needlebench)
     b = sub.add_parser("bookcorpus", help="teacher-forced windows: full logits, NLL, perplexity", epilog=TOLERANCE_HELP)

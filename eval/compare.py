@@ -60,12 +60,19 @@ def compare_generation(ref_tokens: torch.Tensor, ref_logits: torch.Tensor, cp_to
 
     After the first divergent token the two runs condition on different text, so their later
     logits are not comparable; the divergent step itself still is (same prefix), so it is included.
+    `divergence_margin` is how much the reference preferred its own token over the context-parallel
+    one at that step: when it is within twice the tolerance the step was a near-tie that any change
+    of summation order (a different attention kernel on one process, too) can flip.
     """
     div = first_divergence(ref_tokens[None], cp_tokens[None])
     steps = ref_tokens.numel() if div is None else div + 1
+    margin = None
+    if div is not None and div < min(ref_tokens.numel(), cp_tokens.numel(), ref_logits.shape[0]):
+        row = ref_logits[div].double()
+        margin = float(row[ref_tokens[div]] - row[cp_tokens[div]])
     return dict(tokens_identical=div is None, first_divergence=div,
-                max_logit_diff=step_logits_diff(ref_logits, cp_logits, steps), steps_compared=min(
-                    steps, ref_logits.shape[0], cp_logits.shape[0]))
+                max_logit_diff=step_logits_diff(ref_logits, cp_logits, steps),
+                steps_compared=min(steps, ref_logits.shape[0], cp_logits.shape[0]), divergence_margin=margin)
 
 
 # -- teacher forcing ---------------------------------------------------------------------------

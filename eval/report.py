@@ -31,6 +31,7 @@ def summarize(records: list, base: dict, tol: float) -> dict:
              worst_logit_diff=worst["max_logit_diff"] if worst else None, worst_case=worst["key"] if worst else None)
     if records and "tokens_identical" in records[0]:
         s["tokens_identical_cases"] = sum(r["tokens_identical"] for r in records)
+        s["near_tie_divergences"] = [r["key"] for r in records if r.get("near_tie")]
         s["scores"] = {t: dict(reference=_mean([r["ref_score"] for r in records if r["task"] == t]),
                                context_parallel=_mean([r["cp_score"] for r in records if r["task"] == t]))
                        for t in dict.fromkeys(r["task"] for r in records)}
@@ -57,6 +58,9 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"  worst max|NLL diff| {_fmt(s['worst_nll_diff'])}  lowest argmax agreement {s['min_argmax_agreement']:.4f}")
     for task, sc in s.get("scores", {}).items():
         lines.append(f"  {task}: mean score reference {sc['reference']:.1f}  context-parallel {sc['context_parallel']:.1f}")
+    if s.get("near_tie_divergences"):
+        lines.append(f"  divergences at near-ties (reference margin <= 2 x tolerance): {len(s['near_tie_divergences'])}"
+                     + ("; accepted (--allow-near-ties)" if s.get("allow_near_ties") else "; rerun with --allow-near-ties to accept them"))
     if s["not_equivalent"]:
         lines.append(f"  not equivalent: {', '.join(s['not_equivalent'][:10])}" + (" ..." if len(s["not_equivalent"]) > 10 else ""))
     if s.get("warning"):
@@ -83,14 +87,16 @@ def _markdown(s: dict, records: list) -> str:
            "", "```", *summary_lines(s), "```", ""]
     if s["kind"] == "needlebench":
         out += ["A case is equivalent when the generated tokens are identical and the max |logit diff| over the generated "
-                "steps (up to and including the first divergent one) is within the tolerance. Scores are NeedleBench's "
-                "keyword scores in %.", "",
-                "| task | length | depth % | prompt tokens | identical | first divergence | max \\|Δlogit\\| | equivalent "
+                "steps (up to and including the first divergent one) is within the tolerance. *Margin* is how much the "
+                "reference preferred its token over the context-parallel one at the first divergent step (a near-tie when "
+                "at most twice the tolerance). Scores are NeedleBench's keyword scores in %.", "",
+                "| task | length | depth % | prompt tokens | identical | first divergence (margin) | max \\|Δlogit\\| | equivalent "
                 "| score ref | score CP | answer (reference) | answer (context-parallel) |",
                 "|---|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|---|---|"]
         for r in records:
             out.append(f"| {r['task']} | {r['length']} | {r['depth']} | {r['prompt_tokens']} | {'yes' if r['tokens_identical'] else '**no**'} "
-                       f"| {_fmt(r['first_divergence'])} | {_fmt(r['max_logit_diff'])} | {'yes' if r['equivalent'] else '**no**'} "
+                       f"| {_fmt(r['first_divergence'])}{'' if r.get('divergence_margin') is None else ' (' + _fmt(r['divergence_margin']) + ')'} "
+                       f"| {_fmt(r['max_logit_diff'])} | {'yes' if r['equivalent'] else '**no**'} "
                        f"| {r['ref_score']:.0f} | {r['cp_score']:.0f} | {_cell(r['ref_answer'])} | {_cell(r['cp_answer'])} |")
         out += ["", "![score and identity heatmaps](heatmap.png)", "", "![logit difference vs length](logit_diff.png)", ""]
     else:

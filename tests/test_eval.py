@@ -124,11 +124,13 @@ def test_needlebench_broken_ring_is_not_equivalent(tmp_path):
 
 
 def test_bookcorpus_saved_reference_n2(tmp_path):
+    from hf_contextpar.eval.cli import main
+
     ref = tmp_path / "ref.pt"
-    args = ["-m", "hf_contextpar.eval", "bookcorpus", "--model", "tiny-llama", "--window", "700", "--num-windows", "3"]
-    _check(launch(1, args + ["--save-reference", str(ref)], timeout=300), 0)
+    args = ["bookcorpus", "--model", "tiny-llama", "--window", "700", "--num-windows", "3"]
+    assert main(args + ["--save-reference", str(ref)]) == 0  # one process: this one
     out = tmp_path / "bc"
-    procs = launch(2, args + ["--reference", str(ref), "--out", str(out)], timeout=300)
+    procs = launch(2, ["-m", "hf_contextpar.eval", *args, "--reference", str(ref), "--out", str(out)], timeout=300)
     _check(procs, 0)
     rep = _report(out)
     assert rep["summary"]["verdict"] == "equivalent" and rep["summary"]["reference"].startswith("saved single-process run")
@@ -138,8 +140,14 @@ def test_bookcorpus_saved_reference_n2(tmp_path):
         assert c["max_nll_diff"] <= 1e-4 and c["ppl_ref"] == pytest.approx(c["ppl_cp"], rel=1e-5) and c["ppl_ref"] > 1
 
 
-def test_length_beyond_context_is_a_clear_error(tmp_path):
-    procs = launch(1, ["-m", "hf_contextpar.eval", "needlebench", "--model", "tiny-llama", "--lengths", "70000",
-                       "--out", str(tmp_path)], timeout=120)
-    _check(procs, 2)
-    assert "exceeds the model's context (max_position_embeddings = 65536)" in procs[0][2]
+def test_clear_errors(tmp_path, capsys):
+    from hf_contextpar.eval.cli import main
+
+    assert main(["needlebench", "--model", "tiny-llama", "--lengths", "70000", "--out", str(tmp_path)]) == 2
+    assert "exceeds the model's context (max_position_embeddings = 65536)" in capsys.readouterr().err
+    assert main(["bookcorpus", "--model", "tiny-llama", "--reference", str(tmp_path / "missing.pt"), "--window", "64",
+                 "--num-windows", "1", "--out", str(tmp_path)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["needlebench", "--model", "tiny-llama", "--data", str(tmp_path / "nowhere"), "--lengths", "1024",
+                 "--depths", "0", "--out", str(tmp_path)]) == 2
+    assert "PaulGrahamEssays.jsonl not found under --data" in capsys.readouterr().err
