@@ -151,3 +151,42 @@ def test_clear_errors(tmp_path, capsys):
     assert main(["needlebench", "--model", "tiny-llama", "--data", str(tmp_path / "nowhere"), "--lengths", "1024",
                  "--depths", "0", "--out", str(tmp_path)]) == 2
     assert "PaulGrahamEssays.jsonl not found under --data" in capsys.readouterr().err
+
+
+def test_needlebench_files_through_datasets(tmp_path, tok):
+    """The real-data path (NeedleBench's file layout, read with `datasets`) on a local copy: --data DIR."""
+    essays = ["First essay. It has sentences! Does it? Yes. " * 40, "Second essay, shorter. " * 40]
+    with open(tmp_path / "PaulGrahamEssays.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(text=t)) + "\n" for t in essays)
+    needles = [dict(needle=f"Needle {i} says the code is {1000 + i}.", retrieval_question=f"What is code {i}? Please "
+                    f"answer in the format 'The code is ______.'", arg1=f"code {i}", arg2=str(1000 + i), language=lang)
+               for i in range(4) for lang in ("English", "Chinese")]
+    with open(tmp_path / "needles.jsonl", "w") as f:
+        f.writelines(json.dumps(n) + "\n" for n in needles)
+    (tmp_path / "sub").mkdir()
+    with open(tmp_path / "sub" / "multi_needle_reasoning_en.json", "w") as f:
+        json.dump([dict(derivations=["A is B's parent.", "B lives in Qux."], derivation_count=2,
+                        question="Where does A's child live?", answer="Qux")], f)
+    data, warning = nb.load_data("auto", str(tmp_path), builtin_model=True)
+    assert warning is None and data.source.startswith(nb.HUB_REPO) and len(data.haystack) == 2
+    assert all(n["language"] == "English" for n in data.needles) and len(data.needles) == 4
+    cases = nb.build_cases(data, tok, list(nb.TASKS), [1200], [50])
+    assert [p.task for p in cases] == list(nb.TASKS)
+    for p in cases:
+        assert 1200 - 24 <= len(p.ids) <= 1200 and all(k in "".join(p.needles).lower() for k in p.keywords)
+    assert cases[2].keywords == ["qux"]
+
+
+def test_bookcorpus_local_text_and_windows(tmp_path, tok):
+    from hf_contextpar.eval import bookcorpus as bc
+
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("the first sentence of a book .\n" * 100)
+    ids, where, warning = bc.load_token_stream(tok, 2000, data=str(tmp_path / "books"))
+    assert warning is None and where.startswith("local files") and len(ids) >= 2000
+    assert tok.decode(ids[:31]) == "the first sentence of a book .\n"
+    wins = bc.windows(ids, 500, 4, bos=256)
+    assert [len(w) for w in wins] == [500] * 4 and all(w[0] == 256 for w in wins)
+    assert sum((w[1:] for w in wins), []) == ids[:4 * 499]  # consecutive, no token dropped or repeated
+    with pytest.raises(nb.DataError, match="only"):
+        bc.load_token_stream(tok, 10**6, data=str(tmp_path / "books"))
