@@ -10,6 +10,7 @@ from __future__ import annotations
 from .api import apply_context_parallel, get_runtime, remove_context_parallel
 from .cache import ShardedCache
 from .errors import ContextParallelError, UnsupportedModelError
+from .partitions import PartitionTable
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "remove_context_parallel",
     "get_runtime",
     "ShardedCache",
+    "PartitionTable",
     "ContextParallelError",
     "UnsupportedModelError",
 ]

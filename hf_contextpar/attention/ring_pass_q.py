@@ -15,20 +15,31 @@ from ..kernels import acc_dtype, attend
 from ..merge import merge_packed, pack_partial
 
 
-def ring_pass_q(step, q, kv_local, **attn):
+def pass_q(step, q, block_shape, attend_block):
+    """The pass-Q skeleton shared with batched decode: this rank's query block travels the ring,
+    `attend_block(src, block)` attends rank src's block here, and one All2All brings every partial
+    home for the merge. block_shape(r): the shape of rank r's query block."""
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
-    b, h, _, d = q.shape
     partial = [None] * world
     block, src = q.contiguous(), rank
     for hop in range(world):
         pending = None
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
-            pending = comm.ring_shift(block, (b, h, step.q_cols_all[nxt].numel(), d), block.dtype, block.device)
-        res = attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
-        partial[src] = pack_partial(res, block.shape, acc_dtype(q.dtype), q.device)
+            pending = comm.ring_shift(block, block_shape(nxt), block.dtype, block.device)
+        partial[src] = pack_partial(attend_block(src, block), block.shape, acc_dtype(q.dtype), q.device)
         if pending is not None:
             block, src = pending.wait(), nxt
-    home = comm.all_to_all(partial, [(b, h, q.shape[2], d + 1)] * world)
+    b, h, t, d = q.shape
+    home = comm.all_to_all(partial, [(b, h, t, d + 1)] * world)
     return merge_packed(torch.stack(home))
+
+
+def ring_pass_q(step, q, kv_local, **attn):
+    rank = step.comm.rank
+    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    b, h, _, d = q.shape
+    key_valid = step.key_valid(rank)
+    return pass_q(step, q, lambda r: (b, h, step.q_cols_all[r].numel(), d),
+                  lambda src, block: attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank],
+                                            key_valid=key_valid, **attn))

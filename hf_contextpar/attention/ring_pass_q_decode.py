@@ -10,29 +10,19 @@ slice start::N, so selecting them from the cache is a view, not a copy.
 
 from __future__ import annotations
 
-import torch
-
-from ..kernels import acc_dtype, attend
-from ..merge import merge_packed, pack_partial
+from ..kernels import attend
+from .ring_pass_q import pass_q
 
 
 def ring_pass_q_decode(step, q, kv_local, **attn):
-    comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    k_all, v_all = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    rank = step.comm.rank
+    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
     cols = step.kv_cols[rank]
     _, h, t, d = q.shape
-    partial = [None] * world
-    block, src = q.contiguous(), rank
-    for hop in range(world):
-        pending = None
-        if hop < world - 1:
-            nxt = (rank - hop - 1) % world
-            pending = comm.ring_shift(block, (step.batch_size(nxt), h, t, d), block.dtype, block.device)
+
+    def attend_block(src, block):
         rows = step.batch_rows[src]
-        k_cols = cols[rows] if cols.dim() == 2 else cols
-        res = attend(block, k_all[rows], v_all[rows], step.q_cols, k_cols, key_valid=step.key_valid(rank, rows), **attn)
-        partial[src] = pack_partial(res, block.shape, acc_dtype(q.dtype), q.device)
-        if pending is not None:
-            block, src = pending.wait(), nxt
-    home = comm.all_to_all(partial, [(q.shape[0], h, t, d + 1)] * world)
-    return merge_packed(torch.stack(home))
+        return attend(block, k[rows], v[rows], step.q_cols, cols[rows] if cols.dim() == 2 else cols,
+                      key_valid=step.key_valid(rank, rows), **attn)
+
+    return pass_q(step, q, lambda r: (step.batch_size(r), h, t, d), attend_block)
