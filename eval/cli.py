@@ -297,3 +297,8 @@ def main(argv=None) -> int:
             print(f"error: {e.code}", file=sys.stderr)
             return EXIT_ERROR
         raise
+    except Exception:  # a crash is not a verdict: exit 2, so a gate can tell "could not run" from "not equivalent"
+        import traceback
+
+        traceback.print_exc()
+        return EXIT_ERROR

@@ -210,8 +210,8 @@ def build_prompt(task: str, length: int, depth: int, content, hay_ids: list, tok
     fixed = len(encode(_template("".join(wrapped), question, task)))
     budget = length - fixed
     if budget < 16:
-        raise DataError(f"length {length} leaves no room for a haystack: the template, question and needles alone "
-                        f"take {fixed} tokens. Use lengths of at least {fixed + 64}.")
+        raise DataError(f"{task}: length {length} leaves no room for a haystack: the template, question and needles "
+                        f"alone take {fixed} tokens. Use lengths of at least {fixed + 64} (or fewer needles / other --tasks).")
     if len(hay_ids) < budget:
         raise DataError(f"only {len(hay_ids)} tokens of haystack text are available, {budget} are needed for length "
                         f"{length}. Use shorter --lengths or a larger haystack (--data / --source hub).")
