@@ -39,8 +39,11 @@ def _rows(source: str, data: str | None, dataset_id: str, revision: str | None, 
         ds = load_dataset(builder, data_files=files, split="train", streaming=True)
         where = f"local files ({data})"
     else:
-        ds = load_dataset(dataset_id, revision=revision, split="train", streaming=True)
-        where = f"{dataset_id}" + (f"@{revision}" if revision else "")
+        ds = load_dataset(dataset_id, revision=revision, streaming=True)
+        # the parquet conversion of a large dataset may hold only a "partial-train" split
+        split = "train" if "train" in ds else next(iter(ds))
+        ds = ds[split]
+        where = f"{dataset_id}" + (f"@{revision}" if revision else "") + f" [{split}]"
     first = next(iter(ds), None)
     if first is None or column not in first:
         raise DataError(f"{where} has no rows with a '{column}' column (columns: {sorted(first or {})}); set --text-column.")
@@ -69,12 +72,13 @@ def load_token_stream(tok, tokens: int, *, source="auto", data=None, dataset_id=
 
         ids = tok(sample_text(), add_special_tokens=False).input_ids
     else:
-        ids, chunk = [], []
+        ids, chunk, chars = [], [], 0
         for row in rows:  # BookCorpus rows are sentences: one per line, as in its text files
             chunk.append(row)
-            if sum(map(len, chunk)) > 200_000:
+            chars += len(row)
+            if chars > 200_000:
                 ids.extend(tok("\n".join(chunk) + "\n", add_special_tokens=False).input_ids)
-                chunk = []
+                chunk, chars = [], 0
                 if len(ids) >= tokens:
                     break
         if chunk and len(ids) < tokens:

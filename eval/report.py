@@ -131,7 +131,7 @@ def _plots(out_dir: str, s: dict, records: list) -> list[str]:
             score = [[by[(task, L, d)]["cp_score"] for L in lengths] for d in depths]
             ok = [[1.0 if by[(task, L, d)]["equivalent"] else 0.0 for L in lengths] for d in depths]
             for ax, grid, cmap, title in ((axes[0][j], score, score_cmap, f"{TASK_TITLES.get(task, task)}\nCP score"),
-                                          (axes[1][j], ok, ListedColormap(["#F0496E", "#0CD79F"]), "identical to one process")):
+                                          (axes[1][j], ok, ListedColormap(["#F0496E", "#0CD79F"]), "equivalent to one process\n(= same tokens, ≠@k diverged at step k; max |Δlogit|)")):
                 ax.imshow(grid, cmap=cmap, vmin=0, vmax=100 if grid is score else 1, aspect="auto")
                 ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
                 ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
@@ -159,6 +159,8 @@ def _plots(out_dir: str, s: dict, records: list) -> list[str]:
             ax.plot(lengths, [max(max(by[(task, L, d)]["max_logit_diff"] for d in depths), floor) for L in lengths],
                     marker="o", label=f"{task} (max over depths)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("context length (tokens)")
     else:
         fig, ax = plt.subplots(figsize=(6.5, 4))
