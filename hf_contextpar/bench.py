@@ -82,31 +82,28 @@ def _median(xs):
 
 
 @torch.no_grad()
-def run_config(model, ids, *, repeats: int, new_tokens: int, stats=None, barrier=None, device):
-    """Time `repeats` prefills (the last one's cache is kept) and `new_tokens - 1` greedy decode steps."""
-    ttft, cpu, waits, by_op, sent, recv = [], [], [], {}, 0, 0
-    rss0 = _rss()[0]
-    _reset_peak(device)
-    for _ in range(repeats):
-        out = cache = None  # free the previous repeat's cache before the next prefill
-        if barrier:
-            barrier()
-        if stats is not None:
-            stats.reset()
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
-        ttft.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        cache = out.past_key_values
-        if stats is not None:
-            waits.append(stats.wait_s)
-            for op, w in stats.waits.items():
-                by_op.setdefault(op, []).append(w)
-            sent, recv = stats.bytes_sent, stats.bytes_received
-    peak_prefill = _peak(device)
-    tokens, steps, step_waits = [int(token[0, 0])], [], []
+def prefill(model, ids, *, stats=None, barrier=None, device):
+    """One timed prefill (forward over the prompt + argmax of the last logits): TTFT and its traffic."""
+    if barrier:
+        barrier()
+    if stats is not None:
+        stats.reset()
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    res = dict(ttft_s=time.perf_counter() - t0, ttft_cpu_s=time.process_time() - c0, comm_wait_s=0.0,
+               comm_wait_by_op_s={}, bytes_sent=0, bytes_received=0)
+    if stats is not None:
+        res.update(comm_wait_s=stats.wait_s, comm_wait_by_op_s=dict(stats.waits), bytes_sent=stats.bytes_sent,
+                   bytes_received=stats.bytes_received)
+    return res, out.past_key_values, token
+
+
+@torch.no_grad()
+def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, device):
+    """`new_tokens - 1` timed greedy decode steps after a prefill; per-step times and the tokens."""
+    tokens, steps, waits = [int(token[0, 0])], [], []
     if barrier:
         barrier()
     for _ in range(new_tokens - 1):
@@ -119,13 +116,66 @@ def run_config(model, ids, *, repeats: int, new_tokens: int, stats=None, barrier
         steps.append(time.perf_counter() - t0)
         tokens.append(int(token[0, 0]))
         if stats is not None:
-            step_waits.append(stats.wait_s)
-    return dict(ttft_s=_median(ttft), ttft_all_s=ttft, ttft_cpu_s=_median(cpu), ttit_s=_median(steps), ttit_all_s=steps,
-                comm_wait_by_op_s={op: _median(w) for op, w in by_op.items()},
-                comm_wait_s=_median(waits) if waits else 0.0, decode_comm_wait_s=_median(step_waits) if step_waits else 0.0,
-                bytes_sent=sent, bytes_received=recv, kv_bytes=_kv_bytes(cache), peak_bytes=max(peak_prefill, _peak(device)),
-                peak_delta_bytes=max(0, max(peak_prefill, _peak(device)) - rss0) if device.type == "cpu" else _peak(device),
-                tokens=tokens)
+            waits.append(stats.wait_s)
+    return dict(ttit_s=_median(steps), ttit_all_s=steps, decode_comm_wait_s=_median(waits) if waits else 0.0,
+                tokens=tokens, kv_bytes=_kv_bytes(cache))
+
+
+class CombinedStats:
+    """The attention traffic (`runtime.comm`) and the control traffic (`runtime.control`: input check,
+    logits gather) read as one; control operations are reported as 'control <op>'."""
+
+    def __init__(self, runtime):
+        self.parts = [("", runtime.comm.stats)]
+        if getattr(runtime, "control", None) is not None and runtime.control is not runtime.comm:
+            self.parts.append(("control ", runtime.control.stats))
+
+    def reset(self):
+        for _, st in self.parts:
+            st.reset()
+
+    @property
+    def wait_s(self):
+        return sum(st.wait_s for _, st in self.parts)
+
+    @property
+    def waits(self):
+        return {prefix + op: w for prefix, st in self.parts for op, w in st.waits.items()}
+
+    @property
+    def bytes_sent(self):
+        return sum(st.bytes_sent for _, st in self.parts)
+
+    @property
+    def bytes_received(self):
+        return sum(st.bytes_received for _, st in self.parts)
+
+
+class Samples:
+    """Repeated prefills of one configuration (median later), plus the decode of the last one."""
+
+    def __init__(self):
+        self.prefills, self.final = [], {}
+
+    def measure(self, model, ids, *, last: bool, new_tokens: int, stats=None, barrier=None, device):
+        rss0 = _rss()[0]
+        if last:
+            _reset_peak(device)
+        res, cache, token = prefill(model, ids, stats=stats, barrier=barrier, device=device)
+        self.prefills.append(res)
+        if last:
+            self.final = decode(cache, token, model, new_tokens=new_tokens, stats=stats, barrier=barrier, device=device)
+            peak = _peak(device)
+            self.final.update(peak_bytes=peak, peak_delta_bytes=max(0, peak - rss0) if device.type == "cpu" else peak)
+
+    def summary(self) -> dict:
+        med = {k: _median([p[k] for p in self.prefills])
+               for k in ("ttft_s", "ttft_cpu_s", "comm_wait_s")}
+        ops = {op for p in self.prefills for op in p["comm_wait_by_op_s"]}
+        return dict(**med, ttft_all_s=[p["ttft_s"] for p in self.prefills],
+                    comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
+                    bytes_sent=self.prefills[-1]["bytes_sent"], bytes_received=self.prefills[-1]["bytes_received"],
+                    **self.final)
 
 
 def small_collective_s(numel: int, iters: int = 200) -> float:
@@ -256,44 +306,65 @@ def run(args) -> dict | None:
 
     rows, skipped = [], []
     warm = ids[:, : min(256, lengths[0])]
-    # Baselines: rank 0 alone, unpatched, with this run's threads per process and with every core.
-    baseline_threads = [("unpatched", threads)]
+    baselines = [("unpatched", threads)]
     if cores != threads and not args.no_all_cores:  # with threads == cores the first baseline is this one
-        baseline_threads.append(("unpatched_all_cores", cores))
-    for kind, n_threads in baseline_threads:
+        baselines.append(("unpatched_all_cores", cores))
+
+    def baseline(n_threads, fn):
+        """Rank 0 runs the unpatched model with n_threads; the other ranks wait (blocked, not spinning)."""
         if rank == 0:
             torch.set_num_threads(n_threads)
-            run_config(model, warm, repeats=1, new_tokens=2, device=device)
-            for length in lengths:
-                res = run_config(model, ids[:, :length], repeats=args.repeats, new_tokens=args.new_tokens, device=device)
-                rows.append(_row("baseline", kind, 1, length, n_threads, [res]))
-                log(f"  {kind:22s} threads {n_threads}  T={length:6d}  TTFT {res['ttft_s'] * 1e3:9.1f} ms  "
-                    f"TTIT {res['ttit_s'] * 1e3:7.2f} ms")
+            fn()
             torch.set_num_threads(threads)
         if barrier:
             barrier()
 
+    def patched(strategy, fn):
+        hf_contextpar.apply_context_parallel(model, strategy=strategy)
+        try:
+            runtime = hf_contextpar.get_runtime(model)
+            fn(CombinedStats(runtime) if runtime is not None else None)
+        finally:
+            hf_contextpar.remove_context_parallel(model)
+
+    # Warm-up every configuration once (allocator, process-group connections) and drop the strategies
+    # this model cannot run.
+    for kind, n_threads in baselines:
+        baseline(n_threads, lambda: Samples().measure(model, warm, last=True, new_tokens=2, device=device))
+    active = []
     for strategy in strategies:
         try:
-            hf_contextpar.apply_context_parallel(model, strategy=strategy)
-            runtime = hf_contextpar.get_runtime(model)
-            stats = runtime.comm.stats if runtime is not None else None
-            run_config(model, warm, repeats=1, new_tokens=2, stats=stats, barrier=barrier, device=device)
+            patched(strategy, lambda st: Samples().measure(model, warm, last=True, new_tokens=2, stats=st,
+                                                           barrier=barrier, device=device))
+            active.append(strategy)
         except (ValueError, NotImplementedError, hf_contextpar.ContextParallelError) as e:
-            hf_contextpar.remove_context_parallel(model)
             skipped.append(dict(strategy=strategy, N=world, reason=f"{type(e).__name__}: {e}"))
             log(f"  {strategy}: skipped ({type(e).__name__}: {e})")
             if barrier:
                 barrier()
-            continue
-        for length in lengths:
-            res = run_config(model, ids[:, :length], repeats=args.repeats, new_tokens=args.new_tokens, stats=stats,
-                             barrier=barrier, device=device)
-            row = _row("cp", strategy, world, length, threads, _gather(res, world))
-            rows.append(row)
-            log(f"  {strategy:22s} N={world} threads {threads}  T={length:6d}  TTFT {row['ttft_s'] * 1e3:9.1f} ms  "
-                f"TTIT {row['ttit_s'] * 1e3:7.2f} ms  comm wait {row['comm_wait_frac'] * 100:5.1f}%")
-        hf_contextpar.remove_context_parallel(model)
+
+    # Side by side: every configuration once per round, so slow drifts in machine load hit all of them alike.
+    for length in lengths:
+        x = ids[:, :length]
+        samples = {c: Samples() for c in [b[0] for b in baselines] + active}
+        for rep in range(args.repeats):
+            last = rep == args.repeats - 1
+            for kind, n_threads in baselines:
+                baseline(n_threads, lambda: samples[kind].measure(model, x, last=last, new_tokens=args.new_tokens,
+                                                                  device=device))
+            for strategy in active:
+                patched(strategy, lambda st: samples[strategy].measure(model, x, last=last, new_tokens=args.new_tokens,
+                                                                       stats=st, barrier=barrier, device=device))
+        for kind, n_threads in baselines:
+            if rank == 0:
+                rows.append(_row("baseline", kind, 1, length, n_threads, [samples[kind].summary()]))
+        for strategy in active:
+            rows.append(_row("cp", strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
+        for r in rows:
+            if r["length"] == length:
+                log(f"  {r['strategy']:22s} N={r['N']} threads {r['threads_per_rank']}  T={length:6d}  "
+                    f"TTFT {r['ttft_s'] * 1e3:9.1f} ms  TTIT {r['ttit_s'] * 1e3:7.2f} ms  comm wait "
+                    f"{r['comm_wait_frac'] * 100:5.1f}%")
 
     if rank != 0:
         return None

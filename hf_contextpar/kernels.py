@@ -78,7 +78,21 @@ def _math(q, k, v, visible, scale, softcap):
 
 
 def _fused(q, k, v, bias, is_causal, scale):
-    """One fused-kernel call; returns (out, lse) or None when no fused kernel fits."""
+    """One fused-kernel call; returns (out, lse) or None when no fused kernel fits.
+
+    A block every query row sees whole (no mask, not causal) runs with the query heads of each KV
+    group folded into rows, q (B, H, Tq, D) -> (B, Hkv, group*Tq, D): rows are independent there,
+    so this is the same attention, but each KV head is streamed once per group instead of once
+    per query head (decode at 8K keys, 8 heads per KV head: about 4x faster on CPU) and CUDA
+    never repeats K/V heads. Causal and masked blocks keep one query head per row block.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and bias is None and not is_causal:
+        b, h, t, d = q.shape
+        res = _fused(q.reshape(b, k.shape[1], group * t, d), k, v, None, False, scale)
+        if res is None:
+            return None
+        return res[0].reshape(b, h, t, res[0].shape[-1]), res[1].reshape(b, h, t)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
