@@ -294,7 +294,8 @@ def main(argv=None) -> int:
         return args.func(args)
     except SystemExit as e:
         if isinstance(e.code, str):
-            print(f"error: {e.code}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # every rank reaches the same error; say it once
+                print(f"error: {e.code}", file=sys.stderr)
             return EXIT_ERROR
         raise
     except Exception:  # a crash is not a verdict: exit 2, so a gate can tell "could not run" from "not equivalent"
