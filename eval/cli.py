@@ -56,6 +56,8 @@ def _setup(args):
         import transformers
 
         transformers.logging.set_verbosity_error()
+    target = os.path.dirname(os.path.abspath(args.save_reference)) if args.save_reference else args.out
+    on_rank0(d, lambda: os.makedirs(target, exist_ok=True))  # an unwritable --out fails now, not after the run
     model, tok = load(args.model, DTYPES[args.dtype], d.device)
     if not args.save_reference:  # fail now, with the library's message, if this model cannot be patched
         try:
@@ -90,12 +92,18 @@ def _base(args, d, source, reference, rule, ks, warning) -> dict:
 def _finish(args, d, kind, records, tol, base, started) -> int:
     summary = report.summarize(records, dict(kind=kind, **base), tol)
     summary["wall_seconds"] = round(time.perf_counter() - started, 1)
+    failed = None
     if d.rank == 0:
-        paths = report.write(args.out, summary, records)
-        print("\n".join(report.summary_lines(summary)))
-        print("  wrote " + ", ".join(paths))
-        sys.stdout.flush()
+        try:
+            paths = report.write(args.out, summary, records)
+            print("\n".join(report.summary_lines(summary)))
+            print("  wrote " + ", ".join(paths))
+            sys.stdout.flush()
+        except Exception as e:  # noqa: BLE001 - re-raised after the peers are released
+            failed = e
     d.close()
+    if failed is not None:
+        raise failed
     return 0 if summary["verdict"] == "equivalent" else EXIT_NOT_EQUIVALENT
 
 

@@ -190,3 +190,49 @@ def test_bookcorpus_local_text_and_windows(tmp_path, tok):
     assert sum((w[1:] for w in wins), []) == ids[:4 * 499]  # consecutive, no token dropped or repeated
     with pytest.raises(nb.DataError, match="only"):
         bc.load_token_stream(tok, 10**6, data=str(tmp_path / "books"))
+
+
+def test_generation_and_window_metrics():
+    import torch
+
+    from hf_contextpar.eval.compare import compare_generation, window_metrics
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, generator=g, dtype=torch.float64)
+    tokens = logits.argmax(-1)
+    same = compare_generation(tokens, logits, tokens.clone(), logits + 1e-7)
+    assert same["tokens_identical"] and same["first_divergence"] is None and same["max_logit_diff"] == pytest.approx(1e-7)
+    other = tokens.clone()
+    other[2] = (tokens[2] + 1) % 11
+    late = logits.clone()
+    late[3:] += 5.0  # after the divergence the runs see different text: not compared
+    d = compare_generation(tokens, logits, other, late)
+    assert d["first_divergence"] == 2 and d["steps_compared"] == 3 and d["max_logit_diff"] == 0
+    assert d["divergence_margin"] == pytest.approx(float(logits[2, tokens[2]] - logits[2, other[2]]))
+
+    ids = torch.randint(0, 11, (40,), generator=g)
+    ref = torch.randn(40, 11, generator=g, dtype=torch.float64)
+    m = window_metrics(ref, ref + 0.5, ids, rows=7)  # a constant shift changes no probability
+    assert m["max_logit_diff"] == pytest.approx(0.5) and m["max_nll_diff"] < 1e-12 and m["argmax_agreement"] == 1
+    nll = torch.nn.functional.cross_entropy(ref[:-1], ids[1:])
+    assert m["ppl_ref"] == pytest.approx(float(torch.exp(nll))) == pytest.approx(m["ppl_cp"])
+    flipped = ref.clone()
+    flipped[::2] *= -1
+    assert window_metrics(ref, flipped, ids, rows=16)["argmax_agreement"] < 0.75
+
+
+def test_low_precision_tolerance_is_the_kernel_swap():
+    import torch
+
+    from hf_contextpar.eval.compare import tolerance
+    from hf_contextpar.eval.harness import kernel_swap
+    from hf_contextpar.models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
+    swap = kernel_swap(model, ids)
+    assert swap is not None and swap > 0 and model.config._attn_implementation == "sdpa"
+    assert tolerance(torch.bfloat16, "llama", swap)[0] == max(swap, 1e-2)
+    assert tolerance(torch.bfloat16, "llama", 1e-4)[0] == 1e-2  # the floor
+    assert tolerance(torch.float32)[0] == 1e-4 and tolerance(torch.float64)[0] == 1e-10
+    assert tolerance(torch.float64, "gemma2")[0] == 1e-5
