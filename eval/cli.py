@@ -110,16 +110,27 @@ def _finish(args, d, kind, records, tol, base, started) -> int:
 # -- NeedleBench -------------------------------------------------------------------------------
 @torch.no_grad()
 def _greedy(model, ids, max_new_tokens, tok):
+    """Greedy generate; returns (new tokens, (steps, V) logits in the model's dtype).
+
+    The logits are captured by a forward hook, not taken from `output_logits`: generate() casts
+    those to fp32, which would round fp64 differences of 1e-15 into fp32 ulps of 1e-7. The hook
+    is registered after the context-parallel hooks, so it sees the gathered logits.
+    """
     from transformers import GenerationConfig
 
+    steps = []
+    handle = model.register_forward_hook(lambda m, a, out: steps.append(out.logits[0, -1].detach().cpu()))
     gc = model.generation_config
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=gc.eos_token_id,
                            bos_token_id=gc.bos_token_id,
-                           pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else tok.pad_token_id,
-                           output_logits=True, return_dict_in_generate=True)
+                           pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else tok.pad_token_id)
     x = torch.tensor([ids], device=next(model.parameters()).device)
-    out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
-    return out.sequences[0, x.shape[1]:].cpu(), torch.stack(out.logits, 1)[0].float().cpu()
+    try:
+        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
+    finally:
+        handle.remove()
+    new = out[0, x.shape[1]:].cpu()
+    return new, torch.stack(steps[: new.numel()])
 
 
 def cmd_needlebench(args) -> int:
