@@ -158,6 +158,12 @@ def insert_needles(context: str, context_ids: list, tok, needles: list, depths: 
     return "".join(pieces), at, targets
 
 
+def _answer_format(question: str) -> str:
+    """'The number is ______' from "... Please answer in the format 'The number is ______.'" (NeedleBench's joiner)."""
+    m = re.search(r"format(?: of)? '(.*)'", question)
+    return m.group(1).rstrip(".") if m else question.split("?")[0]
+
+
 def _task_content(task: str, data: NeedleData, rng: random.Random, num_needles: int, reasoning_needles: int):
     """(needles, question, keywords) for one task, chosen once per run so every cell of the grid asks the same."""
     if task == "single_retrieval":
@@ -174,7 +180,7 @@ def _task_content(task: str, data: NeedleData, rng: random.Random, num_needles: 
             if len(picked) == num_needles:
                 break
         questions = "、".join(n["retrieval_question"].split("?")[0] + "?" for n in picked)
-        formats = "、".join(n["retrieval_question"].split("'")[1].split(".")[0] for n in picked)
+        formats = "、".join(_answer_format(n["retrieval_question"]) for n in picked)
         return [n["needle"] for n in picked], f"{questions} Please answer in the format of '{formats}'", [n["arg2"] for n in picked]
     if task == "multi_reasoning":
         pool = [r for r in data.reasoning if r["derivation_count"] == reasoning_needles]

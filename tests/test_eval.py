@@ -68,6 +68,8 @@ def test_multi_needles_at_spaced_depths_within_budget(tok, data, task, length, d
     assert len(p.needles) == (3 if task == "multi_retrieval" else 2)
     _check_placement(p, [min(100, depth + 10 * i) for i in range(len(p.needles))])
     assert all(k.lower() in "".join(p.needles).lower() for k in p.keywords)
+    if task == "multi_retrieval":  # NeedleBench's combined question: each question, then one answer format
+        assert p.question.count("?") == 3 and re.search(r"format of '[^']*______、[^']*______、[^']*______'$", p.question)
 
 
 def test_prompt_too_short_is_a_clear_error(tok, data):
