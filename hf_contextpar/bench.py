@@ -404,6 +404,8 @@ def _annotate(rows, run_info, shape, machine):
             allc = one
         if one is not None:
             r["speedup_vs_unpatched"] = one["ttft_s"] / r["ttft_s"]
+            # CPU time is what contention from other processes does not inflate: the efficiency of the work itself
+            r["cpu_speedup_vs_unpatched"] = one["ttft_cpu_s_per_rank"][0] / max(r["ttft_cpu_s_per_rank"])
             r["ttit_ratio_vs_unpatched"] = r["ttit_s"] / one["ttit_s"]
             r["decode_overhead_s"] = r["ttit_s"] - one["ttit_s"]
             r["tokens_match_unpatched"] = r["tokens"] == one["tokens"]
@@ -457,7 +459,8 @@ def check_targets(report) -> list[dict]:
                 ok = r["speedup_vs_unpatched"] >= 1.8 and r.get("speedup_vs_unpatched_all_cores", 1.0) >= 1.0
                 out.append(dict(target=f"prefill {s} N={N} T={T}: >=1.8x vs 1-process same threads, >=1x vs all cores",
                                 met=ok, figure=f"{r['speedup_vs_unpatched']:.2f}x / "
-                                                f"{r.get('speedup_vs_unpatched_all_cores', float('nan')):.2f}x"))
+                                                f"{r.get('speedup_vs_unpatched_all_cores', float('nan')):.2f}x "
+                                                f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)"))
                 floor = info["decode_floor_s"]
                 over = r["decode_overhead_s"]
                 out.append(dict(target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
@@ -495,9 +498,9 @@ def format_report(report) -> str:
                      f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}")
         for s in info.get("skipped", []):
             lines.append(f"  - skipped {s['strategy']}: {s['reason']}")
-    lines += ["", "| strategy | N | thr | T | TTFT ms | CPU ms | pred ms | speed-up 1p | vs all cores | comm wait | "
+    lines += ["", "| strategy | N | thr | T | TTFT ms | CPU ms | pred ms | speed-up 1p | CPU speed-up | vs all cores | comm wait | "
               "wait by op ms | TTIT ms | TTIT ratio | KV MiB/rank | peak MiB/rank | sent MiB/rank | recv MiB/rank | tokens = |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -509,6 +512,7 @@ def format_report(report) -> str:
             f"| {name} | {r['N']} | {r['threads_per_rank']} | {r['length']} | {r['ttft_s'] * 1e3:.1f} | "
             f"{max(r['ttft_cpu_s_per_rank']) * 1e3:.0f} | "
             f"{f(pred and pred * 1e3, '.1f')} | {f(r.get('speedup_vs_unpatched'), '.2f')} | "
+            f"{f(r.get('cpu_speedup_vs_unpatched'), '.2f')} | "
             f"{f(r.get('speedup_vs_unpatched_all_cores'), '.2f')} | {r['comm_wait_frac'] * 100:.1f}% | "
             f"{_ops(r['comm_wait_by_op_s_per_rank'])} | "
             f"{r['ttit_s'] * 1e3:.2f} | {f(r.get('ttit_ratio_vs_unpatched'), '.2f')} | "
@@ -517,7 +521,8 @@ def format_report(report) -> str:
             f"{f(r.get('tokens_match_unpatched'), '')} |")
     lines += ["", "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "
               "speed-up 1p: unpatched one process with the run's threads "
-              "per process / this TTFT; vs all cores: the same with every core. comm wait: the slowest rank's time "
+              "per process / this TTFT; CPU speed-up: the same ratio of CPU times (blind to other processes' load); "
+              "vs all cores: the TTFT ratio against the unpatched process on every core. comm wait: the slowest rank's time "
               "blocked in communication during prefill, share of TTFT. peak: RSS growth over the config (CPU) or "
               "CUDA peak. tokens =: greedy tokens identical to the unpatched run.", "", "## Targets", ""]
     for t in report.get("targets", []):

@@ -99,6 +99,21 @@ class Comm:
         return out.view(self.world, *t.shape)
 
 
+    def all_gather_start(self, t: torch.Tensor) -> "PendingRecv":
+        """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack.
+
+        For a check that need not block the forward (every rank's input fingerprint): posted before
+        the forward, waited for after it, its latency hides under the forward's compute instead of
+        adding one collective per decode step. Collectives on one group run in posting order on
+        every rank, so later collectives of the forward queue behind it safely.
+        """
+        flat = t.contiguous().view(-1)
+        out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
+        with self._guard("all_gather", "all_gather"):
+            work = _all_gather_flat(out, flat, group=self.group, async_op=True)
+        self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        return PendingRecv(self, [work], out.view(self.world, *t.shape), what="all_gather")
+
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
         """send[j] goes to rank j; returns what every rank sent to this one (shapes known in advance)."""
         flat = torch.cat([t.reshape(-1) for t in send])
@@ -118,11 +133,11 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class PendingRecv:
-    def __init__(self, comm: Comm, works, recv):
-        self._comm, self._works, self._recv = comm, works, recv
+    def __init__(self, comm: Comm, works, recv, what: str = "ring_shift"):
+        self._comm, self._works, self._recv, self._what = comm, works, recv, what
 
     def wait(self) -> torch.Tensor:
-        with self._comm._guard("ring send/recv", "ring_shift"):
+        with self._comm._guard("ring send/recv" if self._what == "ring_shift" else self._what, self._what):
             for w in self._works:
                 w.wait()
         return self._recv

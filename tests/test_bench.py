@@ -19,7 +19,7 @@ ROW_FIELDS = ["kind", "strategy", "N", "run_N", "length", "threads_per_rank", "t
               "ttit_all_s", "kv_bytes_per_rank", "peak_bytes_per_rank", "peak_delta_bytes_per_rank",
               "bytes_sent_per_rank", "bytes_received_per_rank", "comm_wait_s_per_rank", "decode_comm_wait_s_per_rank",
               "comm_wait_frac", "comm_wait_by_op_s_per_rank", "ttft_cpu_s_per_rank", "predicted_ttft_s", "speedup_vs_unpatched", "speedup_vs_unpatched_all_cores",
-              "ttit_ratio_vs_unpatched", "decode_overhead_s", "tokens", "tokens_match_unpatched", "kv_bound_bytes",
+              "cpu_speedup_vs_unpatched", "ttit_ratio_vs_unpatched", "decode_overhead_s", "tokens", "tokens_match_unpatched", "kv_bound_bytes",
               "kv_within_bound"]
 RUN_FIELDS = ["N", "threads_per_rank", "cores", "model", "machine", "small_collective_s", "decode_floor_s", "shape",
               "skipped", "lengths"]
@@ -134,3 +134,18 @@ def test_costmodel_shape_from_model():
     # q, o: 64x64; k, v: 64x32; gate, up, down: 64x128
     assert shape == costmodel.Shape(layers=2, heads=4, kv_heads=2, head_dim=16,
                                     linear_weights=2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128, elem_bytes=4)
+
+
+def test_comm_wait_accounting():
+    """Comm charges blocked time to stats.waits: a late peer shows up as exposed wait, a finished one does not."""
+    results = launch(2, [os.path.join(os.path.dirname(__file__), "bench_comm_worker.py")], timeout=120)
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-3000:]}"
+    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for _, out, _ in results)
+    assert r0["ring_ok"] and r1["ring_ok"]
+    assert r0["ring_wait"] >= 0.2, r0  # waited for the late rank 1
+    assert r1["ring_wait"] < 0.2, r1  # rank 0's block was already there
+    for r in (r0, r1):
+        assert r["async_ok"], r
+        assert r["async_stats"] == [16, 16, 1]  # two int64 each way, one call
+        assert r["async_wait"] < 0.15 and r["async_wait_call_s"] < 0.15, r
