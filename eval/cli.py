@@ -56,8 +56,7 @@ def _setup(args):
         import transformers
 
         transformers.logging.set_verbosity_error()
-    target = os.path.dirname(os.path.abspath(args.save_reference)) if args.save_reference else args.out
-    on_rank0(d, lambda: os.makedirs(target, exist_ok=True))  # an unwritable --out fails now, not after the run
+    on_rank0(d, lambda: _prepare_out(args))  # an unwritable --out fails now, not after the run
     model, tok = load(args.model, DTYPES[args.dtype], d.device)
     if not args.save_reference:  # fail now, with the library's message, if this model cannot be patched
         try:
@@ -66,6 +65,19 @@ def _setup(args):
             raise SystemExit(f"cannot run this model with context parallelism: {e}") from None
         hf_contextpar.remove_context_parallel(model)
     return d, model, tok
+
+
+def _prepare_out(args):
+    """Create the output directory and drop a previous run's reports there, so that OUT/report.json exists
+    exactly when this run completed (launchers report every failing status as 1; the report tells which)."""
+    if args.save_reference:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_reference)), exist_ok=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for name in report.FILES:
+        path = os.path.join(args.out, name)
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def _max_positions(model) -> int | None:

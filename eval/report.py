@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+FILES = ("report.json", "report.md", "heatmap.png", "logit_diff.png")
 TASK_TITLES = {"single_retrieval": "Single-needle retrieval", "multi_retrieval": "Multi-needle retrieval",
                "multi_reasoning": "Multi-needle reasoning"}
 

@@ -145,8 +145,10 @@ def test_bookcorpus_saved_reference_n2(tmp_path):
 def test_clear_errors(tmp_path, capsys):
     from hf_contextpar.eval.cli import main
 
+    (tmp_path / "report.json").write_text("{}")  # a previous run's: report.json must mean "this run completed"
     assert main(["needlebench", "--model", "tiny-llama", "--lengths", "70000", "--out", str(tmp_path)]) == 2
     assert "exceeds the model's context (max_position_embeddings = 65536)" in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
     assert main(["bookcorpus", "--model", "tiny-llama", "--reference", str(tmp_path / "missing.pt"), "--window", "64",
                  "--num-windows", "1", "--out", str(tmp_path)]) == 2
     assert "no such file" in capsys.readouterr().err
