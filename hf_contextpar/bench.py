@@ -320,7 +320,8 @@ def run(args) -> dict | None:
             barrier()
 
     def patched(strategy, fn):
-        hf_contextpar.apply_context_parallel(model, strategy=strategy)
+        extra = dict(kvr_partitions=args.kvr_partitions) if strategy == "kv_runahead" and args.kvr_partitions else {}
+        hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
             fn(CombinedStats(runtime) if runtime is not None else None)
@@ -372,7 +373,8 @@ def run(args) -> dict | None:
                     device=str(device), repeats=args.repeats, new_tokens=args.new_tokens, lengths=lengths,
                     machine=machine.as_dict(), small_collective_s=floor_collective,
                     decode_floor_s=shape.layers * floor_collective, shape=shape.__dict__,
-                    load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped)
+                    load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped,
+                    kvr_partitions=args.kvr_partitions)
     _annotate(rows, run_info, shape, machine)
     report = _merge(os.path.join(args.out, "bench.json"), run_info, rows)
     os.makedirs(args.out, exist_ok=True)
@@ -557,13 +559,19 @@ def plot(report, out_dir) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, rs in series(pred).items():
             style = "--" if rs[0]["kind"] == "baseline" else "-"
-            ax.plot([r["length"] for r in rs], [value(r) for r in rs], style, marker="o", label=label)
+            (line,) = ax.plot([r["length"] for r in rs], [value(r) for r in rs], style, marker="o", label=label)
+            x = [r["length"] for r in rs]
+            if fname == "ttft.png" and all(r.get("predicted_ttft_s") for r in rs):
+                ax.plot(x, [r["predicted_ttft_s"] for r in rs], "x", color=line.get_color(), alpha=0.6)
+            if fname == "speedup.png" and rs[0]["kind"] == "cp":
+                ax.plot(x, [r["cpu_speedup_vs_unpatched"] for r in rs], ":", color=line.get_color(), alpha=0.7)
         if fname == "speedup.png":
             ax.axhline(1.8, color="grey", lw=0.8, ls=":", label="target 1.8x")
         ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens")
+        ax.set_xlabel("prompt tokens" + {"ttft.png": "   (x: cost-model prediction)",
+                                          "speedup.png": "   (dotted: CPU-time speed-up)"}.get(fname, ""))
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -585,6 +593,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per config (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--out", default="bench", help="output directory (bench.json, bench.md, *.png)")
+    p.add_argument("--kvr-partitions", help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`); "
+                   "default: even partitions (the cost model assumes even ones)")
     p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
