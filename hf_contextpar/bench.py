@@ -152,10 +152,10 @@ class CombinedStats:
 
 
 class Samples:
-    """Repeated prefills of one configuration (median later), plus the decode of the last one."""
+    """Repeated prefill + decode of one configuration: TTFT median over prefills, TTIT over every step."""
 
     def __init__(self):
-        self.prefills, self.final = [], {}
+        self.prefills, self.steps, self.step_waits, self.final = [], [], [], {}
 
     def measure(self, model, ids, *, last: bool, new_tokens: int, stats=None, barrier=None, device):
         rss0 = _rss()[0]
@@ -163,8 +163,11 @@ class Samples:
             _reset_peak(device)
         res, cache, token = prefill(model, ids, stats=stats, barrier=barrier, device=device)
         self.prefills.append(res)
-        if last:
-            self.final = decode(cache, token, model, new_tokens=new_tokens, stats=stats, barrier=barrier, device=device)
+        dec = decode(cache, token, model, new_tokens=new_tokens, stats=stats, barrier=barrier, device=device)
+        self.steps += dec["ttit_all_s"]
+        self.step_waits.append(dec["decode_comm_wait_s"])
+        if last:  # peak, KV bytes and tokens of the last repeat (every repeat computes the same)
+            self.final = dec
             peak = _peak(device)
             self.final.update(peak_bytes=peak, peak_delta_bytes=max(0, peak - rss0) if device.type == "cpu" else peak)
 
@@ -172,10 +175,11 @@ class Samples:
         med = {k: _median([p[k] for p in self.prefills])
                for k in ("ttft_s", "ttft_cpu_s", "comm_wait_s")}
         ops = {op for p in self.prefills for op in p["comm_wait_by_op_s"]}
-        return dict(**med, ttft_all_s=[p["ttft_s"] for p in self.prefills],
+        return dict(**{**self.final, "ttit_s": _median(self.steps), "ttit_all_s": self.steps,
+                       "decode_comm_wait_s": _median(self.step_waits)},
+                    **med, ttft_all_s=[p["ttft_s"] for p in self.prefills],
                     comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
-                    bytes_sent=self.prefills[-1]["bytes_sent"], bytes_received=self.prefills[-1]["bytes_received"],
-                    **self.final)
+                    bytes_sent=self.prefills[-1]["bytes_sent"], bytes_received=self.prefills[-1]["bytes_received"])
 
 
 def small_collective_s(numel: int, iters: int = 200) -> float:
