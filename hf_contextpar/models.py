@@ -31,6 +31,9 @@ TINY_CONFIGS: dict[str, dict] = {
     # benchmark model: attention-dominated, 8 query heads per KV head (Llama-3-70B's ratio)
     "llama_gqa8": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
                        num_key_value_heads=1, head_dim=32),
+    # the same with 2 KV heads (Llama-3-8B's ratio 4:1), so Ulysses can split heads over N=2
+    "llama_gqa4": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=32),
 }
 DEFAULT_MODEL = "tiny-llama"
 
