@@ -199,23 +199,30 @@ class ContextParallelRuntime:
         self.last_forward = dict(algorithm=algorithm, tokens=num_new, past=past,
                                  bytes_sent=-self.comm.stats.bytes_sent, bytes_received=-self.comm.stats.bytes_received)
         token = current_step.set(step)
-        self._pending.append((token, gather, cache, past + num_new))
+        # Inference only: the collectives are not differentiable, and autograd would only keep
+        # activations alive. The caller's grad mode comes back in the forward hook.
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._pending.append((token, gather, cache, past + num_new, grad))
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         if not self._pending:
             return output
-        token, gather, cache, new_length = self._pending.pop()
+        token, gather, cache, new_length, grad = self._pending.pop()
         current_step.reset(token)
-        self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
-        self.last_forward["bytes_received"] += self.comm.stats.bytes_received
-        if cache is not None:
-            cache.layout.end(new_length)
-        if gather is not None and output is not None:
-            if getattr(output, "logits", None) is not None:
-                output.logits = self._gather_rows(output.logits, gather)
-            if getattr(output, "hidden_states", None) is not None:
-                output.hidden_states = tuple(self._gather_rows(h, gather.hidden) for h in output.hidden_states)
+        try:
+            self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
+            self.last_forward["bytes_received"] += self.comm.stats.bytes_received
+            if cache is not None:
+                cache.layout.end(new_length)
+            if gather is not None and output is not None:
+                if getattr(output, "logits", None) is not None:
+                    output.logits = self._gather_rows(output.logits, gather)
+                if getattr(output, "hidden_states", None) is not None:
+                    output.hidden_states = tuple(self._gather_rows(h, gather.hidden) for h in output.hidden_states)
+        finally:
+            torch.set_grad_enabled(grad)
         return output
 
     # -- helpers -----------------------------------------------------------------------

@@ -119,6 +119,15 @@ def kvr_search(n, rec):
         sizes_agree=gathered_equal(torch.tensor(sizes)))
 
 
+def grad_mode(n, rec):
+    """A plain forward with autograd on (no torch.no_grad()) works, and the caller's grad mode survives."""
+    ref = tiny_model("llama")
+    cp = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=120)
+    ids = prompt(77, seed=77)
+    out = cp(ids)
+    rec("grad_mode", max_diff=logits_diff(out.logits, ref(ids).logits), grad_enabled=torch.is_grad_enabled())
+
+
 def main():
     out_dir = sys.argv[1]
     torch.set_num_threads(1)
@@ -131,7 +140,8 @@ def main():
 
     jobs = [(lambda f=f, s=s: exactness(f, s, n, recorder(family=f, strategy=s)), f"{f}/{s}")
             for f in FAMILIES for s in STRATEGIES]
-    jobs += [(lambda: traffic(n, recorder()), "traffic"), (lambda: kvr_search(n, recorder()), "kvr_search")]
+    jobs += [(lambda: traffic(n, recorder()), "traffic"), (lambda: kvr_search(n, recorder()), "kvr_search"),
+             (lambda: grad_mode(n, recorder()), "grad_mode")]
     for job, name in jobs:
         try:
             job()

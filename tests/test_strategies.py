@@ -89,6 +89,14 @@ def test_kvr_search_on_a_model(n, tmp_path_factory):
         assert sum(r["sizes"]) == 384 and min(r["sizes"]) > 0
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_forward_with_autograd_on(n, tmp_path_factory):
+    for rank, records in enumerate(results(n, tmp_path_factory)):
+        _no_errors(records, rank)
+        (r,) = [r for r in records if r["case"] == "grad_mode"]
+        assert r["max_diff"] <= 1e-4 and r["grad_enabled"], r
+
+
 def test_search_finds_the_minimum_of_a_known_cost():
     """Hierarchical grid search on a synthetic TTFT whose best partition is (500, 300, 200)."""
     target = (500, 300, 200)
