@@ -196,6 +196,34 @@ def small_collective_s(numel: int, iters: int = 200) -> float:
     return statistics.median(times)
 
 
+def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:
+    """The same all-gather when each one follows ~1 ms of compute, as in decode: the peers' gloo
+    threads have gone to sleep and must be woken, which back-to-back calls never pay."""
+    t = torch.zeros(numel)
+    out = torch.empty(numel * dist.get_world_size())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    a, b = torch.randn(64, 256), torch.randn(256, 1024)
+
+    def compute_only():
+        t0 = time.perf_counter()
+        a @ b
+        a @ b
+        return time.perf_counter() - t0
+
+    def with_gather():
+        t0 = time.perf_counter()
+        a @ b
+        a @ b
+        gather(out, t)
+        return time.perf_counter() - t0
+
+    dist.barrier()
+    base = statistics.median(compute_only() for _ in range(iters))
+    dist.barrier()
+    both = statistics.median(with_gather() for _ in range(iters))
+    return max(0.0, both - base)
+
+
 def measure_machine(shape: costmodel.Shape, dtype, device, world: int, tokens: int = 2048) -> costmodel.Machine:
     """C_attn, C_gemm, and (N >= 2) ring bandwidth and small-collective latency; min over ranks."""
     from .kernels import attend
@@ -305,8 +333,10 @@ def run(args) -> dict | None:
 
     machine = measure_machine(shape, dtype, device, world)
     floor_collective = small_collective_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
+    woken_collective = small_collective_after_compute_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
     log(f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "
-        f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective {floor_collective * 1e3:.3f} ms")
+        f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective {floor_collective * 1e3:.3f} ms "
+        f"({woken_collective * 1e3:.3f} ms after compute)")
 
     rows, skipped = [], []
     warm = ids[:, : min(256, lengths[0])]
@@ -376,7 +406,8 @@ def run(args) -> dict | None:
     run_info = dict(N=world, threads_per_rank=threads, cores=cores, model=args.model, dtype=args.dtype,
                     device=str(device), repeats=args.repeats, new_tokens=args.new_tokens, lengths=lengths,
                     machine=machine.as_dict(), small_collective_s=floor_collective,
-                    decode_floor_s=shape.layers * floor_collective, shape=shape.__dict__,
+                    decode_floor_s=shape.layers * floor_collective,
+                    small_collective_after_compute_s=woken_collective, shape=shape.__dict__,
                     load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped,
                     kvr_partitions=args.kvr_partitions)
     _annotate(rows, run_info, shape, machine)
@@ -469,9 +500,12 @@ def check_targets(report) -> list[dict]:
                                                 f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)"))
                 floor = info["decode_floor_s"]
                 over = r["decode_overhead_s"]
+                woken = info.get("small_collective_after_compute_s", 0.0) * info["shape"]["layers"]
                 out.append(dict(target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
                                 met=over <= 1.1 * floor,
-                                figure=f"overhead {over * 1e3:.2f} ms = {over / floor if floor else float('nan'):.2f} x floor; "
+                                figure=f"overhead {over * 1e3:.2f} ms = {over / floor if floor else float('nan'):.2f} x floor "
+                                       f"({over / woken if woken else float('nan'):.2f} x the after-compute floor "
+                                       f"{woken * 1e3:.2f} ms); "
                                        f"TTIT(N={N})/TTIT(1) = {r['ttit_ratio_vs_unpatched']:.2f}"))
                 out.append(dict(target=f"KV bytes per rank {s} N={N} T={T}: <= single/N + one token per layer",
                                 met=r["kv_within_bound"], figure=f"{max(r['kv_bytes_per_rank'])} <= {r['kv_bound_bytes']:.0f}"))
@@ -500,7 +534,8 @@ def format_report(report) -> str:
                      f"{info['threads_per_rank']} of {info['cores']} cores, repeats {info['repeats']}, decode "
                      f"{info['new_tokens']} tokens; C_attn {m['attn_flops'] / 1e9:.2f} GFLOP/s, C_gemm "
                      f"{m['gemm_flops'] / 1e9:.2f} GFLOP/s, BW {m['bandwidth'] / 1e9:.3f} GB/s, small collective "
-                     f"{info['small_collective_s'] * 1e3:.3f} ms -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
+                     f"{info['small_collective_s'] * 1e3:.3f} ms ({info.get('small_collective_after_compute_s', 0) * 1e3:.3f} ms "
+                     f"after compute) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
                      f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}")
         for s in info.get("skipped", []):
             lines.append(f"  - skipped {s['strategy']}: {s['reason']}")
