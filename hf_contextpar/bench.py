@@ -270,6 +270,9 @@ def measure_machine(shape: costmodel.Shape, dtype, device, world: int, tokens: i
 
 
 # -- the run ---------------------------------------------------------------------------------------
+KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
+
+
 def _strategies(requested: str | None) -> list[str]:
     from .api import STRATEGIES
 
@@ -327,6 +330,8 @@ def run(args) -> dict | None:
     ids = torch.randint(0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)),
                         generator=g).to(device)
     strategies = _strategies(args.strategies)
+    if args.kvr_partitions and "kv_runahead" in strategies:
+        strategies.append(KVR_TABLE)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     log(f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
         f"strategies {strategies}")
@@ -354,7 +359,9 @@ def run(args) -> dict | None:
             barrier()
 
     def patched(strategy, fn):
-        extra = dict(kvr_partitions=args.kvr_partitions) if strategy == "kv_runahead" and args.kvr_partitions else {}
+        extra = {}
+        if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
+            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
@@ -632,8 +639,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per config (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--out", default="bench", help="output directory (bench.json, bench.md, *.png)")
-    p.add_argument("--kvr-partitions", help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`); "
-                   "default: even partitions (the cost model assumes even ones)")
+    p.add_argument("--kvr-partitions", help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
+                   f"adds a row '{KVR_TABLE}' next to kv_runahead's even partitions")
     p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")

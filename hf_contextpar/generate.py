@@ -103,7 +103,7 @@ class ContextParallelRuntime:
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self._params = list(inspect.signature(model.forward).parameters)
         self._handles = []
-        self._pending = []  # stack of (step, gather, cache, new_length) for running forwards
+        self._pending = []  # stack of (step token, gather, cache, new length, grad mode, input check) per running forward
 
     # -- hooks -------------------------------------------------------------------------
     def install(self):
@@ -145,10 +145,17 @@ class ContextParallelRuntime:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             position_ids = (torch.arange(num_new, device=x.device) + past).unsqueeze(0).expand(batch, -1)
+        check = None
         if self.check_inputs:
-            self._check_same_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
+            check = self._post_input_check(batch, num_new, past, ids, embeds, mask, position_ids)
+            if num_new >= self.world or past == 0:
+                # a prefill's message sizes depend on the inputs: settle the check before the ring starts
+                self._verify_same_inputs(check.wait())
+                check = None
+            # a decode step's check stays in flight under the forward and is settled after it
 
         new_cols = torch.arange(past, past + num_new)
+        batch_rows = None
         if num_new >= self.world:  # shard the new tokens (head-tail, or contiguous for KV-Runahead)
             algorithm, rows = self._prefill_plan(num_new, past, cache)
             mine = rows[self.rank]
@@ -193,8 +200,8 @@ class ContextParallelRuntime:
         kwargs["past_key_values"] = cache
         kwargs["use_cache"] = cache is not None
         padding = None if mask is None or bool(mask.all()) else mask.bool()
-        step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding, batch,
-                    batch_rows if algorithm == "ring_pass_q_decode" else None, self.num_layers)
+        step = Step(self.comm, algorithm, q_cols, q_cols_all, kv_cols, cache, padding, batch, batch_rows,
+                    self.num_layers)
         self.algorithm_counts[algorithm] += 1
         self.last_forward = dict(algorithm=algorithm, tokens=num_new, past=past,
                                  bytes_sent=-self.comm.stats.bytes_sent, bytes_received=-self.comm.stats.bytes_received)
@@ -203,15 +210,17 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        self._pending.append((token, gather, cache, past + num_new, grad))
+        self._pending.append((token, gather, cache, past + num_new, grad, check))
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         if not self._pending:
             return output
-        token, gather, cache, new_length, grad = self._pending.pop()
+        token, gather, cache, new_length, grad, check = self._pending.pop()
         current_step.reset(token)
         try:
+            if check is not None and output is not None:  # output None: the forward raised already
+                self._verify_same_inputs(check.wait())
             self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
             self.last_forward["bytes_received"] += self.comm.stats.bytes_received
             if cache is not None:
@@ -297,11 +306,14 @@ class ContextParallelRuntime:
             )
         raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
 
-    def _check_same_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids):
+    def _post_input_check(self, batch, num_new, past, ids, embeds, mask, position_ids):
+        """Start the all-gather of every rank's input fingerprint (one small collective per forward)."""
         fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
                            _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
         t = ids if ids is not None else embeds
-        everyone = self.control.all_gather(fp.to(t.device if t.device.type == "cuda" else "cpu"))
+        return self.control.all_gather_start(fp.to(t.device if t.device.type == "cuda" else "cpu"))
+
+    def _verify_same_inputs(self, everyone):
         if not bool((everyone == everyone[0]).all()):
             bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
             raise ContextParallelError(

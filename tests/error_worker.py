@@ -23,6 +23,9 @@ def main():
         with torch.no_grad():
             if scenario == "mismatch":
                 model.generate(ids + rank, max_new_tokens=4)
+            elif scenario == "mismatch_decode":  # same prompt, unseeded sampling: decode inputs differ
+                torch.manual_seed(rank)
+                model.generate(ids, max_new_tokens=8, do_sample=True, top_k=0)
             elif scenario in ("dies", "stalls"):  # rank 1 exits, or hangs without exiting
                 if rank == 1:
                     if scenario == "dies":

@@ -24,6 +24,7 @@ def _results(procs):
 
 @pytest.mark.parametrize("scenario,needle", [
     ("mismatch", "different inputs"),
+    ("mismatch_decode", "different inputs"),  # caught by the check that runs under the decode step
     ("mask4d", "2D padding mask"),
     ("labels", "labels are not supported"),
     ("foreign_cache", "cannot be used under context parallelism"),
