@@ -66,8 +66,9 @@ class Comm:
                 raise
             raise ContextParallelError(
                 f"context-parallel rank {self.rank}/{self.world}: {what} failed ({type(e).__name__}: {e}). "
-                "A peer process probably exited or stalled; check the other ranks' logs. "
-                "Waits end after the timeout given to apply_context_parallel(timeout=...)."
+                "If that names a connection, a closed peer or a timeout, another rank exited or stalled: check "
+                "the other ranks' logs (waits end after apply_context_parallel(timeout=...)); otherwise the "
+                "error is this rank's own."
             ) from e
         finally:
             self.stats.add_wait(op or what, time.perf_counter() - t0)

@@ -37,6 +37,23 @@ def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = Non
     return results
 
 
+FP64_TOL = {"gemma2": 1e-5}  # HF's Gemma2 eager path does its softmax in fp32, even for fp64 models
+_matrices: dict = {}
+
+
+def tolerance(family: str, dtype: str) -> float:
+    """Max |logit diff| against the unpatched single process: fp64 ~1e-10, fp32 1e-4."""
+    return FP64_TOL.get(family, 1e-10) if dtype == "float64" else 1e-4
+
+
+def matrix(worker: str, n: int, tmp_path_factory) -> list[list[dict]]:
+    """Every rank's records from tests/<worker> on n ranks, launched once per session and (worker, n)."""
+    if (worker, n) not in _matrices:
+        path = os.path.join(os.path.dirname(__file__), worker)
+        _matrices[worker, n] = run_matrix(n, path, tmp_path_factory.mktemp(f"{worker[:-3]}{n}"))
+    return _matrices[worker, n]
+
+
 def run_matrix(n: int, worker: str, out_dir) -> list[list[dict]]:
     """Launch `worker OUT` on n ranks and return every rank's OUT/rank{r}.json records."""
     import json

@@ -10,17 +10,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import FAMILIES  # noqa: E402
-from launch import run_matrix  # noqa: E402
-
-FP64_TOL = {"gemma2": 1e-5}  # HF's Gemma2 eager path does its softmax in fp32, even for fp64 models
-_results: dict[int, list] = {}
-
+from launch import matrix, tolerance  # noqa: E402
 
 def results(n: int, tmp_path_factory) -> list[list[dict]]:
-    if n not in _results:
-        worker = os.path.join(os.path.dirname(__file__), "cp_worker.py")
-        _results[n] = run_matrix(n, worker, tmp_path_factory.mktemp(f"cp{n}"))
-    return _results[n]
+    return matrix("cp_worker.py", n, tmp_path_factory)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,7 +30,7 @@ def test_family_exact(n, family, tmp_path_factory):
         for r in mine:
             where = f"rank {rank} {r}"
             if r["case"] in ("prefill_logits", "hidden_states") or (r["case"] == "padded_batch" and "max_diff" in r):
-                tol = FP64_TOL.get(family, 1e-10) if r["dtype"] == "float64" else 1e-4
+                tol = tolerance(family, r["dtype"])
                 assert r["max_diff"] <= tol, where
             if r["case"] == "hidden_states":
                 assert r["count_equal"], where

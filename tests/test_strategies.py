@@ -12,18 +12,11 @@ from hf_contextpar.partitions import PartitionTable, even, search
 from hf_contextpar.sharding import partition_sizes
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import run_matrix  # noqa: E402
+from launch import matrix, tolerance  # noqa: E402
 from strategy_worker import FAMILIES, STRATEGIES  # noqa: E402
 
-FP64_TOL = {"gemma2": 1e-5}  # HF's Gemma2 eager path does its softmax in fp32, even for fp64 models
-_results: dict[int, list] = {}
-
-
 def results(n: int, tmp_path_factory) -> list[list[dict]]:
-    if n not in _results:
-        worker = os.path.join(os.path.dirname(__file__), "strategy_worker.py")
-        _results[n] = run_matrix(n, worker, tmp_path_factory.mktemp(f"st{n}"))
-    return _results[n]
+    return matrix("strategy_worker.py", n, tmp_path_factory)
 
 
 def _no_errors(records, rank):
@@ -46,7 +39,7 @@ def test_strategy_exact(n, strategy, tmp_path_factory):
         for r in mine:
             where = f"rank {rank} {r}"
             if "max_diff" in r:
-                tol = FP64_TOL.get(r["family"], 1e-10) if r["dtype"] == "float64" else 1e-4
+                tol = tolerance(r["family"], r["dtype"])
                 assert r["max_diff"] <= tol, where
             if "tokens_equal" in r:
                 assert r["tokens_equal"] and r.get("ranks_agree", True), where
