@@ -99,7 +99,6 @@ class Comm:
         self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
-
     def all_gather_start(self, t: torch.Tensor) -> "PendingRecv":
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack.
 
@@ -114,6 +113,28 @@ class Comm:
             work = _all_gather_flat(out, flat, group=self.group, async_op=True)
         self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return PendingRecv(self, [work], out.view(self.world, *t.shape), what="all_gather")
+
+    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list["PendingRecv"]:
+        """Every rank's block to every rank at its exact size: an all-gather of unequal blocks.
+
+        Rank r's block goes out by one broadcast rooted at r, straight from its buffer (no padding,
+        no staging copy); all N are posted at once and `wait()` on entry r returns rank r's block,
+        so a caller can work on the blocks that have landed while the rest are in flight.
+        shapes[r]: rank r's block shape, known to every rank.
+        """
+        mine = mine.contiguous()
+        out = []
+        for r, shape in enumerate(shapes):
+            buf = mine if r == self.rank else torch.empty(shape, dtype=mine.dtype, device=mine.device)
+            works = []
+            if buf.numel() > 0:
+                with self._guard("broadcast", "broadcast"):
+                    works = [dist.broadcast(buf, self._global[r], group=self.group, async_op=True)]
+            out.append(PendingRecv(self, works, buf, what="broadcast"))
+        esize = mine.element_size()
+        self.stats.record("broadcast", _nbytes(mine) * (self.world - 1),
+                          esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
+        return out
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
         """send[j] goes to rank j; returns what every rank sent to this one (shapes known in advance)."""

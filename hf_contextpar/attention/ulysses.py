@@ -17,7 +17,7 @@ import torch
 def ulysses(step, q, kv_local, **attn):
     from ..kernels import attend
 
-    comm, rank, world = step.comm, step.comm.rank, step.comm.world
+    comm, world = step.comm, step.comm.world
     b, h, t, d = q.shape
     hq, hk = h // world, kv_local.shape[3] // world
     q_sizes = [c.numel() for c in step.q_cols_all]
