@@ -178,10 +178,7 @@ def cmd_needlebench(args) -> int:
         return dict(prompt_sha=fingerprint(case["ids"]), tokens=tokens, logits=logits)
 
     if args.save_reference:
-        refs = {c["key"]: ref_fn(model, c) for c in _progress(cases, "reference")}
-        save_reference(args.save_reference, "needlebench", meta, refs)
-        print(f"saved the single-process reference of {len(cases)} cases to {args.save_reference}")
-        return 0
+        return _save_reference(args, "needlebench", meta, cases, lambda c: ref_fn(model, c))
     reference = load_reference(args.reference, "needlebench", cases, meta) if args.reference else None
     tol, rule, ks = _tolerance(args, d, model, cases[0]["ids"])
 
@@ -208,6 +205,14 @@ def cmd_needlebench(args) -> int:
     base.update(tasks=tasks, lengths=lengths, depths=depths, max_new_tokens=args.max_new_tokens,
                 allow_near_ties=args.allow_near_ties)
     return _finish(args, d, "needlebench", records, tol, base, started)
+
+
+def _save_reference(args, task, meta, cases, ref_fn) -> int:
+    """--save-reference: run every case on the unpatched model (one process) and save the results."""
+    refs = {c["key"]: ref_fn(c) for c in _progress(cases, "reference")}
+    save_reference(args.save_reference, task, meta, refs)
+    print(f"saved the single-process reference of {len(cases)} {task} cases to {args.save_reference}")
+    return 0
 
 
 def _progress(items, desc):
@@ -246,11 +251,8 @@ def cmd_bookcorpus(args) -> int:
         return model(x, use_cache=False).logits[0]
 
     if args.save_reference:
-        refs = {c["key"]: dict(prompt_sha=fingerprint(c["ids"]), logits=forward(model, c).cpu())
-                for c in _progress(cases, "reference")}
-        save_reference(args.save_reference, "bookcorpus", meta, refs)
-        print(f"saved the single-process reference of {len(cases)} windows to {args.save_reference}")
-        return 0
+        return _save_reference(args, "bookcorpus", meta, cases,
+                               lambda c: dict(prompt_sha=fingerprint(c["ids"]), logits=forward(model, c).cpu()))
     reference = load_reference(args.reference, "bookcorpus", cases, meta) if args.reference else None
     tol, rule, ks = _tolerance(args, d, model, cases[0]["ids"])
 

@@ -4,9 +4,7 @@ records differences. Writes OUT/rank{r}.json."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 
 import torch
@@ -15,6 +13,7 @@ import torch.distributed as dist
 import hf_contextpar
 from hf_contextpar.eval import first_divergence, logits_diff
 from hf_contextpar.models import tiny_model
+from launch import write_records
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
 
@@ -38,17 +37,12 @@ def local_tokens(cache) -> int:
     return cache.local_length if isinstance(cache, hf_contextpar.ShardedCache) else cache.get_seq_length()
 
 
-def per_sequence_spread(cache) -> int:
+def per_sequence_spread(cache, batch) -> int:
     """Largest difference, over sequences, between the ranks' token counts for that sequence."""
     if not isinstance(cache, hf_contextpar.ShardedCache):
         return 0
-    cols = cache.layout.cols
-    batch = max(c.shape[0] if c.dim() == 2 else 1 for c in cols)
-    spread = 0
-    for b in range(batch):
-        counts = [int((c[b] >= 0).sum()) if c.dim() == 2 else c.numel() for c in cols]
-        spread = max(spread, max(counts) - min(counts))
-    return spread
+    counts = cache.layout.sequence_counts(batch)
+    return int((counts.max(dim=1).values - counts.min(dim=1).values).max())
 
 
 def pair(family, dtype, seed=0):
@@ -122,7 +116,7 @@ def run_family(family, n, records):
                 continue
             rec("batched_decode", dtype=dname, batch=len(lengths), pass_q_steps=pass_q,
                 tokens_equal=torch.equal(out.sequences, out_ref.sequences), ranks_agree=gathered_equal(out.sequences),
-                spread=per_sequence_spread(out.past_key_values))
+                spread=per_sequence_spread(out.past_key_values, len(lengths)))
         if dtype == torch.float64:
             # beam search reorders the sharded cache; hidden states come back gathered in order
             ids = prompt(41, seed=41, batch=2)
@@ -172,7 +166,7 @@ def main():
     out_dir, families = sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else FAMILIES
     torch.set_num_threads(1)
     hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
-    rank, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    n = dist.get_world_size() if dist.is_initialized() else 1
     records = []
     for family in families:
         try:
@@ -181,10 +175,7 @@ def main():
             import traceback
 
             records.append(dict(family=family, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    write_records(out_dir, records)
 
 
 if __name__ == "__main__":

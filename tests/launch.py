@@ -54,6 +54,20 @@ def matrix(worker: str, n: int, tmp_path_factory) -> list[list[dict]]:
     return _matrices[worker, n]
 
 
+def write_records(out_dir, records: list[dict]):
+    """A matrix worker's last step: OUT/rank{r}.json, then the process group is taken down together."""
+    import json
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(str(out_dir), f"rank{rank}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_matrix(n: int, worker: str, out_dir) -> list[list[dict]]:
     """Launch `worker OUT` on n ranks and return every rank's OUT/rank{r}.json records."""
     import json

@@ -4,8 +4,6 @@ unpatched single-process model. Writes OUT/rank{r}.json."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
@@ -14,6 +12,7 @@ import torch.distributed as dist
 import hf_contextpar
 from hf_contextpar.eval import logits_diff
 from hf_contextpar.models import tiny_model
+from launch import write_records
 
 FAMILIES = ["llama", "mistral", "qwen3", "gemma3_text"]
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "auto"]
@@ -67,10 +66,7 @@ def main():
                     import traceback
 
                     records.append(dict(family=family, strategy=strategy, error=f"{e}\n{traceback.format_exc()}"))
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_records(out_dir, records)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ small model. Writes OUT/rank{r}.json."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 
@@ -14,6 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_contextpar  # noqa: E402
+from launch import write_records  # noqa: E402
 from cp_worker import gathered_equal, impl_for, left_padded, prompt  # noqa: E402
 from hf_contextpar.calibrate import kvr_prefill_seconds  # noqa: E402
 from hf_contextpar.eval import logits_diff  # noqa: E402
@@ -149,10 +148,7 @@ def main():
             import traceback
 
             records.append(dict(n=n, case="error", job=name, error=f"{e}\n{traceback.format_exc()}"))
-    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_records(out_dir, records)
 
 
 if __name__ == "__main__":
