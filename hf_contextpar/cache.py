@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import ContextParallelError
+from .plan import sequence_counts
 
 
 class ShardLayout:
@@ -21,51 +22,26 @@ class ShardLayout:
 
     cols[r] is 1D while every sequence holds the same columns on rank r (prefill, replicated
     decode), and becomes a (batch, slots) table once batched pass-Q decode has placed each
-    sequence's tokens on different ranks (-1 marks a slot not filled yet).
+    sequence's tokens on different ranks (-1 marks an empty slot). The layout changes only when
+    a forward ends (`commit`), to what that forward's plan said.
     """
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.cols: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(world)]
         self.seq_length = 0  # committed global length (tokens of finished forwards)
-        self.store_rows: torch.Tensor | None = None  # rows of the running forward's K/V kept here; None = all
-        self.store_slots: tuple | None = None  # (batch rows, slots) of this rank's K/V in a batched decode step
-        self.rotation = -1  # offset of the latest batched pass-Q decode step (sequence b ran on rank (b + offset) % N)
+        self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
+        self.store = None  # the running forward's plan.Store for this rank; None between forwards
 
-    def begin(self, new_cols: list[torch.Tensor], store_rows: torch.Tensor | None):
-        """Every sequence appends the same columns (new_cols[r] on rank r)."""
-        self.cols = [torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
-                     for c, n in zip(self.cols, new_cols)]
-        self.store_rows = store_rows
-
-    def begin_rows(self, col: int, rows_per_rank: list, batch: int):
-        """One new column per sequence; rank r stores it for the batch rows rows_per_rank[r] (slices)."""
-        for r, rows in enumerate(rows_per_rank):
-            c = self.cols[r]
-            if c.dim() == 1:
-                c = c.expand(batch, -1).clone()
-            filled = c >= 0
-            last = torch.where(filled.any(1), c.shape[1] - 1 - filled.flip(1).int().argmax(1), -1)
-            idx = torch.arange(batch)[rows]
-            slots = last[idx] + 1
-            need = int(slots.max()) + 1 if idx.numel() else 0
-            if need > c.shape[1]:
-                c = torch.cat([c, c.new_full((batch, need - c.shape[1]), -1)], dim=1)
-            c[idx, slots] = col
-            self.cols[r] = c
-            if r == self.rank:
-                self.store_slots = (idx, slots)
-
-    def end(self, seq_length: int):
-        self.seq_length = seq_length
-        self.store_rows = self.store_slots = None
+    def commit(self, plan):
+        self.cols, self.seq_length, self.rotation = list(plan.kv_cols), plan.seq_length, plan.rotation
 
     def slots(self, rank: int) -> int:
         return self.cols[rank].shape[-1]
 
     def sequence_counts(self, batch: int) -> torch.Tensor:
         """(batch, world): how many tokens of each sequence every rank stores."""
-        return torch.stack([(c >= 0).sum(-1) if c.dim() == 2 else torch.full((batch,), c.numel()) for c in self.cols], 1)
+        return sequence_counts(self.cols, batch)
 
     def counts(self) -> list[int]:
         """Tokens per rank (the most any one sequence holds there)."""
@@ -108,18 +84,18 @@ class ShardedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.layout.store_slots is not None:  # batched pass-Q decode: one token for some sequences
-            rows, slots = self.layout.store_slots
-            n = self.layout.slots(self.layout.rank)
+        store = self.layout.store
+        if store is not None and store.slots is not None:  # batched decode: one token for some sequences
+            rows, slots = store.slots
+            n = max(self.n, int(slots.max()) + 1) if slots.numel() else self.n
             self._reserve(n)
             self.kv[self.n : n] = 0  # new slots start empty; masked, but must hold finite values
             self.kv[slots.to(self.kv.device), 0, rows.to(self.kv.device)] = key_states[:, :, 0]
             self.kv[slots.to(self.kv.device), 1, rows.to(self.kv.device)] = value_states[:, :, 0]
             self._keep(n)
             return self.keys, self.values
-        rows = self.layout.store_rows
-        if rows is not None:
-            rows = rows.to(key_states.device)
+        if store is not None and store.rows is not None:
+            rows = store.rows.to(key_states.device)
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
         m = key_states.shape[2]
         self._reserve(self.n + m)
@@ -163,22 +139,53 @@ class ShardedLayer(CacheLayerMixin):
     def batch_select_indices(self, indices):
         self._map_batch(lambda kv: kv[:, :, indices])
 
-    def crop(self, tokens_to_remove: int):  # the cache crops all layers at once, see ShardedCache.crop
-        raise NotImplementedError
+    def crop(self, tokens_to_remove: int):  # all layers share one layout: ShardedCache.crop does them together
+        raise NotImplementedError("crop the ShardedCache, not one of its layers")
 
 
 class ShardedCache(Cache):
-    """The KV cache of one context-parallel rank. Create it through `apply_context_parallel`'s hooks."""
+    """The KV cache of one context-parallel rank. Created by `apply_context_parallel`'s hooks, or
+    bound in place to the empty `DynamicCache` a caller passes (`bind`), so a cache object the
+    caller keeps and passes again carries the sharded state, as it would on one process."""
 
     def __init__(self, num_layers: int, rank: int, world: int):
         self.layout = ShardLayout(rank, world)
         super().__init__(layers=[ShardedLayer(self.layout) for _ in range(num_layers)])
+
+    @classmethod
+    def bind(cls, cache: Cache, num_layers: int, rank: int, world: int) -> "ShardedCache":
+        """Turn the caller's empty cache object into this rank's ShardedCache, in place."""
+        user_defined = getattr(cache, "_is_user_defined", None)
+        cache.__dict__.clear()
+        cache.__class__ = cls
+        cls.__init__(cache, num_layers, rank, world)
+        if user_defined is not None:
+            cache._is_user_defined = user_defined
+        return cache
+
+    # -- one forward: told the plan at the start, the layout committed at the end ----------------
+    def begin(self, plan):
+        self.layout.store = plan.store[self.layout.rank]
+        self._sizes = [layer.n for layer in self.layers]
+
+    def end(self, plan, ok: bool = True):
+        """Commit the plan's layout; if the forward failed, forget what it stored."""
+        self.layout.store = None
+        if ok:
+            self.layout.commit(plan)
+        else:
+            for layer, n in zip(self.layers, self._sizes):
+                layer._keep(n)
 
     @property
     def local_length(self) -> int:
         """Tokens stored on this rank per layer (for the sequence holding the most here)."""
         return self.layout.counts()[self.layout.rank]
 
+    def local_nbytes(self) -> int:
+        return sum(layer.n * layer.kv[0].numel() * layer.kv.element_size() for layer in self.layers if layer.kv is not None)
+
+    # -- the Cache API generate() and the models use, with DynamicCache's semantics --------------
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         self.layout.map_rows(lambda c: c.index_select(0, beam_idx.cpu()))
@@ -191,16 +198,22 @@ class ShardedCache(Cache):
         super().batch_select_indices(indices)
         self.layout.map_rows(lambda c: c[indices.cpu()] if isinstance(indices, torch.Tensor) else c[indices])
 
-    def local_nbytes(self) -> int:
-        return sum(layer.n * layer.kv[0].numel() * layer.kv.element_size() for layer in self.layers if layer.kv is not None)
-
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest tokens: a negative count removes that many, a positive one is the length to keep."""
-        length = self.layout.seq_length
-        keep = tokens_to_remove if tokens_to_remove >= 0 else length + tokens_to_remove
-        keep = max(0, min(length, keep))
+        """Remove the newest `-tokens_to_remove` tokens, as DynamicCache does (0 removes nothing;
+        a positive count, the legacy absolute length, is refused as DynamicCache refuses it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        keep = max(0, self.layout.seq_length + tokens_to_remove)
         # 1D columns are ascending, so a prefix survives; per-sequence tables just empty the slots
         self.layout.cols = [c[c < keep] if c.dim() == 1 else c.masked_fill(c >= keep, -1) for c in self.layout.cols]
         self.layout.seq_length = keep
         for layer in self.layers:
             layer._keep(self.layout.slots(self.layout.rank))
+
+    def reset(self):
+        """Empty the cache, keeping the object (DynamicCache.reset)."""
+        super().reset()
+        self.layout.__init__(self.layout.rank, self.layout.world)

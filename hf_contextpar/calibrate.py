@@ -71,7 +71,7 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                 def partial_prefill():
                     model(ids[:, P:], past_key_values=cache, use_cache=True, logits_to_keep=1)
                     if cache is not None:
-                        cache.crop(P)
+                        cache.crop(P - cache.get_seq_length())
 
                 times[s] = _median_time(partial_prefill, repeats, barrier=lambda: dist.barrier(group=runtime.comm.group))
             d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, "alg5")

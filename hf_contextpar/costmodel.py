@@ -58,7 +58,7 @@ class Shape:
                    weights, elem)
 
 
-PER_FORWARD_COLLECTIVES = 2  # generate.py: the input check and the logits gather, one all-gather each
+PER_FORWARD_COLLECTIVES = 2  # runtime.py: the input check and the logits gather, one all-gather each
 
 
 def attention_flops(T: int, shape: Shape) -> float:

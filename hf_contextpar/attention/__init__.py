@@ -1,10 +1,11 @@
-"""The attention implementation and mask function hf-contextpar registers with transformers.
+"""The registry of attention algorithms and the adapter hf-contextpar registers with transformers.
 
 `context_parallel_attention` is what every attention layer calls once the model is switched to
-`attn_implementation="hf_contextpar"`. It looks up the running forward's `Step` (set by the
-model's forward pre-hook) and hands local Q, this rank's packed K/V and global columns to one
-algorithm. The mask function passes the 2D padding mask through untouched: masks are built
-inside the algorithms from global columns, never from HF's local-length 4D masks.
+`attn_implementation="hf_contextpar"`. It looks up the running forward's `Step` (the plan being
+executed, set by the runtime's forward pre-hook) and hands local Q, this rank's packed K/V and
+global columns to the plan's algorithm. The mask function passes the 2D padding mask through
+untouched: masks are built inside the algorithms from global columns, never from HF's
+local-length 4D masks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..errors import ContextParallelError
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
 from .kv_runahead import kv_runahead
+from .local import local
 from .ring_pass_kv import ring_pass_kv
 from .ring_pass_q import ring_pass_q
 from .ring_pass_q_decode import ring_pass_q_decode
@@ -26,19 +28,9 @@ from .ulysses import ulysses
 NAME = "hf_contextpar"
 current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
 
-
-def _local(step, q, kv_local, **attn):
-    """Every rank holds every key (a short forward without a cache): plain local attention."""
-    from ..kernels import attend
-
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
-    res = attend(q, k, v, step.q_cols, step.q_cols, key_valid=step.key_valid(None), **attn)
-    return res if res is not None else (None, None)
-
-
 PREFILL = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "allgather_kv": allgather_kv,
            "kv_runahead": kv_runahead, "ulysses": ulysses}
-ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": _local}
+ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": local}
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -58,6 +50,7 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
         kv_local = torch.stack([key, value]).permute(3, 0, 1, 2, 4).contiguous()
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     step.layer = module.layer_idx
+    step.settle_check()  # ranks must agree on their inputs before any message of this forward
     out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = query.new_zeros(query.shape)

@@ -15,7 +15,7 @@ from ..merge import Accumulator
 
 def allgather_kv(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    blocks = comm.broadcast_blocks(kv_local, [(step.kv_cols[r].numel(), *kv_local.shape[1:]) for r in range(world)])
+    blocks = comm.broadcast_blocks(kv_local, [(step.kv_size(r), *kv_local.shape[1:]) for r in range(world)])
     acc = Accumulator()
     for src in [(rank + i) % world for i in range(world)]:  # our own block first, while the others land
         block = blocks[src].wait()

@@ -10,7 +10,7 @@ block it receives to rank i+1. Only point-to-point messages, no collective; tota
 Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 received
 (blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
 done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection.
-Partial prefill over a non-empty cache runs ring pass-KV instead (see generate.py).
+Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..merge import Accumulator
 def _post_receives(step, layer, like):
     """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
     rank = step.comm.rank
-    shapes = [(step.kv_cols[src].numel(), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
+    shapes = [(step.kv_size(src), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
     step.state[("kvr_recv", layer)] = [(src, step.comm.ring_shift(None, shape, like.dtype, like.device))
                                        for src, shape in zip(range(rank - 1, -1, -1), shapes)]
 

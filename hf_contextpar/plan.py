@@ -1,0 +1,217 @@
+"""The forward plan: what one forward of a patched model does, decided before it runs.
+
+`build_plan` is a pure function of replicated facts (the caller's inputs, the cache's shard
+layout, the settings every rank agreed on at apply time), so every rank builds the same plan
+without talking to the others, and it can be tested on one process. For every rank it fixes:
+which new tokens (or which sequences) the rank runs, the global columns of its queries, which
+new K/V it stores, the key columns every rank holds during the forward (hence every message
+size), and how the outputs are gathered back. The runtime executes the plan; the cache is told
+it once (`ShardedCache.begin`) and takes its new layout from it when the forward ends.
+
+Three shapes of forward:
+- T >= N new tokens (prefill): head-tail sharding (contiguous partitions for KV-Runahead); each
+  rank runs and stores its share, attention is the chosen prefill strategy.
+- One new token per sequence, B >= N sequences, a non-empty cache (batched decode, Meta Alg. 4):
+  sequence b runs on rank (b + offset) mod N, which stores its K/V.
+- Otherwise (B < N decode, prompts shorter than N): every rank runs all T tokens; each token's
+  K/V is stored on the least-loaded rank ("decode"), or nowhere without a cache ("local").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import ContextParallelError
+from .partitions import even
+from .sharding import contiguous_plan, head_tail_plan, least_loaded_owners
+
+
+@dataclass(frozen=True)
+class Gather:
+    """How to reassemble the kept output rows: per rank, the output slots its rows fill."""
+
+    slots: list  # per rank: LongTensor of output positions its rows fill, in local order
+    total: int
+    dim: int = 1  # 1: sequence positions were sharded; 0: batch rows were (batched decode)
+
+
+@dataclass(frozen=True)
+class Store:
+    """Which of the K/V a rank computes in this forward it keeps."""
+
+    rows: torch.Tensor | None = None  # indices into the rank's new tokens; None: all of them
+    slots: tuple | None = None  # batched decode: (sequence indices, slot of each in the rank's buffer)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings a plan depends on, agreed by every rank at apply time."""
+
+    world: int
+    decode: str = "auto"  # "auto", "replicated" or "ring_pass_q"
+    prefill: Callable[[int, int], str] = lambda num_new, past: "ring_pass_kv"  # (T, P) -> strategy
+    kvr_sizes: Callable[[int], list] | None = None  # T -> KV-Runahead partition sizes (None: even)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
+    world: int
+    batch: int
+    num_new: int
+    past: int
+    token_rows: list | None  # sequence sharding: per rank, indices of the new tokens it runs
+    seq_rows: list | None  # batched decode: per rank, the slice of sequences it runs
+    q_cols: list  # per rank: global columns of its query rows (1D, ascending)
+    kv_cols: list  # per rank: columns of the keys it holds during the forward, 1D or (B, slots) (-1: empty)
+    store: list  # per rank: Store
+    keep: list | None  # per rank: local logits_to_keep (sequence sharding), None: the caller's
+    gather: Gather | None  # logits; None: every rank computed every row
+    hidden: Gather | None  # hidden states (every row)
+    rotation: int  # the layout's batched-decode offset after this forward
+    rope_length: int  # max position + 1 over the whole forward: what position-dependent RoPE sees
+    padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
+    uses_cache: bool
+
+    @property
+    def seq_length(self) -> int:
+        return self.past + self.num_new
+
+    def kv_size(self, rank: int) -> int:
+        """Rows of rank's packed K/V buffer (slots, for per-sequence tables): every message size."""
+        return self.kv_cols[rank].shape[-1]
+
+
+def build_plan(policy: Policy, layout, *, batch: int, num_new: int, position_ids: torch.Tensor,
+               padding: torch.Tensor | None, logits_to_keep=0, uses_cache: bool = True) -> ForwardPlan:
+    """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
+    world = policy.world
+    past = layout.seq_length if uses_cache else 0
+    cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world
+    rotation = layout.rotation if uses_cache else -1
+    new_cols = torch.arange(past, past + num_new)
+    common = dict(world=world, batch=batch, num_new=num_new, past=past, padding=padding, uses_cache=uses_cache,
+                  rope_length=int(position_ids.max()) + 1)
+
+    if num_new >= world:  # shard the new tokens
+        algorithm, rows = _prefill(policy, cols, num_new, past)
+        q_cols = [new_cols[r] for r in rows]
+        keep, gather = _token_gather(rows, num_new, logits_to_keep)
+        return ForwardPlan(algorithm=algorithm, token_rows=rows, seq_rows=None, q_cols=q_cols,
+                           kv_cols=_append(cols, q_cols), store=[Store()] * world, keep=keep, gather=gather,
+                           hidden=Gather(list(rows), num_new), rotation=rotation, **common)
+
+    offset = _rotation(policy, cols, rotation, batch) if uses_cache and num_new == 1 and past > 0 else None
+    if offset is not None:  # batched ring pass-Q decode
+        seq_rows = [slice((r - offset) % world, None, world) for r in range(world)]
+        kv_cols, store = _place_per_sequence(cols, past, seq_rows, batch)
+        everyone = torch.arange(batch)
+        gather = Gather([everyone[s] for s in seq_rows], batch, dim=0)
+        return ForwardPlan(algorithm="ring_pass_q_decode", token_rows=None, seq_rows=seq_rows,
+                           q_cols=[new_cols] * world, kv_cols=kv_cols, store=store, keep=None, gather=gather,
+                           hidden=gather, rotation=offset, **common)
+
+    if uses_cache:  # replicated: every rank runs every new token, each is stored on the least-loaded rank
+        owned = least_loaded_owners(num_new, _counts(cols))
+        return ForwardPlan(algorithm="decode", token_rows=None, seq_rows=None, q_cols=[new_cols] * world,
+                           kv_cols=_append(cols, [new_cols[o] for o in owned]), store=[Store(rows=o) for o in owned],
+                           keep=None, gather=None, hidden=None, rotation=rotation, **common)
+    return ForwardPlan(algorithm="local", token_rows=None, seq_rows=None, q_cols=[new_cols] * world,
+                       kv_cols=[new_cols] * world, store=[Store()] * world, keep=None, gather=None, hidden=None,
+                       rotation=rotation, **common)
+
+
+def _prefill(policy: Policy, cols, num_new: int, past: int):
+    """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
+    algorithm = policy.prefill(num_new, past)
+    if algorithm == "kv_runahead":
+        if past == 0:
+            sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
+            return algorithm, contiguous_plan(sizes or even(num_new, policy.world))
+        algorithm = "ring_pass_kv"  # the chain needs every earlier token on an earlier rank: fresh prompts only
+    if algorithm == "ulysses" and any(c.dim() == 2 for c in cols):
+        algorithm = "allgather_kv"  # after batched decode no single column order exists to sort keys into
+    return algorithm, head_tail_plan(num_new, policy.world, _counts(cols))
+
+
+def _counts(cols) -> list[int]:
+    """Tokens per rank (the most any one sequence holds there)."""
+    return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in cols]
+
+
+def sequence_counts(cols, batch: int) -> torch.Tensor:
+    """(batch, world): how many tokens of each sequence every rank stores."""
+    return torch.stack([(c >= 0).sum(-1) if c.dim() == 2 else torch.full((batch,), c.numel()) for c in cols], 1)
+
+
+def _append(cols, new_cols):
+    """Every sequence appends the same columns (new_cols[r] on rank r)."""
+    return [torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
+            for c, n in zip(cols, new_cols)]
+
+
+def _rotation(policy: Policy, cols, rotation: int, batch: int) -> int | None:
+    """The offset o of a batched decode step (sequence b on rank (b + o) mod N), or None for a
+    replicated step. Alg. 4 advances o by one per step; a step runs batched only if every
+    sequence's token then lands on one of the ranks holding the fewest of that sequence's tokens,
+    so every sequence's shards stay within one token. Right after an uneven prefill the few
+    replicated steps that level the shards come first."""
+    world = policy.world
+    if policy.decode == "replicated":
+        return None
+    if batch < world:
+        if policy.decode == "ring_pass_q":
+            raise ContextParallelError(
+                f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {world} ranks); "
+                "use decode='auto', which falls back to replicated sharded-KV decode."
+            )
+        return None
+    counts = sequence_counts(cols, batch)
+    least = counts == counts.min(dim=1, keepdim=True).values
+    b = torch.arange(batch)
+    for step in range(1, world + 1):
+        offset = (rotation + step) % world
+        if bool(least[b, (b + offset) % world].all()):
+            return offset
+    return None
+
+
+def _place_per_sequence(cols, col: int, seq_rows, batch: int):
+    """One new column per sequence; rank r stores it for the sequences seq_rows[r], in the slot
+    after that sequence's last filled one. Returns the new (B, slots) tables and each rank's Store."""
+    new_cols, store = [], []
+    for rows, c in zip(seq_rows, cols):
+        c = c.expand(batch, -1).clone() if c.dim() == 1 else c.clone()
+        idx = torch.arange(batch)[rows]
+        # slot after the last filled one (0 for a sequence with nothing here; no argmax over empty tables)
+        filled_upto = ((c >= 0) * torch.arange(1, c.shape[1] + 1)).amax(1) if c.shape[1] else torch.zeros(batch, dtype=torch.long)
+        slots = filled_upto[idx]
+        need = int(slots.max()) + 1 if idx.numel() else 0
+        if need > c.shape[1]:
+            c = torch.cat([c, c.new_full((batch, need - c.shape[1]), -1)], dim=1)
+        c[idx, slots] = col
+        new_cols.append(c)
+        store.append(Store(slots=(idx, slots)))
+    return new_cols, store
+
+
+def _token_gather(rows, num_new: int, logits_to_keep):
+    """Translate logits_to_keep into each rank's local rows and where the gathered rows go."""
+    keep = logits_to_keep
+    if isinstance(keep, int):
+        wanted = torch.arange(num_new - keep if keep > 0 else 0, num_new)
+    elif isinstance(keep, torch.Tensor) and keep.dim() == 1 and keep.dtype != torch.bool:
+        wanted = keep.cpu().long() % num_new
+    else:
+        raise ContextParallelError("under context parallelism logits_to_keep must be an int or a 1D index tensor.")
+    world = len(rows)
+    owner = torch.empty(num_new, dtype=torch.long)
+    local_pos = torch.empty(num_new, dtype=torch.long)
+    for r, idx in enumerate(rows):
+        owner[idx] = r
+        local_pos[idx] = torch.arange(idx.numel())
+    slots = [torch.nonzero(owner[wanted] == r).flatten() for r in range(world)]
+    return [local_pos[wanted[s]] for s in slots], Gather(slots, wanted.numel())

@@ -1,0 +1,388 @@
+"""What runs around each forward of a patched model: build the plan, execute it, gather outputs.
+
+A forward pre-hook on the *ForCausalLM module validates the caller's inputs, builds this
+forward's `ForwardPlan` (plan.py: a pure function of replicated data, so every rank builds the
+same one), tells the cache, and hands each rank its share of the inputs. Attention layers read
+the running `Step` (the plan plus this rank's communicator and per-layer state). The forward
+hook gathers the kept logits and hidden states back into original order on every rank and
+commits the cache's layout. `generate()` runs unmodified on top; one check after it returns
+makes sure every rank ends with the same sequences.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .attention import current_step
+from .cache import ShardedCache
+from .comm import Comm
+from .errors import ContextParallelError, UnsupportedModelError
+from .partitions import PartitionTable
+from .plan import ForwardPlan, Gather, Policy, build_plan
+from .planner import Calibration, ModelShape, choose
+
+
+@dataclass
+class Step:
+    """One rank's execution of a plan: what every attention layer of the forward reads."""
+
+    plan: ForwardPlan
+    comm: Comm
+    cache: ShardedCache | None
+    num_layers: int
+    check: object = None  # the input check in flight, settled before the first collective
+    layer: int = 0  # index of the attention layer running now
+    state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
+
+    @property
+    def algorithm(self) -> str:
+        return self.plan.algorithm
+
+    @property
+    def q_cols(self) -> torch.Tensor:
+        return self.plan.q_cols[self.comm.rank]
+
+    @property
+    def q_cols_all(self) -> list:
+        return self.plan.q_cols
+
+    @property
+    def kv_cols(self) -> list:
+        return self.plan.kv_cols
+
+    def kv_size(self, rank: int) -> int:
+        return self.plan.kv_size(rank)
+
+    @property
+    def padding(self):
+        return self.plan.padding
+
+    @property
+    def batch_rows(self):
+        return self.plan.seq_rows
+
+    def batch_size(self, rank) -> int:
+        return len(range(self.plan.batch)[self.plan.seq_rows[rank]])
+
+    def key_valid(self, rank, rows=slice(None)):
+        """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""
+        if self.plan.padding is None:
+            return None
+        cols = self.q_cols if rank is None else self.plan.kv_cols[rank]
+        pad = self.plan.padding[rows]
+        if cols.dim() == 2:
+            return pad.gather(1, cols[rows].clamp(min=0).to(pad.device))
+        return pad[:, cols.to(pad.device)]
+
+    def settle_check(self):
+        """Settle the input check (posted with the forward) before the first message of the forward:
+        ranks whose inputs differ would otherwise run mismatched collectives."""
+        if self.check is not None:
+            check, self.check = self.check, None
+            check()
+
+
+def _fingerprint(t: torch.Tensor | None) -> int:
+    """Cheap order-sensitive hash of a tensor's contents (0 for None)."""
+    if t is None:
+        return 0
+    if t.is_floating_point():
+        return int(t.double().sum().view(torch.int64)) ^ int((t.double().flatten()[::97] * 3.1).sum().view(torch.int64))
+    flat = t.long().flatten()
+    w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
+    return int((flat * w).sum())
+
+
+def _is_packed(position_ids: torch.Tensor) -> bool:
+    """transformers' rule (masking_utils.find_packed_sequence_indices): a row whose positions do not
+    go up by exactly one holds several packed documents."""
+    first = position_ids[:, :1] - 1
+    return bool((torch.diff(position_ids, prepend=first, dim=-1) != 1).any())
+
+
+class ContextParallelRuntime:
+    """Per-model state: the group, the hooks, and what to restore on removal."""
+
+    def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
+                 calibration=None, planner_rule: str = "alg5", decode: str = "auto", kvr_partitions=None):
+        self.model = model
+        self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
+        self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
+        device = next(model.parameters()).device
+        self.calibration = Calibration.resolve(calibration, device.type)
+        self.shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
+        self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
+        self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
+        self.comm = Comm(group, rank, world)  # attention traffic: what the strategies move
+        self.control = Comm(group, rank, world)  # the input checks and the logits gather
+        self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
+        self.last_plan = None
+        self.rank, self.world = rank, world
+        self.check_inputs = check_inputs
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self._params = list(inspect.signature(model.forward).parameters)
+        self._handles = []
+        self._rope_modules = []
+        self._pending = []  # stack of (step token, step, grad mode) per running forward
+
+    # -- install / uninstall -------------------------------------------------------------
+    def install(self):
+        m = self.model
+        self._handles = [
+            m.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+        self._rope_modules = [mod for mod in m.modules() if _position_dependent_rope(mod)]
+        for mod in self._rope_modules:
+            mod.forward = types.MethodType(_global_rope_forward, mod)
+        if self.check_inputs:
+            m.generate = types.MethodType(_checked_generate, m)
+
+    def uninstall(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for mod in self._rope_modules:
+            del mod.forward
+        self._rope_modules = []
+        self.model.__dict__.pop("generate", None)
+
+    # -- hooks -------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        kwargs = dict(kwargs)
+        for name, value in zip(self._params, args):
+            kwargs[name] = value
+        self._reject_unsupported(kwargs)
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        x = embeds if embeds is not None else ids
+        if x is None:
+            raise ContextParallelError("pass input_ids or inputs_embeds to the patched model.")
+        batch, num_new = x.shape[0], x.shape[1]
+
+        cache = self._resolve_cache(kwargs.get("past_key_values"), kwargs.get("use_cache"))
+        past = cache.layout.seq_length if cache is not None else 0
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ContextParallelError(
+                "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
+                f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
+            )
+        if mask is not None and mask.shape[1] != past + num_new:
+            raise ContextParallelError(
+                f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
+                f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does."
+            )
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and mask is None and cache is None and _is_packed(position_ids):
+            raise ContextParallelError(
+                "these position_ids restart inside a row, which transformers reads as packed documents "
+                "(a block-diagonal mask); hf-contextpar does not shard packed sequences. Run each document "
+                "as its own row (with padding and an attention_mask), or pass an all-ones attention_mask if "
+                "the jumps in position_ids are not document boundaries."
+            )
+        if position_ids is None:
+            position_ids = (torch.arange(num_new, device=x.device) + past).unsqueeze(0).expand(batch, -1)
+        position_ids = position_ids.expand(batch, -1)
+        padding = None if mask is None or bool(mask.all()) else mask.bool()
+
+        plan = build_plan(self._policy(), cache.layout if cache is not None else None, batch=batch, num_new=num_new,
+                          position_ids=position_ids, padding=padding, logits_to_keep=kwargs.get("logits_to_keep", 0),
+                          uses_cache=cache is not None)
+        check = None
+        if self.check_inputs:
+            pending = self._post_input_check(batch, num_new, past, ids, embeds, mask, position_ids)
+            check = lambda: self._verify_same(pending.wait(), "inputs")  # noqa: E731
+
+        self._shard_inputs(kwargs, plan, position_ids)
+        if cache is not None:
+            cache.begin(plan)
+        kwargs["past_key_values"] = cache
+        kwargs["use_cache"] = cache is not None
+        step = Step(plan, self.comm, cache, self.num_layers, check=check)
+        self.algorithm_counts[plan.algorithm] += 1
+        self.last_plan = plan
+        self.last_forward = dict(algorithm=plan.algorithm, tokens=num_new, past=past,
+                                 bytes_sent=-self.comm.stats.bytes_sent, bytes_received=-self.comm.stats.bytes_received)
+        token = current_step.set(step)
+        # Inference only: the collectives are not differentiable, and autograd would only keep
+        # activations alive. The caller's grad mode comes back in the forward hook.
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self._pending.append((token, step, grad))
+        return (), kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        if not self._pending:
+            return output
+        token, step, grad = self._pending.pop()
+        current_step.reset(token)
+        plan, ok = step.plan, output is not None  # output None: the forward raised already
+        try:
+            if ok:
+                step.settle_check()  # a forward with no attention collective (none ran) still checks
+            self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
+            self.last_forward["bytes_received"] += self.comm.stats.bytes_received
+            if plan.gather is not None and ok:
+                if getattr(output, "logits", None) is not None:
+                    output.logits = self._gather_rows(output.logits, plan.gather)
+                if getattr(output, "hidden_states", None) is not None:
+                    output.hidden_states = tuple(self._gather_rows(h, plan.hidden) for h in output.hidden_states)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            if step.cache is not None:
+                step.cache.end(plan, ok)
+            torch.set_grad_enabled(grad)
+        return output
+
+    # -- helpers -----------------------------------------------------------------------
+    def _policy(self) -> Policy:
+        sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
+        return Policy(self.world, self.decode, self._choose, sizes)
+
+    def _choose(self, num_new: int, past: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        self.last_decision = choose(num_new, past, self.world, self.shape, self.calibration, self.planner_rule)
+        return self.last_decision.strategy
+
+    def _shard_inputs(self, kwargs, plan: ForwardPlan, position_ids):
+        """This rank's share of the inputs: its new tokens (sequence sharding) or its sequences (batched decode)."""
+        kwargs["position_ids"] = position_ids
+        if plan.token_rows is not None:
+            mine = plan.token_rows[self.rank]
+            for name in ("input_ids", "inputs_embeds", "position_ids"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]
+            kwargs["logits_to_keep"] = plan.keep[self.rank]
+        elif plan.seq_rows is not None:
+            mine = plan.seq_rows[self.rank]
+            for name in ("input_ids", "inputs_embeds", "position_ids"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = kwargs[name][mine]
+
+    def _reject_unsupported(self, kwargs):
+        if kwargs.get("labels") is not None:
+            raise ContextParallelError(
+                "labels are not supported under context parallelism: compute the loss from the gathered "
+                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
+            )
+        if kwargs.get("output_attentions"):
+            raise ContextParallelError("output_attentions=True is not supported under context parallelism.")
+
+    def _resolve_cache(self, cache, use_cache):
+        if use_cache is None:
+            use_cache = getattr(self.model.config.get_text_config(decoder=True), "use_cache", True)
+        if isinstance(cache, ShardedCache):
+            if cache.layout.world != self.world or cache.layout.rank != self.rank:
+                raise ContextParallelError("this ShardedCache belongs to a different context-parallel group.")
+            return cache
+        if cache is None:
+            return ShardedCache(self.num_layers, self.rank, self.world) if use_cache else None
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            if getattr(cache, "offloading", False):
+                raise ContextParallelError(
+                    "an offloaded cache (cache_implementation='offloaded') is not supported under context "
+                    "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
+                    "Drop cache_implementation."
+                )
+            # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
+            # the object itself becomes the sharded cache, so the caller's reference carries the state
+            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world)
+        if isinstance(cache, Cache):
+            raise ContextParallelError(
+                f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "
+                "ShardedCache. Pass no cache or an empty DynamicCache() (generate()'s default) and pass back "
+                "the past_key_values the patched model returned; static, sliding-window (static), quantized and "
+                "offloaded caches (cache_implementation other than 'dynamic') are not supported, nor a cache "
+                "filled without context parallelism."
+            )
+        raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
+
+    def _post_input_check(self, batch, num_new, past, ids, embeds, mask, position_ids):
+        """Start the all-gather of every rank's input fingerprint (one small collective per forward)."""
+        fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
+                           _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
+        return self.control.all_gather_start(fp.to(self._check_device(ids if ids is not None else embeds)))
+
+    @staticmethod
+    def _check_device(t):
+        return t.device if t is not None and t.device.type == "cuda" else "cpu"
+
+    def check_same_output(self, sequences: torch.Tensor):
+        """After generate(): every rank must hold the same sequences (covers what was sampled after
+        the last forward, which no forward's input check sees)."""
+        fp = torch.tensor([*sequences.shape, _fingerprint(sequences)], dtype=torch.long)
+        self._verify_same(self.control.all_gather(fp.to(self._check_device(sequences))), "generated sequences")
+
+    def _verify_same(self, everyone, what: str):
+        if not bool((everyone == everyone[0]).all()):
+            bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
+            raise ContextParallelError(
+                f"context-parallel ranks got different {what} (ranks {bad} differ from rank 0: batch, length, "
+                "cache length or token contents). Every rank must call the model with the same prompt, "
+                "mask and cache; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
+            )
+
+    def _gather_rows(self, local, gather: Gather):
+        """Rows (dim 1, or 0 for batch rows) held by each rank -> all of them in order, identical on every rank."""
+        if gather.dim == 0:
+            return self._gather_rows(local.transpose(0, 1), Gather(gather.slots, gather.total)).transpose(0, 1)
+        counts = [s.numel() for s in gather.slots]
+        width = max(counts)
+        padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
+        padded[:, : local.shape[1]] = local
+        everyone = self.control.all_gather(padded)
+        out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
+        for r, slots in enumerate(gather.slots):
+            out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]
+        return out
+
+
+# -- position-dependent RoPE: every rank uses the frequencies of the whole forward -------------
+def _position_dependent_rope(module) -> bool:
+    """A rotary embedding whose frequencies depend on the longest position in the forward
+    (transformers' `dynamic_rope_update`: dynamic NTK scaling, longrope)."""
+    rope_type = getattr(module, "rope_type", None)
+    if not isinstance(rope_type, (str, dict)):
+        return False
+    types_ = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    if not any("dynamic" in t or t == "longrope" for t in types_):
+        return False
+    if inspect.unwrap(type(module).forward) is type(module).forward:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses {sorted(set(types_))} RoPE without transformers' dynamic_rope_update "
+            "decorator, so hf-contextpar cannot give every rank the frequencies of the whole sequence."
+        )
+    return True
+
+
+def _global_rope_forward(self, x, position_ids, *args, **kwargs):
+    """transformers picks the frequencies from max(position_ids) + 1 of the forward; a rank sees
+    only its shard (or its sequences), so update them once from the whole forward's longest
+    position, then compute this rank's cos/sin with them."""
+    step = current_step.get()
+    decorated = type(self).forward
+    if step is None:
+        return decorated(self, x, position_ids, *args, **kwargs)
+    longest = torch.full((1, 1), step.plan.rope_length - 1, dtype=position_ids.dtype, device=position_ids.device)
+    decorated(self, x, longest, *args, **kwargs)  # the frequency update, exactly as one process makes it
+    return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
+
+
+def _checked_generate(self, *args, **kwargs):
+    """model.generate, then one check that every rank returns the same sequences."""
+    from .api import get_runtime
+
+    out = type(self).generate(self, *args, **kwargs)
+    runtime = get_runtime(self)
+    if runtime is not None:
+        runtime.check_same_output(out if isinstance(out, torch.Tensor) else out.sequences)
+    return out

@@ -1,0 +1,150 @@
+"""The forward plan on one process: it is a pure function of replicated inputs, so every shape of
+forward (prefill, partial prefill, decode, batched decode, after batched decode, T < N, padding)
+can be checked here without starting a process group."""
+
+import random
+
+import pytest
+import torch
+
+from hf_contextpar.cache import ShardLayout
+from hf_contextpar.errors import ContextParallelError
+from hf_contextpar.plan import Policy, build_plan
+
+
+def plan_for(layout, num_new, batch=1, policy=None, keep=0, uses_cache=True, positions=None):
+    policy = policy or Policy(layout.world)
+    past = layout.seq_length if uses_cache else 0
+    pos = positions if positions is not None else torch.arange(past, past + num_new).expand(batch, -1)
+    return build_plan(policy, layout if uses_cache else None, batch=batch, num_new=num_new, position_ids=pos,
+                      padding=None, logits_to_keep=keep, uses_cache=uses_cache)
+
+
+def stored_columns(layout, batch):
+    """Per sequence, the sorted list of global columns stored over all ranks."""
+    out = []
+    for b in range(batch):
+        cols = []
+        for c in layout.cols:
+            row = c if c.dim() == 1 else c[b]
+            cols += [int(x) for x in row if x >= 0]
+        out.append(sorted(cols))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("num_new", [1, 2, 5, 9, 64])
+def test_fresh_prefill_covers_every_token_once(world, num_new):
+    layout = ShardLayout(0, world)
+    plan = plan_for(layout, num_new)
+    if num_new < world:
+        assert plan.algorithm == "decode" and plan.token_rows is None
+        stores = [s.rows.tolist() for s in plan.store]
+        assert sorted(sum(stores, [])) == list(range(num_new))
+    else:
+        assert plan.algorithm == "ring_pass_kv"
+        rows = torch.cat(plan.token_rows).sort().values
+        assert torch.equal(rows, torch.arange(num_new))
+        sizes = [r.numel() for r in plan.token_rows]
+        assert max(sizes) - min(sizes) <= 1
+        # the gather puts every kept row back in place
+        assert sorted(torch.cat(plan.gather.slots).tolist()) == list(range(num_new))
+    layout.commit(plan)
+    assert stored_columns(layout, 1) == [list(range(num_new))]
+    assert plan.rope_length == num_new
+
+
+def test_logits_to_keep_maps_to_the_owning_rank():
+    layout = ShardLayout(0, 3)
+    plan = plan_for(layout, 11, keep=1)  # only the last position's logits
+    owners = [r for r in range(3) if plan.keep[r].numel()]
+    assert len(owners) == 1 and 10 in plan.token_rows[owners[0]][plan.keep[owners[0]]].tolist()
+    assert plan.gather.total == 1
+
+
+def test_partial_prefill_and_decode_keep_shards_level():
+    layout = ShardLayout(0, 3)
+    for num_new in (10, 1, 1, 7, 1, 2, 30):
+        plan = plan_for(layout, num_new)
+        layout.commit(plan)
+        counts = layout.counts()
+        assert max(counts) - min(counts) <= 1
+    assert stored_columns(layout, 1) == [list(range(52))]
+
+
+def test_no_cache_short_forward_is_local():
+    plan = plan_for(ShardLayout(0, 4), 3, uses_cache=False)
+    assert plan.algorithm == "local" and plan.gather is None
+
+
+def test_one_token_prompt_with_batch_ge_n_is_replicated():
+    """Batched decode needs a non-empty cache (was an IndexError in the column tables)."""
+    plan = plan_for(ShardLayout(0, 2), 1, batch=4)
+    assert plan.algorithm == "decode"
+
+
+def test_batched_decode_after_a_prefill_and_a_turn_after_it():
+    world, batch = 3, 4
+    layout = ShardLayout(0, world)
+    layout.commit(plan_for(layout, 9, batch=batch))
+    algorithms = []
+    for _ in range(8):
+        plan = plan_for(layout, 1, batch=batch)
+        algorithms.append(plan.algorithm)
+        if plan.seq_rows is not None:
+            ran = sorted(sum((list(range(batch))[s] for s in plan.seq_rows), []))
+            assert ran == list(range(batch))  # every sequence runs on exactly one rank
+        layout.commit(plan)
+        spread = layout.sequence_counts(batch)
+        assert int((spread.max(1).values - spread.min(1).values).max()) <= 1
+    assert "ring_pass_q_decode" in algorithms
+    assert any(c.dim() == 2 for c in layout.cols)
+    # a further turn over per-sequence tables: message sizes are the table widths, not their numel
+    for strategy in ("ring_pass_kv", "allgather_kv", "kv_runahead", "ulysses"):
+        plan = plan_for(layout, 7, batch=batch, policy=Policy(world, prefill=lambda t, p, s=strategy: s))
+        assert plan.algorithm == {"kv_runahead": "ring_pass_kv", "ulysses": "allgather_kv"}.get(strategy, strategy)
+        for r in range(world):
+            assert plan.kv_size(r) == plan.kv_cols[r].shape[-1]
+    layout.commit(plan)
+    assert stored_columns(layout, batch) == [list(range(24))] * batch
+
+
+def test_ring_pass_q_decode_below_n_sequences_is_an_error():
+    layout = ShardLayout(0, 4)
+    layout.commit(plan_for(layout, 8, batch=2))
+    with pytest.raises(ContextParallelError, match="at least one sequence per rank"):
+        plan_for(layout, 1, batch=2, policy=Policy(4, decode="ring_pass_q"))
+
+
+def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
+    policy = Policy(3, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t: [t - 2, 1, 1])
+    layout = ShardLayout(0, 3)
+    plan = plan_for(layout, 10, policy=policy)
+    assert [r.tolist() for r in plan.token_rows] == [list(range(8)), [8], [9]]
+    layout.commit(plan)
+    assert plan_for(layout, 6, policy=policy).algorithm == "ring_pass_kv"
+
+
+def test_rope_length_is_the_whole_forwards_longest_position():
+    """Every rank must see max(position_ids) + 1 of the whole forward, not of its shard or sequences."""
+    layout = ShardLayout(0, 2)
+    pos = torch.tensor([[1, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]])  # left-padded row, as generate() builds it
+    plan = plan_for(layout, 6, batch=2, positions=pos)
+    assert plan.rope_length == 6
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_forward_sequences_store_each_token_once(seed):
+    """Any sequence of forwards (prefill, decode, batched decode, crops by the cache) keeps one copy
+    of every column per sequence, with shards of each sequence within two tokens of each other."""
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    batch = rng.choice([1, world - 1, world, world + 1])
+    layout = ShardLayout(0, world)
+    for _ in range(12):
+        num_new = rng.choice([1, 1, 1, 2, world, 2 * world + 1, 17])
+        plan = plan_for(layout, num_new, batch=batch, policy=Policy(world, decode=rng.choice(["auto", "replicated"])))
+        layout.commit(plan)
+        assert stored_columns(layout, batch) == [list(range(layout.seq_length))] * batch
+        counts = layout.sequence_counts(batch)
+        assert int((counts.max(1).values - counts.min(1).values).max()) <= 2
