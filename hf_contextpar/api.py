@@ -7,7 +7,7 @@ import inspect
 from . import attention
 from .distributed import resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
-from .generate import ContextParallelRuntime
+from .runtime import ContextParallelRuntime
 
 STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 DECODES = ("auto", "replicated", "ring_pass_q")
@@ -27,6 +27,11 @@ def _check_model(model):
         raise UnsupportedModelError(
             f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
             "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
+        )
+    if getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention=True makes every token attend to later tokens too; hf-contextpar's "
+            "algorithms implement causal (and sliding-window causal) attention only."
         )
     if any(hasattr(m, "sinks") for m in model.modules()):
         raise UnsupportedModelError("attention sinks (learned per-head sink logits) are not supported by hf-contextpar.")
@@ -90,12 +95,43 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
                                      calibration=calibration, planner_rule=planner_rule, decode=decode,
                                      kvr_partitions=kvr_partitions)
+    _agree(runtime, group)
     runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
     model.set_attn_implementation(attention.NAME)
     runtime.install()
     setattr(model, _ATTR, runtime)
     return model
+
+
+def _agree(runtime, group):
+    """Make every decision that changes which collectives run the same on every rank, once, here.
+
+    Each rank's settings and model shape are compared (a mismatch is an error on every rank); the
+    machine facts that drive per-call choices (the planner's calibration, KV-Runahead's partition
+    table) are taken from rank 0, since each rank may have read a different file or none."""
+    import torch.distributed as dist
+
+    mine = dict(strategy=runtime.strategy, decode=runtime.decode, planner_rule=runtime.planner_rule,
+                check_inputs=runtime.check_inputs, model=_model_signature(runtime.model))
+    everyone = [None] * runtime.world
+    dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
+    for key in mine:
+        values = [e[0][key] for e in everyone]
+        if any(v != values[0] for v in values):
+            raise ContextParallelError(
+                f"apply_context_parallel got a different {key} on different ranks ({values}, by rank). Every rank "
+                "must load the same model and call apply_context_parallel with the same arguments."
+            )
+    runtime.calibration, runtime.partitions = everyone[0][1], everyone[0][2]
+
+
+def _model_signature(model):
+    text = model.config.get_text_config(decoder=True)
+    p = next(model.parameters())
+    return (text.model_type, text.num_hidden_layers, text.num_attention_heads,
+            getattr(text, "num_key_value_heads", None), getattr(text, "head_dim", None), text.vocab_size,
+            str(p.dtype), sum(q.numel() for q in model.parameters()))
 
 
 def remove_context_parallel(model):
