@@ -1,0 +1,239 @@
+"""One rank of the targeted tests for combinations that once went wrong silently or crashed:
+position-dependent RoPE, DynamicCache semantics (crop(0) in assisted / prompt-lookup decoding),
+a caller-kept DynamicCache, packed inputs and mask-changing flags, cache_implementation, the
+post-generate check, a turn after batched decode, one-token prompts with B >= N, and settings
+that differ across ranks. Every case compares with the unpatched model in this process.
+Writes OUT/rank{r}.json: one record per case with ok=True/False and details."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache
+
+import hf_contextpar
+from cp_worker import gathered_equal, impl_for, left_padded, prompt
+from hf_contextpar.errors import ContextParallelError, UnsupportedModelError
+from hf_contextpar.eval import logits_diff
+from hf_contextpar.models import tiny_model
+from launch import tolerance, write_records
+
+ROPES = {
+    "dynamic": dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0), max_position_embeddings=64),
+    "linear": dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
+    "yarn": dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                      original_max_position_embeddings=32)),
+    "llama3": dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=32, rope_theta=500000.0)),
+}
+LONGROPE = dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
+                                     long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=64),
+                original_max_position_embeddings=64, max_position_embeddings=512)
+
+
+def pair(family="llama", dtype=torch.float64, strategy="auto", **kw):
+    impl = impl_for(family)
+    ref = tiny_model(family, dtype=dtype, attn_implementation=impl, **kw)
+    cp = tiny_model(family, dtype=dtype, attn_implementation=impl, **kw)
+    return ref, hf_contextpar.apply_context_parallel(cp, timeout=60, strategy=strategy)
+
+
+def greedy(model, ids, n=12, **kw):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+@torch.no_grad()
+def cases(n):
+    """Yields (name, check) pairs; check() returns a dict with 'ok'."""
+
+    def rope(name, family, overrides, lengths):
+        def check():
+            ref, cp = pair(family, **overrides)
+            worst, same = 0.0, True
+            for length in lengths:
+                ids = prompt(length, seed=length)
+                worst = max(worst, logits_diff(cp(ids).logits, ref(ids).logits))
+                out = greedy(cp, ids, 30)
+                same &= torch.equal(out, greedy(ref, ids, 30)) and gathered_equal(out)
+            return dict(ok=worst <= tolerance(family, "float64") and same, max_diff=worst, tokens_equal=same)
+        return name, check
+
+    for name, overrides in ROPES.items():
+        yield rope(f"rope_{name}", "llama", overrides, (50, 101))
+    # original 64: a prompt just above it (some shards see only positions below it), one far above,
+    # and generation that crosses it (Phi-3 then drops the cache and prefills again)
+    yield rope("rope_longrope_phi3", "phi3", LONGROPE, (40, 67, 101))
+
+    def partial_prefill_rope():  # a second turn over the cache crosses max_position_embeddings
+        ref, cp = pair("llama", **ROPES["dynamic"])
+        ids = prompt(90, seed=3)
+        c_ref, c_cp = ref(ids[:, :40]).past_key_values, cp(ids[:, :40]).past_key_values
+        d = logits_diff(cp(ids[:, 40:], past_key_values=c_cp).logits, ref(ids[:, 40:], past_key_values=c_ref).logits)
+        return dict(ok=d <= 1e-10, max_diff=d)
+    yield "rope_dynamic_partial_prefill", partial_prefill_rope
+
+    def assisted():
+        ref, cp = pair()
+        helper = tiny_model("llama", dtype=torch.float64)  # identical weights: every draft is accepted
+        ids = prompt(37, seed=37)
+        want = greedy(ref, ids, 16)
+        got = greedy(cp, ids, 16, assistant_model=helper)
+        return dict(ok=torch.equal(got, want) and gathered_equal(got))
+    yield "assisted_identical_assistant", assisted
+
+    def prompt_lookup():
+        ref, cp = pair()
+        ids = prompt(23, seed=5).repeat(1, 3)  # repeats give the lookup something to propose
+        want = greedy(ref, ids, 16)
+        got = greedy(cp, ids, 16, prompt_lookup_num_tokens=3)
+        return dict(ok=torch.equal(got, want) and gathered_equal(got))
+    yield "prompt_lookup", prompt_lookup
+
+    def crop_semantics():
+        _, cp = pair()
+        cache = cp(prompt(29, seed=1)).past_key_values
+        cache.crop(0)
+        kept = cache.get_seq_length()
+        cache.crop(-4)
+        try:
+            cache.crop(10)
+            positive = "accepted"
+        except ValueError:
+            positive = "refused"
+        return dict(ok=kept == 29 and cache.get_seq_length() == 25 and positive == "refused", kept=kept, positive=positive)
+    yield "crop_like_dynamic_cache", crop_semantics
+
+    def in_place_cache():
+        ref, cp = pair()
+        ids = prompt(60, seed=11)
+        mine, theirs = DynamicCache(), DynamicCache()
+        cp(ids[:, :35], past_key_values=mine)
+        ref(ids[:, :35], past_key_values=theirs)
+        d = logits_diff(cp(ids[:, 35:], past_key_values=mine).logits, ref(ids[:, 35:], past_key_values=theirs).logits)
+        # and generate() twice with the caller's cache object, the second call continuing the first
+        mine, theirs = DynamicCache(), DynamicCache()
+        a = greedy(cp, ids[:, :30], 6, past_key_values=mine)
+        b = greedy(ref, ids[:, :30], 6, past_key_values=theirs)
+        a2 = greedy(cp, torch.cat([a, ids[:, 30:40]], 1), 6, past_key_values=mine)
+        b2 = greedy(ref, torch.cat([b, ids[:, 30:40]], 1), 6, past_key_values=theirs)
+        return dict(ok=d <= 1e-10 and torch.equal(a2, b2) and mine.get_seq_length() == theirs.get_seq_length(),
+                    max_diff=d, length=mine.get_seq_length())
+    yield "caller_kept_dynamic_cache", in_place_cache
+
+    def packed():
+        _, cp = pair()
+        ids = prompt(30, seed=2)
+        pos = torch.cat([torch.arange(12), torch.arange(18)]).unsqueeze(0)
+        try:
+            cp(ids, position_ids=pos, use_cache=False)
+            return dict(ok=False, error="accepted packed position_ids")
+        except ContextParallelError as e:
+            return dict(ok="packed" in str(e))
+    yield "packed_position_ids_refused", packed
+
+    def bidirectional():
+        try:
+            pair("gemma3_text", use_bidirectional_attention=True)
+            return dict(ok=False, error="accepted")
+        except UnsupportedModelError as e:
+            return dict(ok="bidirectional" in str(e))
+    yield "bidirectional_refused", bidirectional
+
+    def cache_implementations():
+        ref, cp = pair()
+        ids = prompt(21, seed=21)
+        results = {}
+        for impl in ("static", "offloaded", "dynamic"):
+            try:
+                got = greedy(cp, ids, 4, cache_implementation=impl)
+                results[impl] = "exact" if torch.equal(got, greedy(ref, ids, 4, cache_implementation=impl)) else "WRONG"
+            except ContextParallelError:
+                results[impl] = "error"
+        return dict(ok=results == dict(static="error", offloaded="error", dynamic="exact"), results=results)
+    yield "cache_implementation", cache_implementations
+
+    def last_step_rng():
+        _, cp = pair()
+        torch.manual_seed(dist.get_rank())  # differing RNG: only the final sampled token differs
+        try:
+            cp.generate(prompt(9, seed=9), max_new_tokens=1, do_sample=True, top_k=0)
+            return dict(ok=False, error="differing sequences went undetected")
+        except ContextParallelError as e:
+            return dict(ok="generated sequences" in str(e))
+    yield "differing_last_sample_detected", last_step_rng
+
+    strategies = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "auto"] + (["ulysses"] if 2 % n == 0 else [])
+    for strategy in strategies:
+        def turn_after_batched_decode(strategy=strategy):
+            ref, cp = pair(strategy=strategy)
+            ids, mask = left_padded([31, 17, 25, 40, 12][: n + 1], seed=n)
+            out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                   return_dict_in_generate=True)
+            out = cp.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                              return_dict_in_generate=True)
+            batched = hf_contextpar.get_runtime(cp).algorithm_counts["ring_pass_q_decode"]
+            follow = prompt(2 * n + 3, seed=77, batch=n + 1)
+            seq = torch.cat([out.sequences, follow], 1)
+            m = torch.cat([mask, torch.ones(n + 1, 6 + follow.shape[1], dtype=mask.dtype)], 1)
+            got = cp.generate(seq, attention_mask=m, past_key_values=out.past_key_values, max_new_tokens=6,
+                              min_new_tokens=6, do_sample=False)
+            want = ref.generate(seq, attention_mask=m, past_key_values=out_ref.past_key_values, max_new_tokens=6,
+                                min_new_tokens=6, do_sample=False)
+            return dict(ok=batched > 0 and torch.equal(got, want) and gathered_equal(got), batched_steps=batched)
+        yield f"turn_after_batched_decode_{strategy}", turn_after_batched_decode
+
+    def one_token_batch():
+        ref, cp = pair()
+        x = prompt(1, seed=4, batch=n)
+        d = logits_diff(cp(x).logits, ref(x).logits)
+        beams = torch.equal(cp.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False),
+                            ref.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False))
+        torch.manual_seed(5)
+        s_cp = cp.generate(x[:1], do_sample=True, num_return_sequences=n, max_new_tokens=6)
+        torch.manual_seed(5)
+        s_ref = ref.generate(x[:1], do_sample=True, num_return_sequences=n, max_new_tokens=6)
+        return dict(ok=d <= 1e-10 and beams and torch.equal(s_cp, s_ref), max_diff=d, beams=beams)
+    yield "one_token_prompt_batch_ge_n", one_token_batch
+
+    def differing_settings():
+        model = tiny_model("llama", dtype=torch.float64)
+        try:
+            hf_contextpar.apply_context_parallel(model, timeout=60, strategy="ring_pass_q" if dist.get_rank() else "ring_pass_kv")
+            return dict(ok=False, error="accepted")
+        except ContextParallelError as e:
+            return dict(ok="strategy" in str(e))
+    yield "differing_strategy_refused", differing_settings
+
+    def differing_calibration():
+        # rank 0 calibrated a machine where pass-Q always wins; the others have the defaults (pass-KV)
+        cal = dict(attn_flops=1e18, bandwidth=1.0) if dist.get_rank() == 0 else None
+        ref = tiny_model("llama", dtype=torch.float64)
+        cp = hf_contextpar.apply_context_parallel(tiny_model("llama", dtype=torch.float64), timeout=60, calibration=cal)
+        ids = prompt(50, seed=50)
+        cache = cp(ids[:, :40]).past_key_values
+        c_ref = ref(ids[:, :40]).past_key_values
+        d = logits_diff(cp(ids[:, 40:], past_key_values=cache).logits, ref(ids[:, 40:], past_key_values=c_ref).logits)
+        algorithm = hf_contextpar.get_runtime(cp).last_forward["algorithm"]
+        return dict(ok=d <= 1e-10 and algorithm == "ring_pass_q", algorithm=algorithm, max_diff=d)
+    yield "calibration_from_rank0", differing_calibration
+
+
+def main():
+    out_dir = sys.argv[1]
+    torch.set_num_threads(1)
+    hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
+    n = dist.get_world_size()
+    records = []
+    for name, check in cases(n):
+        try:
+            records.append(dict(case=name, **check()))
+        except Exception as e:  # recorded; the other ranks raise the same way (same plan, same inputs)
+            records.append(dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+    write_records(out_dir, records)
+
+
+if __name__ == "__main__":
+    main()
