@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_contextpar.patches import REGISTRY
+
 
 def logits_diff(a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None = None) -> float:
     """Max |a - b| over (B, T, V) logits, ignoring padded positions (their values are kernel-specific)."""
@@ -32,14 +34,15 @@ def tolerance(dtype: torch.dtype, model_type: str = "", kernel_swap: float | Non
     """(max |logit diff| allowed, how it was chosen) for a model of `dtype`.
 
     fp64 1e-10 and fp32 1e-4 are far above what a reordered sum costs and far below what a
-    wrong mask or a missing block costs. Gemma2 in fp64 gets 1e-5 because HF's own Gemma2
-    attention computes its softmax in fp32. bf16/fp16 get what swapping the attention kernel
+    wrong mask or a missing block costs. A family whose transformers reference is fp32-limited in
+    fp64 (Gemma2's eager softmax) gets its registry entry's `fp64_tolerance`. bf16/fp16 get what swapping the attention kernel
     alone changes on one process (`kernel_swap`, measured by the harness: the unpatched model
     with eager vs SDPA attention), with a floor of 1e-2 for models where that happens to be tiny.
     """
     if dtype in FLOAT_TOL:
-        if dtype == torch.float64 and model_type == "gemma2":
-            return 1e-5, "fp64, Gemma2 (HF computes its softmax in fp32)"
+        family = REGISTRY.get(model_type)
+        if dtype == torch.float64 and family is not None and family.fp64_tolerance != FLOAT_TOL[dtype]:
+            return family.fp64_tolerance, f"fp64, {model_type} (transformers' own reference is fp32-limited)"
         return FLOAT_TOL[dtype], f"{str(dtype).split('.')[-1]} fixed tolerance"
     ks = kernel_swap if kernel_swap is not None else 0.0
     return max(ks, LOW_PRECISION_FLOOR), f"max(attention kernel swap {ks:.3g}, floor {LOW_PRECISION_FLOOR:g})"

@@ -10,24 +10,16 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from hf_contextpar.patches import REGISTRY
+
 _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=65536, initializer_range=0.2, tie_word_embeddings=False,
                bos_token_id=256, eos_token_id=257, pad_token_id=258)
 
+# one tiny config per registered family (patches/), plus the benchmark's attention-dominated models
 TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(model_type="llama"),
-    "mistral": dict(model_type="mistral", sliding_window=24),
-    "qwen2": dict(model_type="qwen2", use_sliding_window=True, sliding_window=24, max_window_layers=1,
-                  layer_types=["full_attention", "sliding_attention"]),
-    "qwen3": dict(model_type="qwen3"),
-    "gemma2": dict(model_type="gemma2", sliding_window=24, attn_logit_softcapping=20.0,
-                   final_logit_softcapping=15.0, query_pre_attn_scalar=16,
-                   layer_types=["sliding_attention", "full_attention"]),
-    "gemma3_text": dict(model_type="gemma3_text", sliding_window=24, query_pre_attn_scalar=16,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "phi3": dict(model_type="phi3", sliding_window=40, num_key_value_heads=4),
-    "olmo2": dict(model_type="olmo2"),
+    **{mt: dict(model_type=mt, **p.tiny) for mt, p in REGISTRY.items() if p.tiny is not None},
     # benchmark model: attention-dominated, 8 query heads per KV head (Llama-3-70B's ratio)
     "llama_gqa8": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
                        num_key_value_heads=1, head_dim=32),

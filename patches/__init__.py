@@ -5,7 +5,9 @@ transformers' AttentionInterface + AttentionMaskInterface, a sharded cache and f
 on the *ForCausalLM module; it covers every family below. A family lists here only what is
 particular to it: a `check(config)` that rejects configurations which would not be exact, and
 an optional `apply(model) -> undo` for a family that needs a reversible patch of its own.
-Installed as `hf_contextpar.patches`.
+An entry also carries the facts tests, eval and the CLI need: the family's tiny config, the
+reference attention implementation and its fp64 tolerance, so adding a family is one entry here
+(plus one file only if it needs a patch of its own). Installed as `hf_contextpar.patches`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class FamilyPatch:
     description: str
     check: Callable | None = None  # check(config) raises UnsupportedModelError
     apply: Callable | None = None  # apply(model) -> undo(); for families that need more than the generic hook
+    tiny: dict | None = None  # config overrides for the family's tiny random model (the exactness matrix)
+    reference_attn: str = "sdpa"  # the stock attention implementation exactness is measured against
+    fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -41,17 +46,24 @@ def _text_only_gemma3(config):
     )
 
 
-for _mt, _desc in [
-    ("llama", "Llama 2/3/3.x: GQA, RoPE"),
-    ("mistral", "Mistral: GQA, sliding window on every layer"),
-    ("qwen2", "Qwen2/2.5: GQA, QKV bias, optional sliding layers"),
-    ("qwen3", "Qwen3: GQA, QK-norm"),
-    ("gemma2", "Gemma2: alternating sliding/global layers, attention and final logit soft-capping"),
-    ("gemma3_text", "Gemma3 (text): alternating sliding/global layers, QK-norm, dual RoPE"),
-    ("phi3", "Phi-3: fused QKV, sliding window"),
-    ("olmo2", "OLMo 2: QK-norm, post-norm blocks"),
+for _patch in [
+    FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
+    FamilyPatch("mistral", "Mistral: GQA, sliding window on every layer", tiny=dict(sliding_window=24)),
+    FamilyPatch("qwen2", "Qwen2/2.5: GQA, QKV bias, optional sliding layers",
+                tiny=dict(use_sliding_window=True, sliding_window=24, max_window_layers=1,
+                          layer_types=["full_attention", "sliding_attention"])),
+    FamilyPatch("qwen3", "Qwen3: GQA, QK-norm", tiny={}),
+    # HF runs Gemma2's soft-capping only in eager attention, whose softmax is fp32 even for fp64 models
+    FamilyPatch("gemma2", "Gemma2: alternating sliding/global layers, attention and final logit soft-capping",
+                tiny=dict(sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+                          query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]),
+                reference_attn="eager", fp64_tolerance=1e-5),
+    FamilyPatch("gemma3_text", "Gemma3 (text): alternating sliding/global layers, QK-norm, dual RoPE",
+                tiny=dict(sliding_window=24, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    FamilyPatch("phi3", "Phi-3: fused QKV, sliding window", tiny=dict(sliding_window=40, num_key_value_heads=4)),
+    FamilyPatch("olmo2", "OLMo 2: QK-norm, post-norm blocks", tiny={}),
 ]:
-    register(FamilyPatch(_mt, _desc))
+    register(_patch)
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
 
 

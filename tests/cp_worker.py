@@ -13,13 +13,14 @@ import torch.distributed as dist
 import hf_contextpar
 from hf_contextpar.eval import first_divergence, logits_diff
 from hf_contextpar.models import tiny_model
+from hf_contextpar.patches import REGISTRY
 from launch import write_records
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
+FAMILIES = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 
 
 def impl_for(family):
-    return "eager" if family == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
+    return REGISTRY[family].reference_attn
 
 
 def gathered_equal(t: torch.Tensor) -> bool:
