@@ -56,7 +56,7 @@ def _check_ulysses(config, world: int):
 
 
 def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
-                           check_inputs: bool = True, calibration=None, planner_rule: str = "alg5",
+                           check_inputs: bool = True, calibration=None, planner_rule: str = "cost",
                            decode: str = "auto", kvr_partitions=None):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
@@ -70,7 +70,8 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     kvr_partitions: for "kv_runahead", a partition table (PartitionTable, dict or JSON path from
         `python -m hf_contextpar kvr-table`) to interpolate partitions from (KVR-P); None: even (KVR-E).
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
-        calibrate` saves, else built-in defaults). planner_rule: "alg5" or "empirical" (App. D).
+        calibrate` saves, else built-in defaults). planner_rule: "cost" (the lower predicted time from
+        the cost model), "alg5" (Meta Alg. 5) or "empirical" (App. D's h(T,P)).
     timeout: seconds any rank waits for its peers before failing with a clear error.
     decode: "replicated" (every rank computes each new token, sharded-KV attention), "ring_pass_q"
         (batched ring pass-Q decode, Meta Alg. 4: each rank runs ~B/N sequences), or "auto": batched

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import costmodel
+from .calibrate import measure, small_collective_s, sync
 from .cli import DTYPES, load
 
 DEFAULT_MODEL = "tiny-llama_gqa8"
@@ -66,11 +67,6 @@ def _peak(device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss()[1]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _kv_bytes(cache) -> int:
     if hasattr(cache, "local_nbytes"):
         return cache.local_nbytes()
@@ -91,7 +87,7 @@ def prefill(model, ids, *, stats=None, barrier=None, device):
     c0, t0 = time.process_time(), time.perf_counter()
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    _sync(device)
+    sync(device)
     res = dict(ttft_s=time.perf_counter() - t0, ttft_cpu_s=time.process_time() - c0, comm_wait_s=0.0,
                comm_wait_by_op_s={}, bytes_sent=0, bytes_received=0)
     if stats is not None:
@@ -112,7 +108,7 @@ def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, de
         t0 = time.perf_counter()
         out = model(input_ids=token, past_key_values=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(device)
+        sync(device)
         steps.append(time.perf_counter() - t0)
         tokens.append(int(token[0, 0]))
         if stats is not None:
@@ -182,20 +178,6 @@ class Samples:
                     bytes_sent=self.prefills[-1]["bytes_sent"], bytes_received=self.prefills[-1]["bytes_received"])
 
 
-def small_collective_s(numel: int, iters: int = 200) -> float:
-    """Median time of one small all-gather on the default group: the decode floor per layer."""
-    t = torch.zeros(numel)
-    out = torch.empty(numel * dist.get_world_size())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    times = []
-    for i in range(iters + 20):
-        t0 = time.perf_counter()
-        gather(out, t)
-        if i >= 20:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:
     """The same all-gather when each one follows ~1 ms of compute, as in decode: the peers' gloo
     threads have gone to sleep and must be woken, which back-to-back calls never pay."""
@@ -222,51 +204,6 @@ def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:
     dist.barrier()
     both = statistics.median(with_gather() for _ in range(iters))
     return max(0.0, both - base)
-
-
-def measure_machine(shape: costmodel.Shape, dtype, device, world: int, tokens: int = 2048) -> costmodel.Machine:
-    """C_attn, C_gemm, and (N >= 2) ring bandwidth and small-collective latency; min over ranks."""
-    from .kernels import attend
-
-    def timed(fn, n=3):
-        fn()
-        out = []
-        for _ in range(n):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out)
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, shape.heads, tokens, shape.head_dim, generator=g).to(device, dtype)
-    k = torch.randn(1, shape.kv_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
-    cols = torch.arange(tokens)
-    c_attn = 4 * tokens * tokens * shape.heads * shape.head_dim / timed(lambda: attend(q, k, k, cols + tokens, cols, scale=0.1))
-    # a matmul with the layer's weight count, as (tokens x hidden) @ (hidden x W/hidden) for a square-ish hidden
-    hidden = max(64, int(round((shape.linear_weights / 6) ** 0.5)))
-    a = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-    w = torch.randn(hidden, shape.linear_weights // hidden, generator=g).to(device, dtype)
-    c_gemm = 2 * tokens * hidden * w.shape[1] / timed(lambda: a @ w)
-    bw, lat = float("inf"), 0.0
-    if world > 1:
-        lat = small_collective_s(shape.heads * (shape.head_dim + 1), iters=100)
-        buf = torch.zeros(1 << 20, device=device)  # 4 MiB, a ring message of the size a 16K prefill sends
-        nxt, prv = (dist.get_rank() + 1) % world, (dist.get_rank() - 1) % world
-        recv = torch.empty_like(buf)
-
-        def shift():
-            for w_ in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, nxt), dist.P2POp(dist.irecv, recv, prv)]):
-                w_.wait()
-
-        dist.barrier()
-        bw = buf.numel() * buf.element_size() / timed(shift, n=5)
-        vals = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(vals, torch.tensor([c_attn, c_gemm, bw, -lat], dtype=torch.float64))
-        c_attn, c_gemm, bw, neg_lat = torch.stack(vals).min(dim=0).values.tolist()
-        lat = -neg_lat
-    return costmodel.Machine(c_attn, c_gemm, bw, lat)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -336,7 +273,7 @@ def run(args) -> dict | None:
     log(f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
         f"strategies {strategies}")
 
-    machine = measure_machine(shape, dtype, device, world)
+    machine = measure(shape, dtype, device)
     floor_collective = small_collective_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
     woken_collective = small_collective_after_compute_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
     log(f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "

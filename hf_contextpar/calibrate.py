@@ -1,8 +1,10 @@
-"""Measure the planner's machine constants, and check its choices against measured timings.
+"""Measure the cost model's machine facts, and check the planner's choices against measured timings.
 
 `python -m hf_contextpar calibrate` (under torchrun) times the local attention kernel (C, in
-FLOP/s) and the ring send/recv (BW, in bytes/s) on this machine and saves them where the
-planner looks. `python -m hf_contextpar sweep` times ring pass-KV and ring pass-Q side by side
+FLOP/s), a matmul like the linear layers, the ring send/recv (BW, in bytes/s) and one small
+collective (latency) on this machine and saves them where the planner looks; the benchmark
+measures the same way (`measure`, `median_seconds`: one timing helper, device-synchronised).
+`python -m hf_contextpar sweep` times ring pass-KV and ring pass-Q side by side
 on partial prefills over a fixed total context at several KV-cache miss rates, reports which
 was faster and what the planner chose, and refits the empirical h(T,P) from the timings.
 """
@@ -16,39 +18,86 @@ import torch
 import torch.distributed as dist
 
 from .kernels import attend
-from .planner import Calibration, ModelShape, choose, empirical_h, fit_h
+from .costmodel import Machine, Shape
+from .planner import choose, empirical_h, fit_h
 
 
-def _median_time(fn, repeats: int, barrier=None) -> float:
-    fn()  # warm-up
+def sync(device):
+    """Wait for the device's queued work (CUDA kernels run asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, repeats: int, device="cpu", barrier=None) -> float:
+    """Median wall time of fn() after one warm-up; device work is synchronised on both sides, so
+    asynchronous CUDA kernels are timed, not just launched."""
+    fn()
     times = []
     for _ in range(repeats):
         if barrier:
             barrier()
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def measure(comm, shape: ModelShape, dtype=torch.float32, device="cpu", tokens: int = 2048,
-            message_bytes: int = 1 << 23, repeats: int = 5) -> Calibration:
-    """Achieved attention FLOP/s of the local kernel and ring bandwidth, agreed by all ranks (min)."""
+def small_collective_s(numel: int, iters: int = 200, group=None) -> float:
+    """Median time of one small all-gather: the latency alpha, and decode's floor per layer."""
+    t = torch.zeros(numel)
+    out = torch.empty(numel * dist.get_world_size(group))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    times = []
+    for i in range(iters + 20):
+        t0 = time.perf_counter()
+        gather(out, t, group=group)
+        if i >= 20:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens: int = 2048,
+            message_bytes: int = 1 << 22, repeats: int = 5) -> Machine:
+    """The cost model's machine facts, measured here: C_attn on a fully visible block of the local
+    kernel, C_gemm on a matmul the size of one layer's linear weights, and with a process group
+    the ring bandwidth and one small collective's latency; every rank takes the minimum."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, shape.num_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
-    k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
+    q = torch.randn(1, shape.heads, tokens, shape.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(1, shape.kv_heads, tokens, shape.head_dim, generator=g).to(device, dtype)
     cols = torch.arange(tokens)
-    t_attn = _median_time(lambda: attend(q, k, k, cols + tokens, cols, scale=0.1), repeats)
-    flops = 4 * tokens * tokens * shape.num_heads * shape.head_dim / t_attn
-    buf = torch.zeros(message_bytes // 4, dtype=torch.float32, device=device)
-    t_ring = _median_time(lambda: comm.ring_shift(buf, buf.shape, buf.dtype, buf.device).wait(), repeats,
-                          barrier=lambda: dist.barrier(group=comm.group))
-    bw = message_bytes / t_ring
-    agreed = comm.all_gather(torch.tensor([flops, bw], dtype=torch.float64)).min(dim=0).values.tolist()
-    return Calibration(attn_flops=agreed[0], bandwidth=agreed[1], source="measured",
-                       details=dict(world=comm.world, tokens=tokens, message_bytes=message_bytes,
-                                    threads=torch.get_num_threads(), dtype=str(dtype), device=str(device),
-                                    heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim))
+    t_attn = median_seconds(lambda: attend(q, k, k, cols + tokens, cols, scale=0.1), repeats, device)
+    c_attn = 4 * tokens * tokens * shape.heads * shape.head_dim / t_attn
+    # (tokens x hidden) @ (hidden x W/hidden) with a square-ish hidden: the layer's weight count
+    hidden = max(64, int(round((shape.linear_weights / 6) ** 0.5)))
+    a = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    w = torch.randn(hidden, max(1, shape.linear_weights // hidden), generator=g).to(device, dtype)
+    c_gemm = 2 * tokens * hidden * w.shape[1] / median_seconds(lambda: a @ w, repeats, device)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    bw, lat = float("inf"), 0.0
+    if world > 1:
+        rank = dist.get_rank(group)
+        nxt, prv = (dist.get_global_rank(group or dist.group.WORLD, (rank + s) % world) for s in (1, -1))
+        buf = torch.zeros(message_bytes // 4, device=device)
+        recv = torch.empty_like(buf)
+
+        def shift():
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, nxt, group),
+                                                dist.P2POp(dist.irecv, recv, prv, group)]):
+                work.wait()
+
+        bw = message_bytes / median_seconds(shift, repeats, device, barrier=lambda: dist.barrier(group=group))
+        lat = small_collective_s(shape.heads * (shape.head_dim + 1), iters=100, group=group)
+        mine = torch.tensor([c_attn, c_gemm, bw, -lat], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine, group=group)
+        c_attn, c_gemm, bw, neg_lat = torch.stack(everyone).min(dim=0).values.tolist()
+        lat = -neg_lat
+    return Machine(attn_flops=c_attn, gemm_flops=c_gemm, bandwidth=bw, latency=lat, source="measured",
+                   details=dict(world=world, tokens=tokens, message_bytes=message_bytes,
+                                threads=torch.get_num_threads(), dtype=str(dtype), device=str(device),
+                                heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim))
 
 
 @torch.no_grad()
@@ -73,8 +122,9 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                     if cache is not None:
                         cache.crop(P - cache.get_seq_length())
 
-                times[s] = _median_time(partial_prefill, repeats, barrier=lambda: dist.barrier(group=runtime.comm.group))
-            d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, "alg5")
+                times[s] = median_seconds(partial_prefill, repeats, device,
+                                          barrier=lambda: dist.barrier(group=runtime.comm.group))
+            d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, runtime.planner_rule)
             rows.append(dict(miss_rate=T / total, T=T, P=P, pass_kv_s=times["ring_pass_kv"], pass_q_s=times["ring_pass_q"],
                              planner=d.strategy, predicted_pass_kv_s=d.predicted_pass_kv_s,
                              predicted_pass_q_s=d.predicted_pass_q_s))
@@ -121,8 +171,8 @@ def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
     saved = runtime.strategy, runtime.partitions
     runtime.strategy, runtime.partitions = "kv_runahead", table
     try:
-        t = _median_time(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats,
-                         barrier=lambda: dist.barrier(group=runtime.comm.group))
+        t = median_seconds(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats,
+                           next(model.parameters()).device, barrier=lambda: dist.barrier(group=runtime.comm.group))
     finally:
         runtime.strategy, runtime.partitions = saved
     return _agreed(runtime, t)

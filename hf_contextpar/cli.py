@@ -146,11 +146,13 @@ def cmd_calibrate(args):
     from .calibrate import measure
 
     model, runtime, device = _setup(args)
-    cal = measure(runtime.comm, runtime.shape, DTYPES[args.dtype], device, tokens=args.tokens)
+    cal = measure(runtime.shape, DTYPES[args.dtype], device, group=runtime.comm.group, tokens=args.tokens)
     if runtime.rank == 0:
         path = cal.save(args.out)
         print(f"C  (attention, achieved) = {cal.attn_flops / 1e9:.2f} GFLOP/s per rank")
+        print(f"C  (linear layers)       = {cal.gemm_flops / 1e9:.2f} GFLOP/s per rank")
         print(f"BW (ring send/recv)      = {cal.bandwidth / 1e9:.3f} GB/s")
+        print(f"latency (small collective) = {cal.latency * 1e3:.3f} ms")
         print(f"saved to {path}")
     dist.barrier()
     dist.destroy_process_group()

@@ -1,18 +1,23 @@
-"""Roofline prediction of time-to-first-token per prefill strategy (Meta CP paper 3.4).
+"""The one cost model: roofline time of a prefill per strategy (Meta CP paper 3.4, Table 3, App. A),
+which the benchmark prints next to its measurements and `strategy="auto"` minimises.
 
-Per layer and rank, a full prefill of T tokens (no cache) on N ranks costs
+Per layer and rank, a prefill of T new tokens over P cached ones on N ranks costs
     linear     W T / N * 2 / C_gemm                 (W: weights of one decoder layer's linear maps)
-    attention  A = 4 H d (T^2/2) / N / C_attn        (causal: half of T x T; head-tail shards split it evenly)
+    attention  A = 4 H d T (P + T/2) / N / C_attn    (new token i sees P + i + 1 keys: the causal half of
+                                                     the new x new block, App. A's 1/2, plus all of T x P;
+                                                     head-tail shards split it evenly)
 and the strategies differ in what they send and what overlaps (alpha: one message's latency,
 BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
-    ring_pass_kv   (N-1) max(A/N, alpha + 2 (T/N) Hkv d e / BW) + A/N               (Alg. 2, overlapped)
+    ring_pass_kv   (N-1) max(A/N, alpha + 2 ((T+P)/N) Hkv d e / BW) + A/N           (Alg. 2, overlapped)
     ring_pass_q    (N-1) max(A/N, alpha + (T/N) H d e / BW) + A/N
                    + alpha + (N-1) (T/N) H (d+1) 4 / BW                              (Alg. 3 + All2All home)
-    allgather_kv   alpha + (N-1) (T/N) 2 Hkv d e / BW + A                            (gather, then attend)
+    allgather_kv   alpha + (N-1) ((T+P)/N) 2 Hkv d e / BW + A                        (gather, then attend)
     kv_runahead    the last rank of an even contiguous split: attention over all T keys for its T/N
                    queries, 4 H d (T/N)(T - T/(2N)), plus (N-1) hops of the growing prefix chain
     ulysses        2 alpha + ((N-1)/N) (T/N) (H + 2 max(Hkv, N)) d e / BW + A        (two All2All, QKV in, O out)
                    + ((N-1)/N) (T/N) H d e / BW
+(KV-Runahead and Ulysses are modelled for fresh prompts, P = 0.) Table 3 counts 4 T d (T+P)
+FLOPs, i.e. the new x new block in full; its Alg. 1/5 thresholds stay available in `planner`.
 Every forward adds `per_forward_collectives` small collectives (input check, logits gather).
 C_attn is measured on a fully visible block (what the causal FLOP count above divides by),
 C_gemm on a matmul the size of the model's MLP, BW and alpha on the running process group.
@@ -21,18 +26,63 @@ N = 1 is the unpatched model: L (linear + A).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+# Defaults when nothing was calibrated: a CPU core with gloo over loopback, a GPU with NVLink.
+DEFAULTS = {"cpu": dict(attn_flops=2.0e10, bandwidth=1.0e9), "cuda": dict(attn_flops=3.0e14, bandwidth=1.0e11)}
+PAPER_H = (-1.059, 1.145, 12.112)  # App. D's h(T,P) coefficients (a, b, c), fitted on Meta's H100 cluster
+
+
+def calibration_path() -> str:
+    return os.environ.get("HF_CONTEXTPAR_CALIBRATION",
+                          os.path.join(os.path.expanduser("~"), ".cache", "hf_contextpar", "calibration.json"))
 
 
 @dataclass
 class Machine:
+    """What the cost model knows of a machine; `python -m hf_contextpar calibrate` measures it."""
+
     attn_flops: float  # C_attn: achieved FLOP/s of the local attention kernel, per rank
-    gemm_flops: float  # C_gemm: achieved FLOP/s of the linear layers, per rank
+    gemm_flops: float = float("inf")  # C_gemm: achieved FLOP/s of the linear layers, per rank
     bandwidth: float = float("inf")  # BW: ring send/recv bytes/s (N >= 2)
     latency: float = 0.0  # alpha: seconds of one small collective / message (N >= 2)
+    source: str = "default"
+    h_coefficients: tuple = PAPER_H  # App. D's empirical rule, for planner_rule="empirical"
+    details: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def save(self, path: str | None = None) -> str:
+        path = path or calibration_path()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "Machine":
+        with open(path) as f:
+            data = json.load(f)
+        data["h_coefficients"] = tuple(data.get("h_coefficients", PAPER_H))
+        return cls(**data)
+
+    @classmethod
+    def resolve(cls, calibration=None, device_type: str = "cpu") -> "Machine":
+        """An explicit Machine / dict / path, else the saved file, else the defaults."""
+        if isinstance(calibration, Machine):
+            return calibration
+        if isinstance(calibration, dict):
+            return cls(**calibration)
+        path = calibration or calibration_path()
+        if os.path.exists(path):
+            return cls.load(path)
+        if calibration:
+            raise FileNotFoundError(f"calibration file {path} does not exist; run `python -m hf_contextpar calibrate`.")
+        return cls(**DEFAULTS.get(device_type, DEFAULTS["cpu"]), source="default")
 
 
 @dataclass
@@ -46,6 +96,7 @@ class Shape:
 
     @classmethod
     def from_model(cls, model) -> "Shape":
+        """The shape of a loaded model (its first decoder layer's linear weights)."""
         import torch
 
         text = model.config.get_text_config(decoder=True)
@@ -61,32 +112,40 @@ class Shape:
 PER_FORWARD_COLLECTIVES = 2  # runtime.py: the input check and the logits gather, one all-gather each
 
 
-def attention_flops(T: int, shape: Shape) -> float:
-    """Causal self-attention FLOPs of one layer over T tokens: QK^T and PV over the lower triangle."""
-    return 4.0 * shape.heads * shape.head_dim * T * T / 2
+def attention_flops(T: int, shape: Shape, P: int = 0) -> float:
+    """Causal attention FLOPs of one layer for T new tokens over P cached ones (QK^T and PV):
+    new token i sees P + i + 1 keys, so 4 H d T (P + T/2)."""
+    return 4.0 * shape.heads * shape.head_dim * T * (P + T / 2)
 
 
-def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> float | None:
-    """Predicted TTFT (seconds) of a full prefill of T tokens; None for a strategy the model does not know."""
+def ring_attention_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[float, float]:
+    """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds."""
+    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
+    a = attention_flops(T, shape, P) / N / m.attn_flops  # one rank's share
+    kv_msg = m.latency + 2 * (T + P) / N * kv * d * e / m.bandwidth
+    q_msg = m.latency + T / N * h * d * e / m.bandwidth
+    all2all = m.latency + (N - 1) * T / N * h * (d + 1) * 4 / m.bandwidth  # partial outputs + LSE home, fp32
+    return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all
+
+
+def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine, P: int = 0) -> float | None:
+    """Predicted TTFT (seconds) of a prefill of T tokens over P cached ones; None for a strategy the
+    model does not know (KV-Runahead and Ulysses: fresh prompts only)."""
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
     linear = 2.0 * shape.linear_weights * T / N / m.gemm_flops
-    a = attention_flops(T, shape) / N / m.attn_flops  # one rank's share of the causal attention
+    a = attention_flops(T, shape, P) / N / m.attn_flops  # one rank's share of the causal attention
     if N == 1:  # the unpatched model (a patch on one process changes nothing)
         return shape.layers * (linear + a)
     chunk = T / N
-    if strategy == "ring_pass_kv":
-        msg = m.latency + 2 * chunk * kv * d * e / m.bandwidth
-        attn = (N - 1) * max(a / N, msg) + a / N
-    elif strategy == "ring_pass_q":
-        msg = m.latency + chunk * h * d * e / m.bandwidth
-        attn = (N - 1) * max(a / N, msg) + a / N + m.latency + (N - 1) * chunk * h * (d + 1) * 4 / m.bandwidth
+    if strategy in ("ring_pass_kv", "ring_pass_q"):
+        attn = ring_attention_times(T, P, N, shape, m)[strategy == "ring_pass_q"]
     elif strategy == "allgather_kv":
-        attn = m.latency + (N - 1) * chunk * 2 * kv * d * e / m.bandwidth + a
-    elif strategy == "kv_runahead":
+        attn = m.latency + (N - 1) * (T + P) / N * 2 * kv * d * e / m.bandwidth + a
+    elif strategy == "kv_runahead" and P == 0:
         last = 4.0 * h * d * chunk * (T - chunk / 2) / m.attn_flops
         chain = sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
         attn = last + chain
-    elif strategy == "ulysses":
+    elif strategy == "ulysses" and P == 0:
         qkv = (N - 1) / N * chunk * (h + 2 * max(kv, N)) * d * e / m.bandwidth
         out = (N - 1) / N * chunk * h * d * e / m.bandwidth
         attn = 2 * m.latency + qkv + out + a

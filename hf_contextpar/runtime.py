@@ -25,7 +25,8 @@ from .comm import Comm
 from .errors import ContextParallelError, UnsupportedModelError
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Gather, Policy, build_plan
-from .planner import Calibration, ModelShape, choose
+from .costmodel import Shape
+from .planner import Calibration, choose
 
 
 @dataclass
@@ -110,13 +111,13 @@ class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and what to restore on removal."""
 
     def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
-                 calibration=None, planner_rule: str = "alg5", decode: str = "auto", kvr_partitions=None):
+                 calibration=None, planner_rule: str = "cost", decode: str = "auto", kvr_partitions=None):
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
-        self.shape = ModelShape.from_config(model.config, next(model.parameters()).element_size())
+        self.shape = Shape.from_model(model)
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # attention traffic: what the strategies move

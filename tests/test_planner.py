@@ -1,4 +1,4 @@
-"""The pass-KV / pass-Q planner: Alg. 5 boundaries, the roofline, h(T,P), calibration I/O."""
+"""The pass-KV / pass-Q planner: the cost-model rule, Alg. 5 boundaries, h(T,P), calibration I/O."""
 
 from __future__ import annotations
 
@@ -9,23 +9,23 @@ import sys
 
 import pytest
 
-from hf_contextpar.planner import (Calibration, ModelShape, alg5_prefers_pass_kv, choose, empirical_h, fit_h,
-                                   predicted_times)
+from hf_contextpar.costmodel import Shape, attention_flops, predict_ttft, ring_attention_times
+from hf_contextpar.planner import Calibration, alg5_prefers_pass_kv, choose, empirical_h, fit_h
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402
 
-SHAPE = ModelShape(num_heads=8, num_kv_heads=1, head_dim=64, elem_bytes=2)  # 2 N_KV / N_H = 0.25
+SHAPE = Shape(layers=1, heads=8, kv_heads=1, head_dim=64, linear_weights=0, elem_bytes=2)  # 2 N_KV / N_H = 0.25
 CAL = Calibration(attn_flops=1e12, bandwidth=1e9)
 N = 4
 
 
 def test_alg5_threshold_on_T():
-    t_thr = N * CAL.attn_flops * SHAPE.num_kv_heads * SHAPE.elem_bytes / (2 * SHAPE.num_heads * CAL.bandwidth)
+    t_thr = N * CAL.attn_flops * SHAPE.kv_heads * SHAPE.elem_bytes / (2 * SHAPE.heads * CAL.bandwidth)
     assert t_thr == 500.0
     # at and above the threshold pass-KV wins at any miss rate, however large the cache
     assert alg5_prefers_pass_kv(500, 10**9, N, SHAPE, CAL)[0]
-    assert choose(501, 10**9, N, SHAPE, CAL).strategy == "ring_pass_kv"
+    assert choose(501, 10**9, N, SHAPE, CAL, "alg5").strategy == "ring_pass_kv"
 
 
 def test_alg5_threshold_on_miss_rate():
@@ -33,20 +33,43 @@ def test_alg5_threshold_on_miss_rate():
     miss_thr = 2 * 1 / 8 - 4 * T * CAL.bandwidth / (N * CAL.attn_flops * 2)
     assert math.isclose(miss_thr, 0.25 - 0.05)
     P_at = round(T / miss_thr) - T  # T/(T+P) == 0.2 exactly
-    assert choose(T, P_at, N, SHAPE, CAL).strategy == "ring_pass_kv"
-    assert choose(T, P_at + 1, N, SHAPE, CAL).strategy == "ring_pass_q"
-    assert choose(T, P_at - 1, N, SHAPE, CAL).strategy == "ring_pass_kv"
+    assert choose(T, P_at, N, SHAPE, CAL, "alg5").strategy == "ring_pass_kv"
+    assert choose(T, P_at + 1, N, SHAPE, CAL, "alg5").strategy == "ring_pass_q"
+    assert choose(T, P_at - 1, N, SHAPE, CAL, "alg5").strategy == "ring_pass_kv"
 
 
-def test_predicted_times_hand_computed():
+def test_attention_flops_match_the_paper():
+    """App. A: a fresh prompt costs 1/2 * 4 * T^2 * D (causal); over P cached tokens each new token
+    also sees all P keys. One formula serves the planner and the TTFT prediction."""
+    T, P, D = 1000, 3000, 8 * 64
+    assert attention_flops(T, SHAPE) == 0.5 * 4 * T * T * D
+    assert attention_flops(T, SHAPE, P) == 4 * T * P * D + 0.5 * 4 * T * T * D
+    kv, q = ring_attention_times(T, 0, N, SHAPE, CAL)
+    full = predict_ttft("ring_pass_kv", T, N, SHAPE, CAL)  # no linear weights: attention only
+    assert math.isclose(full, kv)
+
+
+def test_ring_times_hand_computed():
     T, P = 1000, 3000
-    c = 4 * T * (T + P) * 8 * 64 / (N * N * 1e12)  # 5.12e-4 s per ring step
+    c = 4 * 8 * 64 * T * (P + T / 2) / (N * N * 1e12)  # 4.48e-4 s per ring step
     m_kv = 2 * (T + P) / N * 1 * 64 * 2 / 1e9  # 2.56e-4 s
     m_q = T / N * 8 * 64 * 2 / 1e9  # 2.56e-4 s
     a2a = (N - 1) * T / N * 8 * 65 * 4 / 1e9
-    kv, q = predicted_times(T, P, N, SHAPE, CAL)
+    kv, q = ring_attention_times(T, P, N, SHAPE, CAL)
     assert math.isclose(kv, 3 * max(c, m_kv) + c) and math.isclose(q, 3 * max(c, m_q) + c + a2a)
     assert kv < q  # both rings hidden under compute, pass-Q pays the All2All
+
+
+def test_cost_rule_picks_the_lower_prediction():
+    """The default rule: whichever of the two ring times the cost model predicts lower."""
+    slow_net = Calibration(attn_flops=1e15, bandwidth=1e8)  # communication-bound: message sizes decide
+    for T, P in ((64, 0), (64, 64), (8, 100000), (2048, 2048), (1, 10**6)):
+        d = choose(T, P, N, SHAPE, slow_net)
+        kv, q = ring_attention_times(T, P, N, SHAPE, slow_net)
+        assert d.rule == "cost" and d.strategy == ("ring_pass_kv" if kv <= q else "ring_pass_q")
+    # a few new tokens over a long cache: Q is far smaller than the cache's KV
+    assert choose(8, 100000, N, SHAPE, slow_net).strategy == "ring_pass_q"
+    assert choose(4096, 0, N, SHAPE, slow_net).strategy == "ring_pass_kv"
 
 
 def test_empirical_h_paper_and_refit():
