@@ -175,9 +175,11 @@ class ContextParallelRuntime:
                 f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
             )
         if mask is not None and mask.shape[1] != past + num_new:
+            again = " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do " \
+                    "that over a cache filled by an earlier call; start them with no cache)" if mask.shape[1] == num_new else ""
             raise ContextParallelError(
                 f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
-                f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does."
+                f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
             )
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and mask is None and cache is None and _is_packed(position_ids):
@@ -262,6 +264,8 @@ class ContextParallelRuntime:
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]
+            if kwargs.get("cache_position") is not None:  # remote-code models still take it
+                kwargs["cache_position"] = kwargs["cache_position"][mine.to(kwargs["cache_position"].device)]
             kwargs["logits_to_keep"] = plan.keep[self.rank]
         elif plan.seq_rows is not None:
             mine = plan.seq_rows[self.rank]
