@@ -117,36 +117,6 @@ def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, de
                 tokens=tokens, kv_bytes=_kv_bytes(cache))
 
 
-class CombinedStats:
-    """The attention traffic (`runtime.comm`) and the control traffic (`runtime.control`: input check,
-    logits gather) read as one; control operations are reported as 'control <op>'."""
-
-    def __init__(self, runtime):
-        self.parts = [("", runtime.comm.stats)]
-        if getattr(runtime, "control", None) is not None and runtime.control is not runtime.comm:
-            self.parts.append(("control ", runtime.control.stats))
-
-    def reset(self):
-        for _, st in self.parts:
-            st.reset()
-
-    @property
-    def wait_s(self):
-        return sum(st.wait_s for _, st in self.parts)
-
-    @property
-    def waits(self):
-        return {prefix + op: w for prefix, st in self.parts for op, w in st.waits.items()}
-
-    @property
-    def bytes_sent(self):
-        return sum(st.bytes_sent for _, st in self.parts)
-
-    @property
-    def bytes_received(self):
-        return sum(st.bytes_received for _, st in self.parts)
-
-
 class Samples:
     """Repeated prefill + decode of one configuration: TTFT median over prefills, TTIT over every step."""
 
@@ -302,7 +272,7 @@ def run(args) -> dict | None:
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
-            fn(CombinedStats(runtime) if runtime is not None else None)
+            fn(runtime.comm.stats if runtime is not None else None)
         finally:
             hf_contextpar.remove_context_parallel(model)
 

@@ -158,7 +158,7 @@ def format_sweep(rows, coeffs) -> str:
 def _agreed(runtime, seconds: float) -> float:
     """The slowest rank's time: a prefill is done when every rank is."""
     t = torch.tensor([seconds], dtype=torch.float64)
-    return float(runtime.control.all_gather(t).max())
+    return float(runtime.comm.all_gather(t, tag="control").max())
 
 
 @torch.no_grad()

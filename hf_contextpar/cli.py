@@ -106,7 +106,7 @@ def cmd_generate(args):
     cache = out.past_key_values
     local = torch.tensor([cache.local_length if runtime else cache.get_seq_length(),
                           cache.local_nbytes() if runtime else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)])
-    per_rank = runtime.control.all_gather(local.to(device if cuda else "cpu")).cpu() if runtime else local[None]
+    per_rank = runtime.comm.all_gather(local.to(device if cuda else "cpu"), tag="control").cpu() if runtime else local[None]
     if rank == 0:
         new = out.sequences[0, ids.shape[1]:]
         print(tok.decode(new, skip_special_tokens=True))

@@ -1,7 +1,9 @@
 """The collectives the attention algorithms use, with byte accounting and clear failures.
 
-Every operation counts the bytes this rank sends and receives, so benchmarks and tests can
-check the traffic against the analytical formulas, and the wall time this rank spends blocked
+One `Comm` per patched model. Every operation counts the bytes this rank sends and receives
+under a tag, "attention" (what the strategies move, which tests check against the papers'
+formulas) or "control" (the input checks and the output gathers), so `stats` holds everything
+and `tagged[tag]` one kind; and it counts the wall time this rank spends blocked
 in communication (`stats.wait_s`, per operation in `stats.waits`): the whole of a blocking
 collective, and for the ring only the posting plus the part of `wait()` that the attention of
 the block in hand did not hide, i.e. the exposed communication. On CUDA these are host-side
@@ -52,11 +54,17 @@ def _nbytes(t: torch.Tensor) -> int:
 class Comm:
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
-        self.stats = CommStats()
+        self.stats = CommStats()  # every operation; control ones are named "control <op>"
+        self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
+        self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
+
+    def _record(self, tag: str, op: str, sent: int, received: int):
+        self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)
+        self.tagged[tag].record(op, sent, received)
 
     @contextmanager
-    def _guard(self, what: str, op: str | None = None):
+    def _guard(self, what: str, op: str | None = None, tag: str = "attention"):
         """Translate failures into ContextParallelError and charge the time spent to stats.waits[op]."""
         t0 = time.perf_counter()
         try:
@@ -71,35 +79,46 @@ class Comm:
                 "error is this rank's own."
             ) from e
         finally:
-            self.stats.add_wait(op or what, time.perf_counter() - t0)
+            op, seconds = op or what, time.perf_counter() - t0
+            self.stats.add_wait(op if tag == "attention" else f"{tag} {op}", seconds)
+            self.tagged[tag].add_wait(op, seconds)
 
-    def ring_shift(self, send: torch.Tensor | None, recv_shape, dtype, device) -> "PendingRecv":
-        """Post send(send -> rank+1) and recv(<- rank-1) without waiting. Empty tensors are not posted."""
-        nxt, prv = self._global[(self.rank + 1) % self.world], self._global[(self.rank - 1) % self.world]
-        ops, recv = [], None
+    # -- the ring: one hop to the next rank, from the previous one --------------------------------
+    def send_recv(self, send: torch.Tensor, recv_shape) -> "Pending":
+        """One ring hop, posted without waiting: `send` to rank+1, a block of `recv_shape` from rank-1
+        (same dtype and device). Empty blocks are not posted."""
+        recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
+        return self._post("ring_shift", send, recv)
+
+    def send_next(self, send: torch.Tensor) -> "Pending":
+        """Post `send` to rank+1 (KV-Runahead's chain); wait() before touching `send` again."""
+        return self._post("ring_send", send, None)
+
+    def recv_prev(self, shape, dtype, device) -> "Pending":
+        """Post the receive of a block of `shape` from rank-1; wait() returns it."""
+        return self._post("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
+
+    def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> "Pending":
+        ops = []
         if send is not None and send.numel() > 0:
-            ops.append(dist.P2POp(dist.isend, send, nxt, self.group))
-        if recv_shape is not None and 0 not in recv_shape:
-            recv = torch.empty(recv_shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, recv, prv, self.group))
-        elif recv_shape is not None:
-            recv = torch.empty(recv_shape, dtype=dtype, device=device)
-        with self._guard("ring send/recv", "ring_shift"):
+            ops.append(dist.P2POp(dist.isend, send, self._next, self.group))
+        if recv is not None and recv.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group))
+        with self._guard("ring send/recv", op):
             works = dist.batch_isend_irecv(ops) if ops else []
-        self.stats.record("ring_shift", _nbytes(send) if send is not None else 0,
-                          _nbytes(recv) if recv is not None else 0)
-        return PendingRecv(self, works, recv)
+        self._record("attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0)
+        return Pending(self, works, recv, op)
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
-        with self._guard("all_gather", "all_gather"):
+        with self._guard("all_gather", "all_gather", tag):
             _all_gather_flat(out, flat, group=self.group)
-        self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
-    def all_gather_start(self, t: torch.Tensor) -> "PendingRecv":
+    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> "Pending":
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack.
 
         For a check that need not block the forward (every rank's input fingerprint): posted before
@@ -109,12 +128,12 @@ class Comm:
         """
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
-        with self._guard("all_gather", "all_gather"):
+        with self._guard("all_gather", "all_gather", tag):
             work = _all_gather_flat(out, flat, group=self.group, async_op=True)
-        self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
-        return PendingRecv(self, [work], out.view(self.world, *t.shape), what="all_gather")
+        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        return Pending(self, [work], out.view(self.world, *t.shape), "all_gather", tag)
 
-    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list["PendingRecv"]:
+    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list["Pending"]:
         """Every rank's block to every rank at its exact size: an all-gather of unequal blocks.
 
         Rank r's block goes out by one broadcast rooted at r, straight from its buffer (no padding,
@@ -130,9 +149,9 @@ class Comm:
             if buf.numel() > 0:
                 with self._guard("broadcast", "broadcast"):
                     works = [dist.broadcast(buf, self._global[r], group=self.group, async_op=True)]
-            out.append(PendingRecv(self, works, buf, what="broadcast"))
+            out.append(Pending(self, works, buf, "broadcast"))
         esize = mine.element_size()
-        self.stats.record("broadcast", _nbytes(mine) * (self.world - 1),
+        self._record("attention", "broadcast", _nbytes(mine) * (self.world - 1),
                           esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
         return out
 
@@ -145,7 +164,7 @@ class Comm:
         with self._guard("all_to_all", "all_to_all"):
             dist.all_to_all_single(out, flat, out_sizes, in_sizes, group=self.group)
         esize = flat.element_size()
-        self.stats.record("all_to_all", esize * (flat.numel() - in_sizes[self.rank]),
+        self._record("attention", "all_to_all", esize * (flat.numel() - in_sizes[self.rank]),
                           esize * (out.numel() - out_sizes[self.rank]))
         return [chunk.view(shape) for chunk, shape in zip(out.split(out_sizes), recv_shapes)]
 
@@ -154,12 +173,15 @@ class Comm:
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class PendingRecv:
-    def __init__(self, comm: Comm, works, recv, what: str = "ring_shift"):
-        self._comm, self._works, self._recv, self._what = comm, works, recv, what
+class Pending:
+    """Posted communication; wait() blocks until it is done and returns what was received (or None)."""
 
-    def wait(self) -> torch.Tensor:
-        with self._comm._guard("ring send/recv" if self._what == "ring_shift" else self._what, self._what):
+    def __init__(self, comm: Comm, works, recv, op: str, tag: str = "attention"):
+        self._comm, self._works, self._recv, self._op, self._tag = comm, works, recv, op, tag
+
+    def wait(self) -> torch.Tensor | None:
+        what = "ring send/recv" if self._op.startswith("ring") else self._op
+        with self._comm._guard(what, self._op, self._tag):
             for w in self._works:
                 w.wait()
         return self._recv

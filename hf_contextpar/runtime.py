@@ -120,8 +120,7 @@ class ContextParallelRuntime:
         self.shape = Shape.from_model(model)
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
-        self.comm = Comm(group, rank, world)  # attention traffic: what the strategies move
-        self.control = Comm(group, rank, world)  # the input checks and the logits gather
+        self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
         self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
         self.last_plan = None
         self.rank, self.world = rank, world
@@ -211,7 +210,7 @@ class ContextParallelRuntime:
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
         self.last_forward = dict(algorithm=plan.algorithm, tokens=num_new, past=past,
-                                 bytes_sent=-self.comm.stats.bytes_sent, bytes_received=-self.comm.stats.bytes_received)
+                                 bytes_sent=-self._attention.bytes_sent, bytes_received=-self._attention.bytes_received)
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep
         # activations alive. The caller's grad mode comes back in the forward hook.
@@ -229,8 +228,8 @@ class ContextParallelRuntime:
         try:
             if ok:
                 step.settle_check()  # a forward with no attention collective (none ran) still checks
-            self.last_forward["bytes_sent"] += self.comm.stats.bytes_sent
-            self.last_forward["bytes_received"] += self.comm.stats.bytes_received
+            self.last_forward["bytes_sent"] += self._attention.bytes_sent
+            self.last_forward["bytes_received"] += self._attention.bytes_received
             if plan.gather is not None and ok:
                 if getattr(output, "logits", None) is not None:
                     output.logits = self._gather_rows(output.logits, plan.gather)
@@ -246,6 +245,10 @@ class ContextParallelRuntime:
         return output
 
     # -- helpers -----------------------------------------------------------------------
+    @property
+    def _attention(self):
+        return self.comm.tagged["attention"]
+
     def _policy(self) -> Policy:
         sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
         return Policy(self.world, self.decode, self._choose, sizes)
@@ -315,7 +318,7 @@ class ContextParallelRuntime:
         """Start the all-gather of every rank's input fingerprint (one small collective per forward)."""
         fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
                            _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
-        return self.control.all_gather_start(fp.to(self._check_device(ids if ids is not None else embeds)))
+        return self.comm.all_gather_start(fp.to(self._check_device(ids if ids is not None else embeds)), tag="control")
 
     @staticmethod
     def _check_device(t):
@@ -325,7 +328,7 @@ class ContextParallelRuntime:
         """After generate(): every rank must hold the same sequences (covers what was sampled after
         the last forward, which no forward's input check sees)."""
         fp = torch.tensor([*sequences.shape, _fingerprint(sequences)], dtype=torch.long)
-        self._verify_same(self.control.all_gather(fp.to(self._check_device(sequences))), "generated sequences")
+        self._verify_same(self.comm.all_gather(fp.to(self._check_device(sequences)), tag="control"), "generated sequences")
 
     def _verify_same(self, everyone, what: str):
         if not bool((everyone == everyone[0]).all()):
@@ -344,7 +347,7 @@ class ContextParallelRuntime:
         width = max(counts)
         padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
         padded[:, : local.shape[1]] = local
-        everyone = self.control.all_gather(padded)
+        everyone = self.comm.all_gather(padded, tag="control")
         out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
         for r, slots in enumerate(gather.slots):
             out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]

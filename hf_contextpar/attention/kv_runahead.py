@@ -23,7 +23,7 @@ def _post_receives(step, layer, like):
     """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
     rank = step.comm.rank
     shapes = [(step.kv_size(src), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
-    step.state[("kvr_recv", layer)] = [(src, step.comm.ring_shift(None, shape, like.dtype, like.device))
+    step.state[("kvr_recv", layer)] = [(src, step.comm.recv_prev(shape, like.dtype, like.device))
                                        for src, shape in zip(range(rank - 1, -1, -1), shapes)]
 
 
@@ -34,13 +34,13 @@ def kv_runahead(step, q, kv_local, **attn):
     if pending is None:
         _post_receives(step, step.layer, kv_local)
         pending = step.state.pop(("kvr_recv", step.layer))
-    sends = [] if last else [comm.ring_shift(kv_local, None, kv_local.dtype, kv_local.device)]
+    sends = [] if last else [comm.send_next(kv_local)]
     acc = Accumulator()
     blocks = [(rank, kv_local)]
     for i in range(len(pending) + 1):
         src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
         if i > 0 and not last:
-            sends.append(comm.ring_shift(block, None, block.dtype, block.device))
+            sends.append(comm.send_next(block))
         k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
         res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
         if res is not None:

@@ -21,7 +21,7 @@ def ring_pass_kv(step, q, kv_local, **attn):
         pending = None
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
-            pending = comm.ring_shift(block, (step.kv_size(nxt), *block.shape[1:]), block.dtype, block.device)
+            pending = comm.send_recv(block, (step.kv_size(nxt), *block.shape[1:]))
         k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
         res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
         if res is not None:

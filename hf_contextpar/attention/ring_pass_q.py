@@ -26,7 +26,7 @@ def pass_q(step, q, block_shape, attend_block):
         pending = None
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
-            pending = comm.ring_shift(block, block_shape(nxt), block.dtype, block.device)
+            pending = comm.send_recv(block, block_shape(nxt))
         partial[src] = pack_partial(attend_block(src, block), block.shape, acc_dtype(q.dtype), q.device)
         if pending is not None:
             block, src = pending.wait(), nxt
