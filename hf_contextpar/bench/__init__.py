@@ -1,0 +1,48 @@
+"""`python -m hf_contextpar.bench`: prefill and decode latency, KV memory and traffic per strategy.
+
+    torchrun --nproc_per_node 2 -m hf_contextpar.bench --lengths 4096,8192,16384 --out bench/
+    python -m hf_contextpar.bench --lengths 4096,8192,16384 --out bench/      # N = 1, same DIR: merged
+
+N is the world size. For every strategy and prompt length it measures, on every rank: TTFT (one
+prefill forward plus the argmax, median of --repeats after a warm-up), TTIT (median decode step),
+KV-cache bytes, peak RSS, bytes sent/received and the time blocked in communication
+(`runtime.comm.stats.wait_s`: the exposed communication). In the same run, rank 0 alone times the
+unpatched model with the same threads per process and with all cores (the others wait), and the
+greedy tokens of every strategy are checked against it. A small all-gather is timed to give the
+decode floor (one per layer), and C, BW and the collective latency feed the roofline cost model
+(`costmodel`), printed next to the measurement. Rows for other world sizes already in
+DIR/bench.json are kept, so an N=1 and an N=2 run fill one table and one set of plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch.distributed as dist
+
+from ..cli import DTYPES
+from .run import DEFAULT_MODEL, KVR_TABLE, run
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hf_contextpar.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir or tiny-<family> (default {DEFAULT_MODEL})")
+    p.add_argument("--lengths", default="4096,8192,16384", help="prompt lengths, comma-separated")
+    p.add_argument("--strategies", default=None, help="comma-separated (default: every strategy of this build but auto)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per config (TTIT over the last n-1)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / N)")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills per config (median)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--out", default="bench", help="output directory (bench.json, bench.md, *.png)")
+    p.add_argument("--kvr-partitions", help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
+                   f"adds a row '{KVR_TABLE}' next to kv_runahead's even partitions")
+    p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

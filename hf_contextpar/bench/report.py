@@ -1,0 +1,155 @@
+"""The benchmark's report: our acceptance targets, the markdown table and the plots."""
+
+from __future__ import annotations
+
+import os
+
+def check_targets(report) -> list[dict]:
+    """The issue's targets, evaluated on the largest measured length of each run."""
+    out = []
+    for n_key, info in report["runs"].items():
+        N = int(n_key)
+        rows = [r for r in report["rows"] if r["run_N"] == N]
+        if not rows:
+            continue
+        T = max(r["length"] for r in rows)
+        at = {r["strategy"]: r for r in rows if r["length"] == T}
+        cps = [r for r in rows if r["kind"] == "cp" and r["length"] == T]
+        if N == 1:
+            for r in cps:
+                dt, di = r.get("speedup_vs_unpatched"), r.get("ttit_ratio_vs_unpatched")
+                if dt is None:
+                    continue
+                ok = abs(1 / dt - 1) <= 0.03 and abs(di - 1) <= 0.03
+                out.append(dict(target=f"N=1 patched ({r['strategy']}) vs unpatched within 3% (T={T})", met=ok,
+                                figure=f"TTFT x{1 / dt:.3f}, TTIT x{di:.3f}"))
+            continue
+        for r in cps:
+            s = r["strategy"]
+            if r.get("speedup_vs_unpatched") is not None:
+                ok = r["speedup_vs_unpatched"] >= 1.8 and r.get("speedup_vs_unpatched_all_cores", 1.0) >= 1.0
+                out.append(dict(target=f"prefill {s} N={N} T={T}: >=1.8x vs 1-process same threads, >=1x vs all cores",
+                                met=ok, figure=f"{r['speedup_vs_unpatched']:.2f}x / "
+                                                f"{r.get('speedup_vs_unpatched_all_cores', float('nan')):.2f}x "
+                                                f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)"))
+                floor = info["decode_floor_s"]
+                over = r["decode_overhead_s"]
+                woken = info.get("small_collective_after_compute_s", 0.0) * info["shape"]["layers"]
+                out.append(dict(target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
+                                met=over <= 1.1 * floor,
+                                figure=f"overhead {over * 1e3:.2f} ms = {over / floor if floor else float('nan'):.2f} x floor "
+                                       f"({over / woken if woken else float('nan'):.2f} x the after-compute floor "
+                                       f"{woken * 1e3:.2f} ms); "
+                                       f"TTIT(N={N})/TTIT(1) = {r['ttit_ratio_vs_unpatched']:.2f}"))
+                out.append(dict(target=f"KV bytes per rank {s} N={N} T={T}: <= single/N + one token per layer",
+                                met=r["kv_within_bound"], figure=f"{max(r['kv_bytes_per_rank'])} <= {r['kv_bound_bytes']:.0f}"))
+            if s == "ring_pass_kv":
+                out.append(dict(target=f"exposed communication ring_pass_kv N={N} T={T} < 10% of TTFT",
+                                met=r["comm_wait_frac"] < 0.10, figure=f"{r['comm_wait_frac'] * 100:.1f}%"))
+        del at
+    return out
+
+
+def _ops(per_rank: list[dict]) -> str:
+    """'ring_shift 1.2, all_gather 0.4': each operation's wait, the largest over ranks, in ms."""
+    ops = sorted({op for d in per_rank for op in d})
+    return ", ".join(f"{op} {max(d.get(op, 0.0) for d in per_rank) * 1e3:.1f}" for op in ops) or "-"
+
+
+def _mib(x):
+    return x / 2**20
+
+
+def format_report(report) -> str:
+    lines = ["# hf-contextpar benchmark", ""]
+    for n_key, info in report["runs"].items():
+        m = info["machine"]
+        lines.append(f"- run N={n_key}: model {info['model']} ({info['dtype']}, {info['device']}), threads/rank "
+                     f"{info['threads_per_rank']} of {info['cores']} cores, repeats {info['repeats']}, decode "
+                     f"{info['new_tokens']} tokens; C_attn {m['attn_flops'] / 1e9:.2f} GFLOP/s, C_gemm "
+                     f"{m['gemm_flops'] / 1e9:.2f} GFLOP/s, BW {m['bandwidth'] / 1e9:.3f} GB/s, small collective "
+                     f"{info['small_collective_s'] * 1e3:.3f} ms ({info.get('small_collective_after_compute_s', 0) * 1e3:.3f} ms "
+                     f"after compute) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
+                     f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}")
+        for s in info.get("skipped", []):
+            lines.append(f"  - skipped {s['strategy']}: {s['reason']}")
+    lines += ["", "| strategy | N | thr | T | TTFT ms | CPU ms | pred ms | speed-up 1p | CPU speed-up | vs all cores | comm wait | "
+              "wait by op ms | TTIT ms | TTIT ratio | KV MiB/rank | peak MiB/rank | sent MiB/rank | recv MiB/rank | tokens = |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in report["rows"]:
+        name = r["strategy"] if r["kind"] == "cp" else f"*{r['strategy']}* (run N={r['run_N']})"
+        pred = r.get("predicted_ttft_s")
+        lines.append(
+            f"| {name} | {r['N']} | {r['threads_per_rank']} | {r['length']} | {r['ttft_s'] * 1e3:.1f} | "
+            f"{max(r['ttft_cpu_s_per_rank']) * 1e3:.0f} | "
+            f"{f(pred and pred * 1e3, '.1f')} | {f(r.get('speedup_vs_unpatched'), '.2f')} | "
+            f"{f(r.get('cpu_speedup_vs_unpatched'), '.2f')} | "
+            f"{f(r.get('speedup_vs_unpatched_all_cores'), '.2f')} | {r['comm_wait_frac'] * 100:.1f}% | "
+            f"{_ops(r['comm_wait_by_op_s_per_rank'])} | "
+            f"{r['ttit_s'] * 1e3:.2f} | {f(r.get('ttit_ratio_vs_unpatched'), '.2f')} | "
+            f"{_mib(max(r['kv_bytes_per_rank'])):.2f} | {_mib(max(r['peak_delta_bytes_per_rank'])):.0f} | "
+            f"{_mib(max(r['bytes_sent_per_rank'])):.2f} | {_mib(max(r['bytes_received_per_rank'])):.2f} | "
+            f"{f(r.get('tokens_match_unpatched'), '')} |")
+    lines += ["", "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "
+              "speed-up 1p: unpatched one process with the run's threads "
+              "per process / this TTFT; CPU speed-up: the same ratio of CPU times (blind to other processes' load); "
+              "vs all cores: the TTFT ratio against the unpatched process on every core. comm wait: the slowest rank's time "
+              "blocked in communication during prefill, share of TTFT. peak: RSS growth over the config (CPU) or "
+              "CUDA peak. tokens =: greedy tokens identical to the unpatched run.", "", "## Targets", ""]
+    for t in report.get("targets", []):
+        lines.append(f"- {'met' if t['met'] else 'MISSED'}: {t['target']}: {t['figure']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report, out_dir) -> list[str]:
+    """ttft.png, speedup.png, kv_memory.png in out_dir; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(pred):
+        groups = {}
+        for r in report["rows"]:
+            if pred(r):
+                label = (f"{r['strategy']} N={r['N']}" if r["kind"] == "cp"
+                         else f"{r['strategy']} ({r['threads_per_rank']} thr)")
+                groups.setdefault(label, []).append(r)
+        return {k: sorted(v, key=lambda r: r["length"]) for k, v in groups.items()}
+
+    names = []
+    for fname, ylabel, value, pred, logy in (
+        ("ttft.png", "TTFT (s)", lambda r: r["ttft_s"], lambda r: True, True),
+        ("speedup.png", "speed-up vs unpatched, same threads/process", lambda r: r.get("speedup_vs_unpatched"),
+         lambda r: r.get("speedup_vs_unpatched") is not None and r["run_N"] > 1, False),
+        ("kv_memory.png", "KV cache per rank (MiB, largest rank)", lambda r: _mib(max(r["kv_bytes_per_rank"])),
+         lambda r: r["strategy"] != "unpatched_all_cores", True),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, rs in series(pred).items():
+            style = "--" if rs[0]["kind"] == "baseline" else "-"
+            (line,) = ax.plot([r["length"] for r in rs], [value(r) for r in rs], style, marker="o", label=label)
+            x = [r["length"] for r in rs]
+            if fname == "ttft.png" and all(r.get("predicted_ttft_s") for r in rs):
+                ax.plot(x, [r["predicted_ttft_s"] for r in rs], "x", color=line.get_color(), alpha=0.6)
+            if fname == "speedup.png" and rs[0]["kind"] == "cp":
+                ax.plot(x, [r["cpu_speedup_vs_unpatched"] for r in rs], ":", color=line.get_color(), alpha=0.7)
+        if fname == "speedup.png":
+            ax.axhline(1.8, color="grey", lw=0.8, ls=":", label="target 1.8x")
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens" + {"ttft.png": "   (x: cost-model prediction)",
+                                          "speedup.png": "   (dotted: CPU-time speed-up)"}.get(fname, ""))
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, fname), dpi=110)
+        plt.close(fig)
+        names.append(fname)
+    return names

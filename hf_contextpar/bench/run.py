@@ -1,0 +1,222 @@
+"""One benchmark run: the configurations, interleaved round-robin, on N ranks (or one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .. import costmodel
+from ..calibrate import measure, small_collective_s
+from ..cli import DTYPES, load
+from ..distributed import resolve_group
+from .measure import Samples, _cores, small_collective_after_compute_s
+from .report import check_targets, format_report, plot
+
+DEFAULT_MODEL = "tiny-llama_gqa8"
+BASELINES = ("unpatched", "unpatched_all_cores")
+KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
+
+
+def _strategies(requested: str | None) -> list[str]:
+    from .api import STRATEGIES
+
+    if not requested:
+        return [s for s in STRATEGIES if s != "auto"]
+    names = [s.strip() for s in requested.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad:
+        raise SystemExit(f"unknown strategies {bad}; this build has {list(STRATEGIES)}")
+    return names
+
+
+def _gather(obj, world):
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _row(kind, strategy, world, length, threads, per_rank: list[dict]):
+    """One table row: scalar timings from rank 0 (identical work on every rank), per-rank lists for the rest."""
+    r0 = per_rank[0]
+    row = dict(kind=kind, strategy=strategy, N=world, length=length, threads_per_rank=threads,
+               ttft_s=max(p["ttft_s"] for p in per_rank), ttft_all_s=r0["ttft_all_s"],
+               ttit_s=max(p["ttit_s"] for p in per_rank), ttit_all_s=r0["ttit_all_s"])
+    for key in ("kv_bytes", "peak_bytes", "peak_delta_bytes", "bytes_sent", "bytes_received", "comm_wait_s",
+                "comm_wait_by_op_s", "decode_comm_wait_s", "ttft_cpu_s"):
+        row[f"{key}_per_rank"] = [p[key] for p in per_rank]
+    row["comm_wait_frac"] = max(row["comm_wait_s_per_rank"]) / row["ttft_s"] if row["ttft_s"] > 0 else 0.0
+    row["tokens"] = r0["tokens"]
+    return row
+
+
+def run(args) -> dict | None:
+    import hf_contextpar
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    _, rank, world = resolve_group(device=device)  # the library's one process-group start-up
+    cores = _cores()
+    threads = args.threads or max(1, cores // world)
+    torch.set_num_threads(threads)
+    barrier = dist.barrier if world > 1 else None
+    dtype = DTYPES[args.dtype]
+    model, _ = load(args.model, dtype, device)
+    shape = costmodel.Shape.from_model(model)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)),
+                        generator=g).to(device)
+    strategies = _strategies(args.strategies)
+    if args.kvr_partitions and "kv_runahead" in strategies:
+        strategies.append(KVR_TABLE)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
+    log(f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
+        f"strategies {strategies}")
+
+    machine = measure(shape, dtype, device)
+    floor_collective = small_collective_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
+    woken_collective = small_collective_after_compute_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
+    log(f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "
+        f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective {floor_collective * 1e3:.3f} ms "
+        f"({woken_collective * 1e3:.3f} ms after compute)")
+
+    rows, skipped = [], []
+    warm = ids[:, : min(256, lengths[0])]
+    baselines = [("unpatched", threads)]
+    if cores != threads and not args.no_all_cores:  # with threads == cores the first baseline is this one
+        baselines.append(("unpatched_all_cores", cores))
+
+    def baseline(n_threads, fn):
+        """Rank 0 runs the unpatched model with n_threads; the other ranks wait (blocked, not spinning)."""
+        if rank == 0:
+            torch.set_num_threads(n_threads)
+            fn()
+            torch.set_num_threads(threads)
+        if barrier:
+            barrier()
+
+    def patched(strategy, fn):
+        extra = {}
+        if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
+            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
+        hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
+        try:
+            runtime = hf_contextpar.get_runtime(model)
+            fn(runtime.comm.stats if runtime is not None else None)
+        finally:
+            hf_contextpar.remove_context_parallel(model)
+
+    # Warm-up every configuration once (allocator, process-group connections) and drop the strategies
+    # this model cannot run.
+    for kind, n_threads in baselines:
+        baseline(n_threads, lambda: Samples().measure(model, warm, last=True, new_tokens=2, device=device))
+    active = []
+    for strategy in strategies:
+        try:
+            patched(strategy, lambda st: Samples().measure(model, warm, last=True, new_tokens=2, stats=st,
+                                                           barrier=barrier, device=device))
+            active.append(strategy)
+        except (ValueError, NotImplementedError, hf_contextpar.ContextParallelError) as e:
+            skipped.append(dict(strategy=strategy, N=world, reason=f"{type(e).__name__}: {e}"))
+            log(f"  {strategy}: skipped ({type(e).__name__}: {e})")
+            if barrier:
+                barrier()
+
+    # Side by side: every configuration once per round, so slow drifts in machine load hit all of them alike.
+    for length in lengths:
+        x = ids[:, :length]
+        samples = {c: Samples() for c in [b[0] for b in baselines] + active}
+        for rep in range(args.repeats):
+            last = rep == args.repeats - 1
+            for kind, n_threads in baselines:
+                baseline(n_threads, lambda: samples[kind].measure(model, x, last=last, new_tokens=args.new_tokens,
+                                                                  device=device))
+            for strategy in active:
+                patched(strategy, lambda st: samples[strategy].measure(model, x, last=last, new_tokens=args.new_tokens,
+                                                                       stats=st, barrier=barrier, device=device))
+        for kind, n_threads in baselines:
+            if rank == 0:
+                rows.append(_row("baseline", kind, 1, length, n_threads, [samples[kind].summary()]))
+        for strategy in active:
+            rows.append(_row("cp", strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
+        for r in rows:
+            if r["length"] == length:
+                log(f"  {r['strategy']:22s} N={r['N']} threads {r['threads_per_rank']}  T={length:6d}  "
+                    f"TTFT {r['ttft_s'] * 1e3:9.1f} ms  TTIT {r['ttit_s'] * 1e3:7.2f} ms  comm wait "
+                    f"{r['comm_wait_frac'] * 100:5.1f}%")
+
+    if rank != 0:
+        return None
+    run_info = dict(N=world, threads_per_rank=threads, cores=cores, model=args.model, dtype=args.dtype,
+                    device=str(device), repeats=args.repeats, new_tokens=args.new_tokens, lengths=lengths,
+                    machine=machine.as_dict(), small_collective_s=floor_collective,
+                    decode_floor_s=shape.layers * floor_collective,
+                    small_collective_after_compute_s=woken_collective, shape=shape.__dict__,
+                    load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped,
+                    kvr_partitions=args.kvr_partitions)
+    _annotate(rows, run_info, shape, machine)
+    report = _merge(os.path.join(args.out, "bench.json"), run_info, rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = format_report(report)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md)
+    if not args.no_plots:
+        report["plots"] = plot(report, args.out)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    print(md, flush=True)
+    return report
+
+
+def _annotate(rows, run_info, shape, machine):
+    """Predictions, speed-ups against this run's baselines, token agreement, KV bound."""
+    base = {(r["strategy"], r["length"]): r for r in rows if r["kind"] == "baseline"}
+    token_bytes = 2 * shape.kv_heads * shape.head_dim * shape.elem_bytes * shape.layers  # one token, every layer
+    for r in rows:
+        r["run_N"] = run_info["N"]
+        r["predicted_ttft_s"] = costmodel.predict_ttft(r["strategy"] if r["kind"] == "cp" else "unpatched", r["length"],
+                                                       r["N"], shape, machine)
+        if r["kind"] == "baseline" and r["strategy"] == "unpatched_all_cores":
+            r["predicted_ttft_s"] = None  # the machine constants are per rank (run's threads)
+        one, allc = base.get(("unpatched", r["length"])), base.get(("unpatched_all_cores", r["length"]))
+        if allc is None and run_info["threads_per_rank"] == run_info["cores"]:
+            allc = one
+        if one is not None:
+            r["speedup_vs_unpatched"] = one["ttft_s"] / r["ttft_s"]
+            # CPU time is what contention from other processes does not inflate: the efficiency of the work itself
+            r["cpu_speedup_vs_unpatched"] = one["ttft_cpu_s_per_rank"][0] / max(r["ttft_cpu_s_per_rank"])
+            r["ttit_ratio_vs_unpatched"] = r["ttit_s"] / one["ttit_s"]
+            r["decode_overhead_s"] = r["ttit_s"] - one["ttit_s"]
+            r["tokens_match_unpatched"] = r["tokens"] == one["tokens"]
+            r["kv_bound_bytes"] = one["kv_bytes_per_rank"][0] / r["N"] + token_bytes
+            r["kv_within_bound"] = max(r["kv_bytes_per_rank"]) <= r["kv_bound_bytes"]
+        if allc is not None:
+            r["speedup_vs_unpatched_all_cores"] = allc["ttft_s"] / r["ttft_s"]
+
+
+def _merge(path, run_info, rows):
+    """Keep rows (and run info) of other world sizes from an earlier run into the same DIR."""
+    runs, kept = {}, []
+    if os.path.exists(path):
+        try:
+            old = json.load(open(path))
+            runs = {int(k): v for k, v in old.get("runs", {}).items()}
+            kept = [r for r in old.get("rows", []) if r.get("run_N") != run_info["N"]]
+        except (OSError, ValueError):
+            pass
+    runs[run_info["N"]] = run_info
+    all_rows = sorted(kept + rows, key=lambda r: (r["run_N"], r["kind"] != "baseline", r["strategy"], r["length"]))
+    report = dict(runs={str(k): v for k, v in sorted(runs.items())}, rows=all_rows)
+    report["targets"] = check_targets(report)
+    return report
+
+
+# -- targets and report --------------------------------------------------------------------------
