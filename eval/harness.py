@@ -12,7 +12,6 @@ come from a saved single-process run instead (for models that fit only when shar
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import hf_contextpar
+from hf_contextpar.distributed import resolve_group
 
 from .needlebench import DataError
 
@@ -30,16 +30,14 @@ class Dist:
     """Rank, world size and the few object collectives the harness needs (no-ops on one process)."""
 
     def __init__(self, timeout: float, cuda: bool):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{local}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
-            if "MASTER_ADDR" not in os.environ:
-                raise SystemExit("WORLD_SIZE > 1 but no MASTER_ADDR: start the harness with torchrun or accelerate launch.")
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
-        self.rank = dist.get_rank() if self.world > 1 else 0
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in os.environ:
+            raise SystemExit("WORLD_SIZE > 1 but no MASTER_ADDR: start the harness with torchrun or accelerate launch.")
+        # the library's one process-group start-up; the harness's own collectives use the default group
+        _, self.rank, self.world = resolve_group(device=self.device, timeout=None if dist.is_initialized() else timeout)
         self.group = dist.group.WORLD if self.world > 1 else None
 
     def broadcast(self, obj):
