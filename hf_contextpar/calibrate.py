@@ -1,8 +1,8 @@
 """Measure the cost model's machine facts, and check the planner's choices against measured timings.
 
 `python -m hf_contextpar calibrate` (under torchrun) times the local attention kernel (C, in
-FLOP/s), a matmul like the linear layers, the ring send/recv (BW, in bytes/s) and one small
-collective (latency) on this machine and saves them where the planner looks; the benchmark
+FLOP/s), a matmul like the linear layers, a memory copy, the ring send/recv (BW, in bytes/s) and
+one small collective (latency) on this machine and saves them where the planner looks; the benchmark
 measures the same way (`measure`, `median_seconds`: one timing helper, device-synchronised).
 `python -m hf_contextpar sweep` times ring pass-KV and ring pass-Q side by side
 on partial prefills over a fixed total context at several KV-cache miss rates, reports which
@@ -74,6 +74,8 @@ def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens:
     a = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     w = torch.randn(hidden, max(1, shape.linear_weights // hidden), generator=g).to(device, dtype)
     c_gemm = 2 * tokens * hidden * w.shape[1] / median_seconds(lambda: a @ w, repeats, device)
+    big = torch.empty(1 << 24, dtype=torch.float32, device=device)  # 64 MiB, past the caches
+    mem_bw = 2 * big.numel() * 4 / median_seconds(lambda: big.clone(), repeats, device)  # read + write
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     bw, lat = float("inf"), 0.0
     if world > 1:
@@ -89,12 +91,13 @@ def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens:
 
         bw = message_bytes / median_seconds(shift, repeats, device, barrier=lambda: dist.barrier(group=group))
         lat = small_collective_s(shape.heads * (shape.head_dim + 1), iters=100, group=group)
-        mine = torch.tensor([c_attn, c_gemm, bw, -lat], dtype=torch.float64)
+        mine = torch.tensor([c_attn, c_gemm, bw, -lat, mem_bw], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine, group=group)
-        c_attn, c_gemm, bw, neg_lat = torch.stack(everyone).min(dim=0).values.tolist()
+        c_attn, c_gemm, bw, neg_lat, mem_bw = torch.stack(everyone).min(dim=0).values.tolist()
         lat = -neg_lat
-    return Machine(attn_flops=c_attn, gemm_flops=c_gemm, bandwidth=bw, latency=lat, source="measured",
+    return Machine(attn_flops=c_attn, gemm_flops=c_gemm, bandwidth=bw, latency=lat, memory_bandwidth=mem_bw,
+                   source="measured",
                    details=dict(world=world, tokens=tokens, message_bytes=message_bytes,
                                 threads=torch.get_num_threads(), dtype=str(dtype), device=str(device),
                                 heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim))

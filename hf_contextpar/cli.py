@@ -238,5 +238,10 @@ def main(argv=None):
     k.add_argument("--repeats", type=int, default=3)
     k.add_argument("--out", default="kvr_partitions.json")
     k.set_defaults(func=cmd_kvr_table)
+    r = sub.add_parser("predict", help="predicted TTFT, TTIT, KV and traffic per strategy from the cost model (no run)")
+    from .predict import add_arguments, run as predict
+
+    add_arguments(r)
+    r.set_defaults(func=predict)
     args = p.parse_args(argv)
     args.func(args)

@@ -49,6 +49,7 @@ class Machine:
     gemm_flops: float = float("inf")  # C_gemm: achieved FLOP/s of the linear layers, per rank
     bandwidth: float = float("inf")  # BW: ring send/recv bytes/s (N >= 2)
     latency: float = 0.0  # alpha: seconds of one small collective / message (N >= 2)
+    memory_bandwidth: float = float("inf")  # bytes/s the device reads its memory at (decode is bound by it)
     source: str = "default"
     h_coefficients: tuple = PAPER_H  # App. D's empirical rule, for planner_rule="empirical"
     details: dict = field(default_factory=dict)

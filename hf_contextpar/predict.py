@@ -1,0 +1,208 @@
+"""`python -m hf_contextpar predict`: context parallelism on paper, from the one cost model.
+
+    python -m hf_contextpar predict --model llama-3.1-70b --hardware h100-rdma --tp 8 --world 1,8 \\
+        --lengths 131072,1048576 --miss-rates 1,0.1,0.01
+
+For a model (a hub id, a config.json or a model directory, a built-in model, or one of the
+published geometries below) on a machine (a preset below, or a calibration JSON from `python -m
+hf_contextpar calibrate`), prints per CP world size N, context length and KV-cache miss rate:
+each strategy's predicted TTFT (costmodel.predict_ttft), TTIT of the decode that follows (one
+token, sharded-KV decode), KV cache and attention traffic per rank, which strategy `auto` picks,
+and the miss rate below which pass-Q overtakes pass-KV. `--tp` divides heads and weights over
+that many GPUs per CP rank (Meta's layout: TP8 inside a node, CP across nodes; TP's own
+communication is not modelled). Presets use published figures; measured constants beat them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .costmodel import PER_FORWARD_COLLECTIVES, Machine, Shape, predict_ttft
+from .planner import choose
+
+# Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
+# linear layers at Meta's achieved 502 TF/s per H100 at 1M tokens (App. A); HBM3 3.35 TB/s (H100 SXM
+# datasheet). Bandwidth per GPU and direction: NVLink 4 900 GB/s bidirectional (datasheet); RDMA
+# 400 Gb/s per GPU (Meta's GTT hosts, 4.1); TCP 100 Gb/s per GPU of which ~3 GB/s per rank was
+# achieved (Meta's GTI hosts, 4.2.1). Latencies are typical NCCL small-message figures (assumed).
+_H100 = dict(attn_flops=5.4e14, gemm_flops=5.0e14, memory_bandwidth=3.35e12)
+PRESETS = {
+    "h100-nvlink": Machine(**_H100, bandwidth=4.5e11, latency=1e-5, source="preset: H100 SXM, NVLink inside a node"),
+    "h100-rdma": Machine(**_H100, bandwidth=5.0e10, latency=2e-5, source="preset: H100, RDMA 400 Gb/s between nodes"),
+    "h100-tcp": Machine(**_H100, bandwidth=3.0e9, latency=5e-5, source="preset: H100, TCP, ~3 GB/s achieved per rank"),
+}
+
+# Published geometries (config.json fields), so the tool runs with no hub access.
+GEOMETRIES = {
+    "llama-3.1-8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128),
+    "llama-3.1-70b": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                          num_key_value_heads=8, head_dim=128),
+    "llama-3.1-405b": dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+                           num_key_value_heads=8, head_dim=128),
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
+
+
+def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
+    """The cost model's shape of one CP rank (a TP group of `tp` GPUs counts as one rank)."""
+    if model in GEOMETRIES:
+        g = GEOMETRIES[model]
+        layers, hidden, inter = g["num_hidden_layers"], g["hidden_size"], g["intermediate_size"]
+        heads, kv, d = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
+    else:
+        text = _config(model).get_text_config(decoder=True)
+        layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        d = getattr(text, "head_dim", None) or hidden // heads
+    weights = hidden * heads * d * 2 + hidden * kv * d * 2 + 3 * hidden * inter  # q, o; k, v; gated MLP
+    return Shape(layers, max(1, heads // tp), max(1, kv // tp), d, weights // tp, elem_bytes)
+
+
+def _config(model: str):
+    from transformers import AutoConfig
+
+    from .models import TINY_CONFIGS, tiny_config
+
+    if model.startswith("tiny-") and model[5:] in TINY_CONFIGS:
+        return tiny_config(model[5:])
+    if model.endswith(".json") and os.path.isfile(model):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)) or ".")
+    try:
+        from .models import builtin_model_path  # the shipped trained model, where this build has one
+
+        model = builtin_model_path(model) or model
+    except ImportError:
+        pass
+    try:
+        return AutoConfig.from_pretrained(model)
+    except OSError as e:
+        raise SystemExit(f"could not load a config for '{model}' ({e}); use a config.json, a model directory, a "
+                         f"cached hub id, a built-in model or one of {sorted(GEOMETRIES)}.") from None
+
+
+def machine_of(hardware: str) -> Machine:
+    if hardware in PRESETS:
+        return PRESETS[hardware]
+    if hardware == "cpu":
+        return Machine.resolve(None, "cpu")
+    if os.path.isfile(hardware):
+        return Machine.load(hardware)
+    raise SystemExit(f"--hardware must be one of {sorted(PRESETS)}, 'cpu' (the saved calibration, else defaults) "
+                     "or a calibration JSON from `python -m hf_contextpar calibrate`.")
+
+
+def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
+    return shape.layers * 2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes
+
+
+def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> float | None:
+    """Attention bytes one rank sends during a prefill (the average rank; the tests check the exact formulas)."""
+    if N == 1:
+        return 0.0
+    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
+    per_layer = {
+        "ring_pass_kv": (N - 1) * 2 * (T + P) / N * kv * d * e,
+        "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * 4,
+        "allgather_kv": (N - 1) * 2 * (T + P) / N * kv * d * e,
+        "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
+        "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 else None,
+    }[strategy]
+    return None if per_layer is None else shape.layers * per_layer
+
+
+def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
+    """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
+    and its 1/N of the KV cache (memory-bound at batch 1), then one small collective per layer."""
+    bw = m.memory_bandwidth
+    linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.elem_bytes / bw)
+    attention = max(4.0 * shape.heads * shape.head_dim * context / N / m.attn_flops,
+                    2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw)
+    collective = m.latency if N > 1 else 0.0
+    return shape.layers * (linear + attention + collective) + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
+
+
+def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | None:
+    """The largest miss rate T/(T+P) at which the cost model prefers pass-Q (None: never)."""
+    best = None
+    for i in range(200):  # miss rates 1 .. 1e-5, log-spaced
+        rate = 10 ** (-5 * i / 199)
+        T = max(1, round(rate * context))
+        if choose(T, context - T, N, shape, m, "cost").strategy == "ring_pass_q":
+            best = T / context
+            break
+    return best
+
+
+def _fmt_s(x):
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _fmt_b(x):
+    if x is None:
+        return "-"
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if x >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x / 2**10:.1f} KiB"
+
+
+def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1) -> str:
+    m = machine_of(hardware)
+    shape = shape_of(model, DTYPE_BYTES[dtype], tp)
+    lines = [f"model {model} ({shape.layers} layers, per CP rank {shape.heads} query / {shape.kv_heads} KV heads "
+             f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), {dtype}, TP {tp}",
+             f"machine {hardware}: {m.source}; C_attn {m.attn_flops / 1e12:.1f} TFLOP/s, C_gemm "
+             f"{m.gemm_flops / 1e12:.1f} TFLOP/s, BW {m.bandwidth / 1e9:.1f} GB/s, latency {m.latency * 1e6:.0f} us, "
+             f"memory {m.memory_bandwidth / 1e12:.2f} TB/s", ""]
+    for context in lengths:
+        for rate in miss_rates:
+            T = max(1, round(rate * context))
+            P = context - T
+            lines += [f"### context {context} tokens, miss rate {rate:g} (T = {T} new, P = {P} cached)", "",
+                      "| N | GPUs | strategy | TTFT | TTIT | KV / rank | traffic / rank | auto |",
+                      "|---:|---:|---|---:|---:|---:|---:|---|"]
+            for N in worlds:
+                base = predict_ttft("ring_pass_kv", T, 1, shape, m, P) if N > 1 else None
+                pick = choose(T, P, N, shape, m, "cost").strategy if N > 1 else "-"
+                for s in STRATEGIES if N > 1 else ("unpatched",):
+                    ttft = predict_ttft(s, T, N, shape, m, P)
+                    if ttft is None:
+                        continue
+                    speed = f" ({base / ttft:.1f}x)" if base else ""
+                    lines.append(f"| {N} | {N * tp} | {s} | {_fmt_s(ttft)}{speed} | {_fmt_s(predict_ttit(context, N, shape, m))} | "
+                                 f"{_fmt_b(kv_bytes_per_rank(context, N, shape))} | "
+                                 f"{_fmt_b(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
+                                 f"{'<- auto' if s == pick else ''} |")
+            lines.append("")
+        for N in worlds:
+            if N > 1:
+                q = pass_q_threshold(context, N, shape, m)
+                where = f"below a miss rate of {q:.3g} (T <= {round(q * context)})" if q else "never (pass-KV always)"
+                lines.append(f"context {context}, N = {N}: pass-Q overtakes pass-KV {where}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="llama-3.1-70b",
+                   help=f"hub id, config.json, model directory, built-in model, or one of {sorted(GEOMETRIES)}")
+    p.add_argument("--hardware", default="h100-rdma", help=f"{sorted(PRESETS)}, 'cpu', or a calibration JSON")
+    p.add_argument("--world", default="1,2,4,8", help="CP world sizes N, comma-separated")
+    p.add_argument("--tp", type=int, default=1, help="GPUs per CP rank (tensor parallel inside a rank)")
+    p.add_argument("--lengths", default="131072,1048576", help="context lengths, comma-separated")
+    p.add_argument("--miss-rates", default="1.0", help="KV-cache miss rates T/(T+P), comma-separated (1 = full prefill)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+
+
+def run(args) -> str:
+    text = report(args.model, args.hardware, [int(x) for x in args.world.split(",")],
+                  [int(x) for x in args.lengths.split(",")], [float(x) for x in args.miss_rates.split(",")],
+                  args.dtype, args.tp)
+    print(text)
+    return text
