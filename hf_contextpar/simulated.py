@@ -9,7 +9,9 @@ attention: one GPU can host only one NCCL rank.
 
 What is checked on the way, where a real process group would hang or silently garble data:
 point-to-point messages are matched in posting order per (sender, receiver) pair, as NCCL and
-gloo match them, and a receive of another shape or dtype than the one sent is an error; the
+gloo match them, a send completes only once the peer has posted the matching receive (so a
+rendezvous deadlock deadlocks here too), and a receive of another shape or dtype than the one
+sent is an error; the
 k-th collective must be the same operation, with agreeing shapes, on every rank; a send buffer
 must be contiguous and must not change before the sender's `wait()`; a message nobody received
 is an error when the run ends. Every wait has a timeout, and a rank that fails stops the others,
@@ -119,14 +121,15 @@ class SimulatedComm:
     def ring_shift(self, send, recv_shape, dtype, device) -> "_Pending":
         """Post send(send -> rank+1) and recv(<- rank-1) without waiting. Empty tensors are not posted."""
         sim, nxt, prv = self.sim, (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        posted_send = recv_index = recv = None
+        posted_send = send_index = recv_index = recv = None
         if send is not None and send.numel() > 0:
             if not send.is_contiguous():
                 raise SimulationError(f"simulated rank {self.rank}: ring_shift of a non-contiguous tensor "
                                       "(torch.distributed refuses it)")
             posted_send = (send, send.clone())
             with sim.cond:
-                sim.mail[(self.rank, nxt, sim.sent[self.rank][nxt])] = posted_send[1]
+                send_index = sim.sent[self.rank][nxt]
+                sim.mail[(self.rank, nxt, send_index)] = posted_send[1]
                 sim.sent[self.rank][nxt] += 1
                 sim.cond.notify_all()
         if recv_shape is not None:
@@ -135,12 +138,17 @@ class SimulatedComm:
                 with sim.cond:
                     recv_index = sim.posted_recvs[self.rank][prv]
                     sim.posted_recvs[self.rank][prv] += 1
+                    sim.cond.notify_all()
         self.stats.record("ring_shift", _nbytes(send) if send is not None else 0,
                           _nbytes(recv) if recv is not None else 0)
 
         def finish():
-            if posted_send is not None and not torch.equal(*posted_send):
-                raise SimulationError(f"simulated rank {self.rank}: a ring_shift send buffer changed before wait()")
+            if posted_send is not None:
+                if not torch.equal(*posted_send):
+                    raise SimulationError(f"simulated rank {self.rank}: a ring_shift send buffer changed before wait()")
+                with sim.cond:  # a send completes once the peer has posted its receive (NCCL/gloo rendezvous)
+                    sim.wait_for(lambda: sim.posted_recvs[nxt][self.rank] > send_index,
+                                 f"ring_shift send #{send_index} to rank {nxt} (no matching receive posted)", self.rank)
             if recv_index is None:
                 return recv
             key = (prv, self.rank, recv_index)

@@ -35,8 +35,8 @@ SCALE = 0.3  # not 1/sqrt(D): an algorithm that drops `scale` must fail
 SOFTCAP = 1.5
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
 MASKS = ["causal", "pad", "window", "softcap", "all"]  # "pad": left padding and holes; "all": pad+window+softcap
-FP32_MASKS = ("causal", "all")  # CPU fp32 runs these with GQA only (the file stays well under a minute)
-CPU_DTYPES = {"fp64": (torch.float64, 1e-12), "fp32": (torch.float32, 1e-5)}
+LOW_MASKS = {"fp32": ("causal", "all"), "bf16": ("all",)}  # on CPU with GQA only: the file stays fast
+CPU_DTYPES = {"fp64": (torch.float64, 1e-12), "fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
 # the kernel swap's tolerances (kernels._cuda_kernel_ok); bf16 also rounds each block's output to 8 bits
 CUDA_DTYPES = {"bf16": (torch.bfloat16, 2e-2), "fp16": (torch.float16, 1e-2), "fp32": (torch.float32, 1e-4)}
 
@@ -275,8 +275,8 @@ def _params():
                     for mask in MASKS:
                         for device, dtypes in devices:
                             for dname, (dtype, tol) in dtypes.items():
-                                if device == "cpu" and dname == "fp32" and (mask not in FP32_MASKS or heads != "gqa"):
-                                    continue  # on CPU fp64 carries the matrix; fp32 checks the kernels' own path
+                                if device == "cpu" and dname != "fp64" and (mask not in LOW_MASKS[dname] or heads != "gqa"):
+                                    continue  # on CPU fp64 carries the matrix; the others check the kernels' own paths
                                 suffix = "" if device == "cpu" else "-cuda"
                                 out.append(pytest.param(case, n, length, heads, mask, dtype, tol, device,
                                                         id=f"{case.name}-N{n}-T{length}-{heads}-{mask}-{dname}{suffix}"))
@@ -327,10 +327,24 @@ def test_a_missing_send_times_out_instead_of_hanging():
         _world_run(2, body)
 
 
-def test_a_message_never_received_is_an_error():
+def test_a_send_waited_before_the_peer_posts_its_receive_deadlocks():
+    """As under NCCL: rank 0 waits for its send while rank 1 waits in a collective before receiving."""
     def body(comm):
         if comm.rank == 0:
             comm.ring_shift(torch.ones(3), None, torch.float32, "cpu").wait()
+            comm.all_gather(torch.ones(1))
+        else:
+            comm.all_gather(torch.ones(1))
+            comm.ring_shift(None, (3,), torch.float32, "cpu").wait()
+
+    with pytest.raises(SimulationError, match="no matching receive"):
+        _world_run(2, body)
+
+
+def test_a_message_never_received_is_an_error():
+    def body(comm):
+        if comm.rank == 0:
+            comm.ring_shift(torch.ones(3), None, torch.float32, "cpu")  # posted, never waited, never received
 
     with pytest.raises(SimulationError, match="never received"):
         _world_run(2, body)
