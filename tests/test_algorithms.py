@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import random
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ import torch
 from hf_contextpar import runtime
 from hf_contextpar.cache import ShardLayout
 from hf_contextpar.plan import Policy, build_plan
+from hf_contextpar.sharding import partition_sizes
 from hf_contextpar.simulated import SimulatedWorld, SimulationError, local_rows, run_algorithm, shard_inputs
 
 # the package re-exports the function under the module's name, so fetch the module itself
@@ -229,6 +231,16 @@ def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, to
     if case.kind == "batched_decode":  # the case is about per-sequence column tables
         assert any(p.algorithm == case.algorithm and any(c.dim() == 2 for c in p.kv_cols) for p in plans)
 
+    check_plans(plans, (hq, hk), padding, window, softcap, dtype, tol, device, gen, timeout)
+
+
+def check_plans(plans, heads, padding, window, softcap, dtype, tol, device, gen, timeout=60.0):
+    """Run each plan (forwards of one sequence, in order) on simulated ranks against whole-sequence
+    attention over the longest of them; assert every rank's (out, LSE), traffic, and that ranks
+    computing the same rows agree bit for bit."""
+    n, batch, total = plans[0].world, plans[0].batch, max(p.seq_length for p in plans)
+    hq, hk = heads
+
     def rand(h):
         return (torch.randn(batch, h, total, HEAD_DIM, generator=gen, dtype=torch.float64) * 1.5).to(device, dtype)
 
@@ -236,8 +248,8 @@ def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, to
     valid = padding[:batch, :total].to(device) if padding is not None else None
     ref_out, ref_lse = reference(q, k, v, valid, SCALE, window, softcap)
     e, pe = torch.tensor([], dtype=dtype).element_size(), 8 if dtype == torch.float64 else 4
-    layers = 2 if case.algorithm == "kv_runahead" else 1  # its receives for layer l+1 are posted in layer l
     for i, plan in enumerate(plans):
+        layers = 2 if plan.algorithm == "kv_runahead" else 1  # its receives for layer l+1 are posted in layer l
         qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)  # empty slots hold junk: they must stay masked
         outputs, stats = run_algorithm(plan, qs, kvs, scale=SCALE, window=window, softcap=softcap,
                                        num_layers=layers, timeout=timeout)
@@ -286,6 +298,34 @@ def _params():
 @pytest.mark.parametrize("case,n,length,heads,mask,dtype,tol,device", _params())
 def test_algorithm(case, n, length, heads, mask, dtype, tol, device):
     check_case(case, n, length, heads, mask, dtype, tol, device)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_forward_sequences(seed):
+    """Random turns (prefills of any length, decode steps, batched decode, replicated decode), random
+    prefill strategies and masks: every forward of the sequence against whole-sequence attention."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n = rng.choice([2, 3, 4, 5])
+    batch = rng.choice([1, n - 1, n, n + 2])
+    strategies = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead"] + (["ulysses"] if n in (2, 4) else [])
+    layout, plans, past = ShardLayout(0, n), [], 0
+    padding = make_padding(batch, 200, gen) if rng.random() < 0.5 else None
+    for _ in range(8):
+        num_new = rng.choice([1, 1, 1, 2, n - 1, n, 2 * n - 1, 2 * n + 1, 13])
+        strategy = rng.choice(strategies)
+        policy = Policy(n, decode=rng.choice(["auto", "replicated"]), prefill=lambda t, p, s=strategy: s,
+                        kvr_sizes=lambda t: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]))
+        pad = padding[:, : past + num_new] if padding is not None else None
+        plan = build_plan(policy, layout, batch=batch, num_new=num_new, position_ids=torch.arange(past, past + num_new)
+                          .expand(batch, -1), padding=pad if pad is not None and not bool(pad.all()) else None)
+        layout.commit(plan)
+        plans.append(plan)
+        past += num_new
+    window = rng.choice([None, max(1, past // 3)])
+    softcap = rng.choice([None, SOFTCAP])
+    heads = (4, 4) if n == 5 else (8, 4)  # Ulysses (N = 2, 4) needs N | H_kv
+    check_plans(plans, heads, padding, window, softcap, torch.float64, 1e-12, "cpu", gen)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the matrix above ran on it")
