@@ -187,7 +187,8 @@ class SimulatedComm:
             sim.wait_for(lambda: all(r in slot for r in ranks), f"{op} (collective #{index})", self.rank)
             for r in ranks:
                 if slot[r][0] != op:
-                    raise SimulationError(f"collective #{index}: rank {self.rank} called {op}, rank {r} called {slot[r][0]}")
+                    raise SimulationError(
+                        f"collective #{index}: rank {self.rank} called {op}, rank {r} called {slot[r][0]}")
             return {r: slot[r][1] for r in ranks}
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
