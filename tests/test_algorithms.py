@@ -19,7 +19,9 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import os
 import random
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -219,10 +221,9 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
 
 
 # -- one check ------------------------------------------------------------------------------------
-def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, tol, device="cpu", timeout=60.0):
-    """Run every tested plan of the case on n simulated ranks; assert (out, LSE) and traffic per rank."""
+def prepare(case: Case, n: int, length: int, heads: str, mask: str, dtype, device="cpu"):
+    """The case's tested plans and its whole-sequence inputs: (plans, (q, k, v), padding, window, softcap)."""
     gen = torch.Generator().manual_seed(1000 * n + length)
-    hq, hk = heads_for(case, n, heads)
     softcap = SOFTCAP if mask in ("softcap", "all") else None
     max_len = 12 * n + 8  # longer than any case's sequence
     padding = make_padding(n + 1, max_len, gen) if mask in ("pad", "all") else None
@@ -233,26 +234,42 @@ def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, to
         assert len({c.numel() for c in plans[0].q_cols}) > 1, "the KV-Runahead partition came out even"
     if case.kind == "batched_decode":  # the case is about per-sequence column tables
         assert any(p.algorithm == case.algorithm and any(c.dim() == 2 for c in p.kv_cols) for p in plans)
+    return plans, random_qkv(plans, heads_for(case, n, heads), dtype, device, gen), padding, window, softcap
 
-    check_plans(plans, (hq, hk), padding, window, softcap, dtype, tol, device, gen, timeout)
 
-
-def check_plans(plans, heads, padding, window, softcap, dtype, tol, device, gen, timeout=60.0):
-    """Run each plan (forwards of one sequence, in order) on simulated ranks against whole-sequence
-    attention over the longest of them; assert every rank's (out, LSE), traffic, and that ranks
-    computing the same rows agree bit for bit."""
-    n, batch, total = plans[0].world, plans[0].batch, max(p.seq_length for p in plans)
-    hq, hk = heads
+def random_qkv(plans, heads, dtype, device, gen):
+    """Whole-sequence q (B, H, S, D), k, v (B, Hkv, S, D) over the longest plan's S."""
+    batch, total = plans[0].batch, max(p.seq_length for p in plans)
 
     def rand(h):
         return (torch.randn(batch, h, total, HEAD_DIM, generator=gen, dtype=torch.float64) * 1.5).to(device, dtype)
 
-    q, k, v = rand(hq), rand(hk), rand(hk)
-    valid = padding[:batch, :total].to(device) if padding is not None else None
+    return rand(heads[0]), rand(heads[1]), rand(heads[1])
+
+
+def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, tol, device="cpu", timeout=60.0):
+    """Run every tested plan of the case on n simulated ranks; assert (out, LSE) and traffic per rank."""
+    plans, qkv, padding, window, softcap = prepare(case, n, length, heads, mask, dtype, device)
+    check_plans(plans, qkv, padding, window, softcap, tol, timeout)
+
+
+def layers_for(plan) -> int:
+    """KV-Runahead posts layer l+1's receives during layer l: run it for two layers."""
+    return 2 if plan.algorithm == "kv_runahead" else 1
+
+
+def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
+    """Run each plan (forwards of one sequence, in order) on simulated ranks against whole-sequence
+    attention over the longest of them; assert every rank's (out, LSE), traffic, and that ranks
+    computing the same rows agree bit for bit."""
+    q, k, v = qkv
+    n, batch, total, dtype = plans[0].world, plans[0].batch, q.shape[2], q.dtype
+    hq, hk = q.shape[1], k.shape[1]
+    valid = padding[:batch, :total].to(q.device) if padding is not None else None
     ref_out, ref_lse = reference(q, k, v, valid, SCALE, window, softcap)
     e, pe = torch.tensor([], dtype=dtype).element_size(), 8 if dtype == torch.float64 else 4
     for i, plan in enumerate(plans):
-        layers = 2 if plan.algorithm == "kv_runahead" else 1  # its receives for layer l+1 are posted in layer l
+        layers = layers_for(plan)
         qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)  # empty slots hold junk: they must stay masked
         outputs, stats = run_algorithm(plan, qs, kvs, scale=SCALE, window=window, softcap=softcap,
                                        num_layers=layers, timeout=timeout)
@@ -327,7 +344,7 @@ def test_random_forward_sequences(seed):
     window = rng.choice([None, max(1, past // 3)])
     softcap = rng.choice([None, SOFTCAP])
     heads = (4, 4) if n == 5 else (8, 4)  # Ulysses (N = 2, 4) needs N | H_kv
-    check_plans(plans, heads, padding, window, softcap, torch.float64, 1e-12, "cpu", gen)
+    check_plans(plans, random_qkv(plans, heads, torch.float64, "cpu", gen), padding, window, softcap, 1e-12)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: the matrix above ran on it")
@@ -354,6 +371,21 @@ def test_a_wrong_message_size_is_an_error(monkeypatch):
     monkeypatch.setattr(runtime.Step, "kv_size", lambda self, r: self.plan.kv_size((r + 1) % self.plan.world))
     with pytest.raises(SimulationError, match="ring_shift receive"):
         check_case(CASES[0], 3, 16, "gqa", "causal", torch.float64, 1e-12)
+
+
+def test_simulator_matches_the_real_comm(tmp_path):
+    """Every case's plans on 3 gloo processes with the real Comm (tests/algorithms_worker.py): (out, LSE)
+    bit-identical to the simulated ranks', and the same bytes and calls per operation."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from launch import run_matrix
+
+    for rank, records in enumerate(run_matrix(3, os.path.join(os.path.dirname(__file__), "algorithms_worker.py"),
+                                              tmp_path)):
+        errors = [r for r in records if r["case"] == "error"]
+        assert not errors, f"rank {rank}: {errors}"
+        assert {r["case"] for r in records} == {c.name for c in CASES}
+        for r in records:
+            assert r["identical"] and r["real"] == r["sim"], f"rank {rank}: {r}"
 
 
 def _world_run(n, body, timeout=0.5):
