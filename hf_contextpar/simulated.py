@@ -9,13 +9,14 @@ attention: one GPU can host only one NCCL rank.
 
 What is checked on the way, where a real process group would hang or silently garble data:
 point-to-point messages are matched in posting order per (sender, receiver) pair, as NCCL and
-gloo match them, a send completes only once the peer has posted the matching receive (so a
-rendezvous deadlock deadlocks here too), and a receive of another shape or dtype than the one
-sent is an error; the
-k-th collective must be the same operation, with agreeing shapes, on every rank; a send buffer
-must be contiguous and must not change before the sender's `wait()`; a message nobody received
-is an error when the run ends. Every wait has a timeout, and a rank that fails stops the others,
-so a broken algorithm fails fast with the failing rank's error instead of deadlocking.
+gloo match them; a send completes only once the peer has posted the matching receive (so a
+rendezvous deadlock deadlocks here too); a receive of another shape or dtype than the one sent
+is an error; the k-th collective must be the same operation, with agreeing shapes, on every
+rank; a send buffer must be contiguous and must not change before the sender's `wait()`; a
+message nobody received is an error when the run ends. Every wait has a timeout (a deadlock is
+reported, naming the rank and the wait), and a rank that fails stops the others, so a broken
+algorithm fails fast with the failing rank's error. tests/test_algorithms.py checks that the
+real `Comm` over gloo gives bit-identical results and the same byte and call counts.
 
 `run_algorithm` runs one plan's algorithm on every rank (each with its own `runtime.Step`);
 `shard_inputs` cuts whole-sequence Q, K, V the way the runtime and the sharded cache would.
@@ -51,7 +52,7 @@ class SimulatedWorld:
         self.world, self.timeout = world, timeout
         self.cond = threading.Condition()
         self.failed: str | None = None
-        self.mail: dict = {}  # (src, dst, index) -> (tensor, posting op); index counts src's sends to dst
+        self.mail: dict = {}  # (src, dst, index) -> a copy of the sent tensor; index counts src's sends to dst
         self.sent = [[0] * world for _ in range(world)]  # [src][dst]: messages posted
         self.posted_recvs = [[0] * world for _ in range(world)]  # [dst][src]: receives posted
         self.slots: dict = {}  # collective index -> {rank: (op, payload)}
@@ -73,10 +74,10 @@ class SimulatedWorld:
     def run(self, fns: list) -> list:
         """Run fns[r](comms[r]) on one thread per rank; returns their results in rank order.
 
-        The first rank error is re-raised (as a SimulationError naming the rank, chained to the
-        original); afterwards, a message that was sent but never received is an error too.
+        The first rank error (in time) is re-raised, as a SimulationError naming the rank, chained to
+        the original; afterwards, a message that was sent but never received is an error too.
         """
-        results, errors = [None] * self.world, [None] * self.world
+        results, errors, order = [None] * self.world, [None] * self.world, []
 
         def body(r):
             try:
@@ -86,6 +87,7 @@ class SimulatedWorld:
             except BaseException as e:  # noqa: BLE001 - reported below, with the rank
                 errors[r] = e
                 with self.cond:
+                    order.append(r)
                     if self.failed is None:
                         self.failed = f"rank {r} failed: {type(e).__name__}: {e}"
                     self.cond.notify_all()
@@ -98,11 +100,11 @@ class SimulatedWorld:
             t.join(self.timeout * 4)
             if t.is_alive():
                 raise SimulationError(f"simulated {t.name} did not finish within {4 * self.timeout:.0f}s")
-        for r, e in enumerate(errors):
-            if e is not None:
-                if isinstance(e, SimulationError):
-                    raise e
-                raise SimulationError(f"simulated rank {r}/{self.world} failed: {type(e).__name__}: {e}") from e
+        if order:
+            r, e = order[0], errors[order[0]]
+            if isinstance(e, SimulationError):
+                raise e
+            raise SimulationError(f"simulated rank {r}/{self.world} failed: {type(e).__name__}: {e}") from e
         left = sorted((src, dst) for src, dst, _ in self.mail)
         if left:
             raise SimulationError(f"messages sent but never received (src, dst): {left}")
