@@ -43,6 +43,7 @@ SOFTCAP = 1.5
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
 MASKS = ["causal", "pad", "window", "softcap", "all"]  # "pad": left padding and holes; "all": pad+window+softcap
 LOW_MASKS = {"fp32": ("causal", "all"), "bf16": ("all",)}  # on CPU with GQA only: the file stays fast
+MHA_MASKS = ("causal", "pad")  # head grouping is independent of window and soft-cap
 CPU_DTYPES = {"fp64": (torch.float64, 1e-12), "fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
 # the kernel swap's tolerances (kernels._cuda_kernel_ok); bf16 also rounds each block's output to 8 bits
 CUDA_DTYPES = {"bf16": (torch.bfloat16, 2e-2), "fp16": (torch.float16, 1e-2), "fp32": (torch.float32, 1e-4)}
@@ -226,7 +227,8 @@ def prepare(case: Case, n: int, length: int, heads: str, mask: str, dtype, devic
     gen = torch.Generator().manual_seed(1000 * n + length)
     softcap = SOFTCAP if mask in ("softcap", "all") else None
     max_len = 12 * n + 8  # longer than any case's sequence
-    padding = make_padding(n + 1, max_len, gen) if mask in ("pad", "all") else None
+    # the runtime's padding mask lives on the model's device (Step.key_valid follows it)
+    padding = make_padding(n + 1, max_len, gen).to(device) if mask in ("pad", "all") else None
     batch, plans, total = plans_for(case, n, length, padding)
     window = max(1, total // 3) if mask in ("window", "all") else None  # narrow enough to cut every case
     assert case.algorithm in [p.algorithm for p in plans], [p.algorithm for p in plans]
@@ -298,13 +300,15 @@ def _same(a, b) -> bool:
 
 
 def _params():
-    """The matrix: fp64 over everything on CPU, fp32 and bf16 on CPU for a few masks with GQA (the
-    kernels' own paths), and on CUDA, when present, bf16/fp16/fp32 over everything."""
+    """The matrix: fp64 over every case, N, length and mask on CPU (MHA for fewer masks), fp32 and bf16
+    on CPU for a few masks with GQA (the kernels' own paths), and on CUDA, when present, bf16/fp16/fp32."""
     runs = [("cpu", name, *dt) for name, dt in CPU_DTYPES.items()]
     if torch.cuda.is_available():
         runs += [("cuda", name, *dt) for name, dt in CUDA_DTYPES.items()]
     out = []
     for case, n, heads, mask, (device, dname, dtype, tol) in itertools.product(CASES, (2, 3, 4), HEADS, MASKS, runs):
+        if heads == "mha" and mask not in MHA_MASKS:
+            continue
         if device == "cpu" and dname != "fp64" and (mask not in LOW_MASKS[dname] or heads != "gqa"):
             continue
         suffix = "-cuda" if device == "cuda" else ""
