@@ -1,8 +1,8 @@
 """N context-parallel ranks in one process: the attention algorithms run unmodified on threads.
 
-`SimulatedWorld(N)` hands out one `SimulatedComm` per rank, a stand-in for `comm.Comm` with the
-methods the algorithms call (ring_shift, all_gather, all_gather_start, broadcast_blocks,
-all_to_all), the same semantics and the same byte accounting (`stats.record`). Each simulated
+`SimulatedWorld(N)` hands out one `SimulatedComm` per rank, a stand-in for `comm.Comm` with its
+methods (send_recv, send_next, recv_prev, all_gather, all_gather_start, broadcast_blocks,
+all_to_all), the same semantics and the same byte accounting (`stats`, `tagged`). Each simulated
 rank runs on its own thread; messages move through shared mailboxes instead of a process group,
 so one process (one GPU, or a CPU-only CI job) can check every algorithm against whole-sequence
 attention: one GPU can host only one NCCL rank.
@@ -67,7 +67,7 @@ class SimulatedWorld:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SimulationError(
-                    f"simulated rank {rank}/{self.world}: {what} still waiting after {self.timeout:.0f}s "
+                    f"simulated rank {rank}/{self.world}: {what} still waiting after {self.timeout:g}s "
                     "(a deadlock: the peer never posted the matching send or collective)")
             self.cond.wait(left)
 
@@ -112,21 +112,42 @@ class SimulatedWorld:
 
 
 class SimulatedComm:
-    """One simulated rank's `Comm`: the same methods, semantics and byte accounting."""
+    """One simulated rank's `Comm`: the same methods, semantics, tags and byte accounting."""
 
     def __init__(self, sim: SimulatedWorld, rank: int):
         self.sim, self.rank, self.world = sim, rank, sim.world
-        self.stats = CommStats()
+        self.stats = CommStats()  # every operation; control ones are named "control <op>"
+        self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._collectives = 0  # index of this rank's next collective
 
-    # -- point to point --------------------------------------------------------------------
-    def ring_shift(self, send, recv_shape, dtype, device) -> "_Pending":
-        """Post send(send -> rank+1) and recv(<- rank-1) without waiting. Empty tensors are not posted."""
+    def _record(self, tag: str, op: str, sent: int, received: int):
+        self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)
+        self.tagged[tag].record(op, sent, received)
+
+    def _add_wait(self, tag: str, op: str, seconds: float):
+        self.stats.add_wait(op if tag == "attention" else f"{tag} {op}", seconds)
+        self.tagged[tag].add_wait(op, seconds)
+
+    # -- the ring: one hop to the next rank, from the previous one ------------------------------
+    def send_recv(self, send: torch.Tensor, recv_shape) -> "_Pending":
+        """One ring hop, posted without waiting: `send` to rank+1, a block of `recv_shape` from rank-1."""
+        return self._post_p2p("ring_shift", send, torch.empty(recv_shape, dtype=send.dtype, device=send.device))
+
+    def send_next(self, send: torch.Tensor) -> "_Pending":
+        """Post `send` to rank+1; wait() before touching `send` again."""
+        return self._post_p2p("ring_send", send, None)
+
+    def recv_prev(self, shape, dtype, device) -> "_Pending":
+        """Post the receive of a block of `shape` from rank-1; wait() returns it."""
+        return self._post_p2p("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
+
+    def _post_p2p(self, op: str, send, recv) -> "_Pending":
+        """Empty blocks are not posted (on either side, as in `Comm`)."""
         sim, nxt, prv = self.sim, (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        posted_send = send_index = recv_index = recv = None
+        posted_send = send_index = recv_index = None
         if send is not None and send.numel() > 0:
             if not send.is_contiguous():
-                raise SimulationError(f"simulated rank {self.rank}: ring_shift of a non-contiguous tensor "
+                raise SimulationError(f"simulated rank {self.rank}: {op} of a non-contiguous tensor "
                                       "(torch.distributed refuses it)")
             posted_send = (send, send.clone())
             with sim.cond:
@@ -134,37 +155,34 @@ class SimulatedComm:
                 sim.mail[(self.rank, nxt, send_index)] = posted_send[1]
                 sim.sent[self.rank][nxt] += 1
                 sim.cond.notify_all()
-        if recv_shape is not None:
-            recv = torch.empty(recv_shape, dtype=dtype, device=device)
-            if recv.numel() > 0:
-                with sim.cond:
-                    recv_index = sim.posted_recvs[self.rank][prv]
-                    sim.posted_recvs[self.rank][prv] += 1
-                    sim.cond.notify_all()
-        self.stats.record("ring_shift", _nbytes(send) if send is not None else 0,
-                          _nbytes(recv) if recv is not None else 0)
+        if recv is not None and recv.numel() > 0:
+            with sim.cond:
+                recv_index = sim.posted_recvs[self.rank][prv]
+                sim.posted_recvs[self.rank][prv] += 1
+                sim.cond.notify_all()
+        self._record("attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0)
 
         def finish():
             if posted_send is not None:
                 if not torch.equal(*posted_send):
-                    raise SimulationError(f"simulated rank {self.rank}: a ring_shift send buffer changed before wait()")
+                    raise SimulationError(f"simulated rank {self.rank}: an {op} send buffer changed before wait()")
                 with sim.cond:  # a send completes once the peer has posted its receive (NCCL/gloo rendezvous)
                     sim.wait_for(lambda: sim.posted_recvs[nxt][self.rank] > send_index,
-                                 f"ring_shift send #{send_index} to rank {nxt} (no matching receive posted)", self.rank)
+                                 f"{op} send #{send_index} to rank {nxt} (no matching receive posted)", self.rank)
             if recv_index is None:
                 return recv
             key = (prv, self.rank, recv_index)
             with sim.cond:
-                sim.wait_for(lambda: key in sim.mail, f"ring_shift receive #{recv_index} from rank {prv}", self.rank)
+                sim.wait_for(lambda: key in sim.mail, f"{op} receive #{recv_index} from rank {prv}", self.rank)
                 got = sim.mail.pop(key)
             if got.shape != recv.shape or got.dtype != recv.dtype:
                 raise SimulationError(
-                    f"simulated rank {self.rank}: ring_shift receive #{recv_index} expected {tuple(recv.shape)} "
+                    f"simulated rank {self.rank}: {op} receive #{recv_index} expected {tuple(recv.shape)} "
                     f"{recv.dtype} from rank {prv}, which sent {tuple(got.shape)} {got.dtype}")
             recv.copy_(got)
             return recv
 
-        return _Pending(self, "ring_shift", finish)
+        return _Pending(self, op, finish)
 
     # -- collectives ---------------------------------------------------------------------
     def _post(self, op: str, payload) -> int:
@@ -193,14 +211,14 @@ class SimulatedComm:
                         f"collective #{index}: rank {self.rank} called {op}, rank {r} called {slot[r][0]}")
             return {r: slot[r][1] for r in ranks}
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
-        return self.all_gather_start(t).wait()
+        return self.all_gather_start(t, tag).wait()
 
-    def all_gather_start(self, t: torch.Tensor) -> "_Pending":
+    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> "_Pending":
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack."""
         index = self._post("all_gather", t.contiguous().clone())
-        self.stats.record("all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
 
         def finish():
             parts = self._collect(index, "all_gather")
@@ -210,15 +228,15 @@ class SimulatedComm:
                                           f"rank {r} has {tuple(p.shape)} {p.dtype}")
             return torch.stack([parts[r] for r in range(self.world)])
 
-        return _Pending(self, "all_gather", finish)
+        return _Pending(self, "all_gather", finish, tag)
 
     def broadcast_blocks(self, mine: torch.Tensor, shapes: list) -> list:
         """Every rank's block to every rank at its exact size; `wait()` on entry r returns rank r's block."""
         mine = mine.contiguous()
         index = self._post("broadcast", mine)
         esize = mine.element_size()
-        self.stats.record("broadcast", _nbytes(mine) * (self.world - 1),
-                          esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
+        self._record("attention", "broadcast", _nbytes(mine) * (self.world - 1),
+                     esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
 
         def block(r):
             if r == self.rank:
@@ -241,11 +259,11 @@ class SimulatedComm:
         out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         esize = send[0].element_size()
         total_in = sum(t.numel() for t in send)
-        self.stats.record("all_to_all", esize * (total_in - send[self.rank].numel()),
-                          esize * (sum(out_sizes) - out_sizes[self.rank]))
+        self._record("attention", "all_to_all", esize * (total_in - send[self.rank].numel()),
+                     esize * (sum(out_sizes) - out_sizes[self.rank]))
         t0 = time.perf_counter()
         parts = self._collect(index, "all_to_all")
-        self.stats.add_wait("all_to_all", time.perf_counter() - t0)
+        self._add_wait("attention", "all_to_all", time.perf_counter() - t0)
         out = []
         for r, shape in enumerate(recv_shapes):
             got = parts[r][self.rank]
@@ -257,17 +275,17 @@ class SimulatedComm:
 
 
 class _Pending:
-    """What `Comm`'s PendingRecv is: `wait()` returns the received tensor (or None)."""
+    """What `comm.Pending` is: `wait()` returns the received tensor (or None)."""
 
-    def __init__(self, comm: SimulatedComm, op: str, finish):
-        self._comm, self._op, self._finish = comm, op, finish
+    def __init__(self, comm: SimulatedComm, op: str, finish, tag: str = "attention"):
+        self._comm, self._op, self._finish, self._tag = comm, op, finish, tag
 
     def wait(self):
         t0 = time.perf_counter()
         try:
             return self._finish()
         finally:
-            self._comm.stats.add_wait(self._op, time.perf_counter() - t0)
+            self._comm._add_wait(self._tag, self._op, time.perf_counter() - t0)
 
 
 # -- inputs as the runtime and the sharded cache lay them out ---------------------------------
@@ -310,8 +328,9 @@ def run_algorithm(plan, qs: list, kvs: list, *, scale: float, window=None, softc
     qs[r], kvs[r]: rank r's queries (B_r, H, T_r, D) and packed K/V (slots, 2, B, Hkv, D), used by
     every layer (layers exercise what an algorithm carries from one layer to the next, e.g.
     KV-Runahead's early receives). `algorithm`: a registry name or a callable with the same
-    signature (default: plan.algorithm). Returns (outputs, stats): outputs[r][layer] = (out, lse)
-    as the algorithm returned them, stats[r] = rank r's CommStats.
+    signature (default: plan.algorithm). Returns (outputs, comms): outputs[r][layer] = (out, lse)
+    as the algorithm returned them, comms[r] = rank r's SimulatedComm (its `stats` and `tagged`
+    byte counts).
     """
     from .attention import ALGORITHMS
     from .runtime import Step
@@ -328,4 +347,4 @@ def run_algorithm(plan, qs: list, kvs: list, *, scale: float, window=None, softc
         return outs
 
     outputs = sim.run([rank_body] * plan.world)
-    return outputs, [c.stats for c in sim.comms]
+    return outputs, sim.comms

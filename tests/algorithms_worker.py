@@ -20,8 +20,10 @@ from hf_contextpar.runtime import Step  # noqa: E402
 from hf_contextpar.simulated import run_algorithm, shard_inputs  # noqa: E402
 
 
-def counts(stats):
-    return [stats.bytes_sent, stats.bytes_received, dict(sorted(stats.calls.items()))]
+def counts(comm):
+    """Bytes and calls, all operations and per tag."""
+    return [[s.bytes_sent, s.bytes_received, dict(sorted(s.calls.items()))]
+            for s in (comm.stats, comm.tagged["attention"], comm.tagged["control"])]
 
 
 def main():
@@ -37,8 +39,9 @@ def main():
             for i, plan in enumerate(plans):
                 qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)
                 attn = dict(scale=SCALE, window=window, softcap=softcap)
-                sim_out, sim_stats = run_algorithm(plan, qs, kvs, num_layers=layers_for(plan), **attn)
-                comm.stats.reset()
+                sim_out, sims = run_algorithm(plan, qs, kvs, num_layers=layers_for(plan), **attn)
+                for stats in (comm.stats, *comm.tagged.values()):
+                    stats.reset()
                 step = Step(plan, comm, None, layers_for(plan))
                 real = []
                 for layer in range(layers_for(plan)):
@@ -46,7 +49,7 @@ def main():
                     real.append(ALGORITHMS[plan.algorithm](step, qs[rank], kvs[rank], **attn))
                 identical = all(_same(a[0], b[0]) and _same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
                 records.append(dict(case=case.name, plan=i, algorithm=plan.algorithm, identical=identical,
-                                    real=counts(comm.stats), sim=counts(sim_stats[rank])))
+                                    real=counts(comm), sim=counts(sims[rank])))
         except Exception as e:  # recorded, so one failure does not hide the others
             records.append(dict(case="error", job=case.name, error=f"{type(e).__name__}: {e}"))
     write_records(out_dir, records)
