@@ -14,8 +14,6 @@ from __future__ import annotations
 import inspect
 import types
 from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
@@ -25,68 +23,9 @@ from .comm import Comm
 from .errors import ContextParallelError, UnsupportedModelError
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Gather, Policy, build_plan
+from .step import Step
 from .costmodel import Shape
 from .planner import Calibration, choose
-
-
-@dataclass
-class Step:
-    """One rank's execution of a plan: what every attention layer of the forward reads."""
-
-    plan: ForwardPlan
-    comm: Comm
-    cache: ShardedCache | None
-    num_layers: int
-    check: object = None  # the input check in flight, settled before the first collective
-    layer: int = 0  # index of the attention layer running now
-    state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
-
-    @property
-    def algorithm(self) -> str:
-        return self.plan.algorithm
-
-    @property
-    def q_cols(self) -> torch.Tensor:
-        return self.plan.q_cols[self.comm.rank]
-
-    @property
-    def q_cols_all(self) -> list:
-        return self.plan.q_cols
-
-    @property
-    def kv_cols(self) -> list:
-        return self.plan.kv_cols
-
-    def kv_size(self, rank: int) -> int:
-        return self.plan.kv_size(rank)
-
-    @property
-    def padding(self):
-        return self.plan.padding
-
-    @property
-    def batch_rows(self):
-        return self.plan.seq_rows
-
-    def batch_size(self, rank) -> int:
-        return len(range(self.plan.batch)[self.plan.seq_rows[rank]])
-
-    def key_valid(self, rank, rows=slice(None)):
-        """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""
-        if self.plan.padding is None:
-            return None
-        cols = self.q_cols if rank is None else self.plan.kv_cols[rank]
-        pad = self.plan.padding[rows]
-        if cols.dim() == 2:
-            return pad.gather(1, cols[rows].clamp(min=0).to(pad.device))
-        return pad[:, cols.to(pad.device)]
-
-    def settle_check(self):
-        """Settle the input check (posted with the forward) before the first message of the forward:
-        ranks whose inputs differ would otherwise run mismatched collectives."""
-        if self.check is not None:
-            check, self.check = self.check, None
-            check()
 
 
 def _fingerprint(t: torch.Tensor | None) -> int:

@@ -18,7 +18,7 @@ reported, naming the rank and the wait), and a rank that fails stops the others,
 algorithm fails fast with the failing rank's error. tests/test_algorithms.py checks that the
 real `Comm` over gloo gives bit-identical results and the same byte and call counts.
 
-`run_algorithm` runs one plan's algorithm on every rank (each with its own `runtime.Step`);
+`run_algorithm` runs one plan's algorithm on every rank (each with its own `step.Step`);
 `shard_inputs` cuts whole-sequence Q, K, V the way the runtime and the sharded cache would.
 """
 
@@ -333,7 +333,7 @@ def run_algorithm(plan, qs: list, kvs: list, *, scale: float, window=None, softc
     byte counts).
     """
     from .attention import ALGORITHMS
-    from .runtime import Step
+    from .step import Step
 
     fn = algorithm if callable(algorithm) else ALGORITHMS[algorithm or plan.algorithm]
     sim = SimulatedWorld(plan.world, timeout)

@@ -16,7 +16,7 @@ from test_algorithms import CASES, SCALE, _same, layers_for, lengths, prepare  #
 
 from hf_contextpar.attention import ALGORITHMS  # noqa: E402
 from hf_contextpar.comm import Comm  # noqa: E402
-from hf_contextpar.runtime import Step  # noqa: E402
+from hf_contextpar.step import Step  # noqa: E402
 from hf_contextpar.simulated import run_algorithm, shard_inputs  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from hf_contextpar import runtime
+from hf_contextpar import step as step_module
 from hf_contextpar.cache import ShardLayout
 from hf_contextpar.plan import Policy, build_plan
 from hf_contextpar.sharding import partition_sizes
@@ -373,7 +373,7 @@ def test_a_skipped_last_ring_hop_fails(monkeypatch):
 
 def test_a_wrong_message_size_is_an_error(monkeypatch):
     """A receive sized from the wrong rank's key count is reported, not silently truncated."""
-    monkeypatch.setattr(runtime.Step, "kv_size", lambda self, r: self.plan.kv_size((r + 1) % self.plan.world))
+    monkeypatch.setattr(step_module.Step, "kv_size", lambda self, r: self.plan.kv_size((r + 1) % self.plan.world))
     with pytest.raises(SimulationError, match="ring_shift receive #"):
         check_case(CASES[0], 3, 16, "gqa", "causal", torch.float64, 1e-12)
 
