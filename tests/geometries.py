@@ -12,6 +12,8 @@ ids. Windows and position thresholds are scaled down, keeping prompts able to cr
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -75,7 +77,7 @@ GEOMETRY_CROSSING = {"gemma2_9b": 70, "gemma3_4b": 70, "phi3_mini_128k": 100}
 
 
 def geometry_config(name: str, **overrides):
-    spec = {**_SMALL, **GEOMETRIES[name], **overrides}
+    spec = copy.deepcopy({**_SMALL, **GEOMETRIES[name], **overrides})  # configs edit rope dicts in place
     hidden = spec["hidden_size"]
     spec["hidden_size"] = spec.pop("config_hidden_size", hidden)  # what the config's validation needs
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
