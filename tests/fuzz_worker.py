@@ -61,8 +61,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_contextpar  # noqa: E402
-from geometries import GEOMETRIES, geometry_model  # noqa: E402
-from hf_contextpar.models import tiny_model  # noqa: E402
+from geometries import GEOMETRIES, geometry_config  # noqa: E402
+from hf_contextpar.models import tiny_config  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
 REGISTERED = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
@@ -113,16 +113,6 @@ def model_type(family: str) -> str:
     if family in GEOMETRIES:
         return GEOMETRIES[family]["model_type"]
     return OPTED_IN[family]["model_type"] if family in OPTED_IN else family
-
-
-def head_counts(family: str) -> tuple[int, int]:
-    spec = GEOMETRIES.get(family) or {**_BASE, **OPTED_IN.get(family, {})}
-    if family in REGISTERED:
-        from hf_contextpar.models import tiny_config
-
-        c = tiny_config(family)
-        return c.num_attention_heads, c.num_key_value_heads
-    return spec.get("num_attention_heads", 4), spec.get("num_key_value_heads", 2)
 
 
 def _length(r: random.Random, n: int, longest: int = 300) -> int:
@@ -199,24 +189,28 @@ def describe(case: dict) -> str:
 
 def reproduce_command(case: dict) -> str:
     return (f"OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node {case['n']} tests/fuzz_worker.py "
-            f"--seed {case['seed']} --case {case['index']}")
+            f"--seed {case['seed']} --case {case['index']}{case.get('overrides', '')}")
 
 
 # -- models and inputs ------------------------------------------------------------------------
-def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
-    """The case's unpatched model (same weights on every rank and for the reference)."""
-    family = case["family"]
-    impl = "eager" if model_type(family) == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
+def build_config(family: str, rope: str = "default"):
+    """The config of a drawn family with the drawn RoPE type."""
     if family in GEOMETRIES:
-        return geometry_model(family, dtype=dtype, seed=seed, attn_implementation=impl)
-    overrides = copy.deepcopy(ROPE_OVERRIDES.get(case["rope"], {}))  # configs edit rope dicts in place
+        return geometry_config(family)
+    overrides = copy.deepcopy(ROPE_OVERRIDES.get(rope, {}))  # configs edit rope dicts in place
     if overrides and model_type(family) == "gemma3_text":  # per-layer-type RoPE: the global layers take it
         overrides["rope_parameters"] = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                                         "full_attention": overrides["rope_parameters"]}
     if family in REGISTERED:
-        return tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl, **overrides)
+        return tiny_config(family, **overrides)
     spec = copy.deepcopy({**_BASE, **OPTED_IN[family], **overrides})
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
+    """The case's unpatched model, seeded: the same weights on every rank and for the reference."""
+    config = build_config(case["family"], case["rope"])
+    impl = "eager" if config.model_type == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl).eval()
 
@@ -300,9 +294,9 @@ def conversation(model, case: dict, make_assistant):
             result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid, rows=new.shape[0])
             seq, cached = full, full.shape[1]
         else:
-            if mode == "sample":
-                torch.manual_seed(case["data_seed"] + t)
             kw = generate_kwargs(turn, make_assistant() if mode == "assisted" else None)
+            if mode == "sample":  # the same seed for the reference and on every rank, right before the call
+                torch.manual_seed(case["data_seed"] + t)
             out = model.generate(full, attention_mask=mask, past_key_values=cache, **kw)
             expand = out.sequences.shape[0] // full.shape[0]
             comparable = comparable.repeat_interleave(expand)
@@ -394,8 +388,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None) -> bool:
 
 
 def ulysses_fits(case: dict) -> bool:
-    heads, kv = head_counts(case["family"])
-    return heads % case["n"] == 0 and kv % case["n"] == 0
+    config = build_config(case["family"])
+    return config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
 
 
 def decode_rows_of(turn: dict, rows: int) -> int:
@@ -512,6 +506,12 @@ def main(argv=None):
     p.add_argument("--seconds", type=float, default=float(os.environ.get("HF_CONTEXTPAR_FUZZ_SECONDS", "60")),
                    help="time budget: no case starts after it (rank 0 decides)")
     p.add_argument("--case", default=None, help="run exactly these case indices (comma-separated), no time budget")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a drawn parameter (VALUE is JSON, else a string), to reduce a failing case: "
+                        "--set rope=default --set 'turns=[{\"mode\": \"greedy\", \"new_tokens\": 4}]'")
+    p.add_argument("--where", default=None, metavar="EXPR",
+                   help="run only the drawn cases for which this Python expression of `case` is true, e.g. to keep "
+                        "fuzzing around a known bug: --where \"case['rope'] != 'dynamic'\"")
     p.add_argument("--max-cases", type=int, default=None)
     p.add_argument("--out", default=None, help="directory for fuzz.json (rank 0)")
     args = p.parse_args(argv)
@@ -539,6 +539,15 @@ def main(argv=None):
         if not go[0]:
             break
         case = draw_case(seed, n, index)
+        if args.where and not eval(args.where, {}, dict(case=case)):
+            continue
+        for item in args.set:
+            key, _, value = item.partition("=")
+            try:
+                case[key] = json.loads(value)
+            except json.JSONDecodeError:
+                case[key] = value
+            case["overrides"] = case.get("overrides", "") + f" --set '{item}'"
         t0 = time.monotonic()
         record = run_case(case, rank)
         record["seconds"] = round(time.monotonic() - t0, 2)

@@ -6,8 +6,8 @@ per-layer-type RoPE. Each geometry keeps the checkpoint's heads, KV heads, head_
 and parameters, sliding windows and layer pattern, and shrinks the rest: hidden size 64
 (head_dim is read from the config, so the projections stay head-shaped), intermediate 128,
 2 layers (Gemma-3: 6, for its 5 sliding : 1 full pattern), vocab 384 with the byte tokenizer's
-ids. Windows and position thresholds are scaled down, keeping prompts able to cross them:
-`GEOMETRY_CROSSING[name]` is a prompt length beyond every window and threshold of the model.
+ids. Windows and position thresholds are scaled down (`GEOMETRY_THRESHOLD`), so that short
+prompts cross them.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ GEOMETRIES: dict[str, dict] = {
                      max_position_embeddings=4096, rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
 }
 
-# A prompt length past every window and position threshold of the geometry (windows 24-32, longrope's 64).
-GEOMETRY_CROSSING = {"gemma2_9b": 70, "gemma3_4b": 70, "phi3_mini_128k": 100}
+# The largest window or position threshold of each geometry that has one (scaled down):
+# Gemma-2's window, Gemma-3's local window, Phi-3's longrope switch (original_max_position_embeddings).
+GEOMETRY_THRESHOLD = {"gemma2_9b": 32, "gemma3_4b": 24, "phi3_mini_128k": 64}
 
 
 def geometry_config(name: str, **overrides):
