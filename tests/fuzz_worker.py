@@ -32,6 +32,9 @@ Padding kinds and what is compared:
   are skipped for logits and tokens; they must still be identical on every rank.
 - fp32 greedy-like modes: a token divergence where the reference's top-2 margin is within twice
   the tolerance and every earlier logit matched is a near-tie, not a failure (the case stops).
+- Where the reference's own logits are NaN (HF's fp64 eager Gemma2 computes its softmax in fp32
+  and NaNs on padded queries; 0 x NaN then reaches real rows, and beam search stops early), its
+  tokens mean nothing: a token difference in such a row is "reference_nan", not a failure.
 - A reference that raises (e.g. sampling from NaN probabilities) truncates the case before that
   turn; a case with no comparable turn is "skipped".
 Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
@@ -252,8 +255,7 @@ def generate_kwargs(turn: dict, assistant):
         kw.update(do_sample=False)
     if mode == "beam":
         kw.update(num_beams=turn["num_beams"], num_return_sequences=turn["num_return_sequences"], early_stopping=False)
-    else:
-        kw.update(output_logits=True)
+    kw.update(output_logits=True)
     if mode == "assisted":
         kw.update(assistant_model=assistant)
     if mode == "lookup":
@@ -300,10 +302,15 @@ def conversation(model, case: dict, make_assistant):
             out = model.generate(full, attention_mask=mask, past_key_values=cache, **kw)
             expand = out.sequences.shape[0] // full.shape[0]
             comparable = comparable.repeat_interleave(expand)
-            logits = torch.stack(out.logits, 1) if out.logits is not None else None
-            valid = comparable[:, None].expand(-1, logits.shape[1]).clone() if logits is not None else None
-            result = dict(mode=mode, tokens=out.sequences, logits=logits, valid=valid, rows=full.shape[0],
-                          prompt_length=full.shape[1], comparable=comparable.clone())
+            logits = torch.stack(out.logits, 1)  # (rows, steps, vocab); beam search: (batch x beams, ...)
+            # rows whose logits are finite: a reference's tokens from NaN logits mean nothing (HF's fp64
+            # eager Gemma2 NaNs on padding, and 0 x NaN spreads it to real rows; beam search stops early)
+            finite = torch.isfinite(logits).flatten(1).all(1)
+            finite = finite.all().expand(len(comparable)) if mode == "beam" else finite
+            result = dict(mode=mode, tokens=out.sequences, rows=full.shape[0], prompt_length=full.shape[1],
+                          comparable=comparable.clone(), finite=finite.clone(),
+                          logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
+                          valid=None if mode == "beam" else comparable[:, None].expand(-1, logits.shape[1]).clone())
             seq, cached = out.sequences, out.sequences.shape[1] - 1
             if mask is not None:
                 mask = torch.cat([mask.repeat_interleave(expand, 0),
@@ -331,14 +338,17 @@ def digest(result: dict) -> str:
 
 
 def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
-    """('ok' | 'fail' | 'near_tie', detail) for turn t."""
+    """('ok' | 'fail' | 'near_tie' | 'reference_nan', detail) for turn t."""
     tol = tolerance(case)
     if mine["mode"] != "forward" and mine["tokens"].shape != ref["tokens"].shape:
-        return "fail", f"turn {t + 1}: sequences shape {tuple(mine['tokens'].shape)} != {tuple(ref['tokens'].shape)}"
+        where = f"turn {t + 1}: sequences shape {tuple(mine['tokens'].shape)} != {tuple(ref['tokens'].shape)}"
+        return ("fail" if ref["finite"].all() else "reference_nan"), where
     steps = None  # logit steps to compare: all, or up to the first token divergence
     if mine["mode"] != "forward":
         rows = ref["comparable"]
         if rows.any() and not torch.equal(mine["tokens"][rows], ref["tokens"][rows]):
+            if not ref["finite"][rows].all():
+                return "reference_nan", f"turn {t + 1} ({mine['mode']}): tokens differ where the reference's logits are NaN"
             diff = (mine["tokens"][rows] != ref["tokens"][rows]).nonzero()
             row = int(rows.nonzero()[int(diff[0, 0])]) if diff.numel() else 0
             col = int(diff[diff[:, 0] == diff[0, 0], 1].min())
@@ -472,7 +482,7 @@ def merge(case: dict, everyone: list[dict], ref_error: str | None) -> dict:
         if any(d != digests[0] for d in digests):
             outcome, detail = "fail", "outputs differ between ranks: " + ", ".join(
                 f"rank {i} turn digests {[x[:8] for x in d]}" for i, d in enumerate(digests))
-    if outcome in ("pass", "near_tie") and everyone[0]["turns_compared"] == 0:
+    if outcome in ("pass", "near_tie", "reference_nan") and everyone[0]["turns_compared"] == 0:
         outcome = "skipped"
     if ref_error and outcome != "fail":
         detail = (detail + "; " if detail else "") + f"reference raised at turn {everyone[0]['turns_compared'] + 1}: {ref_error[:200]}"
@@ -566,7 +576,8 @@ def main(argv=None):
                     json.dump(dict(seed=seed, n=n, finished=False, records=records), f, indent=1)
     failures = [r for r in records if r["outcome"] == "fail"]
     if rank == 0:
-        counts = {o: sum(r["outcome"] == o for r in records) for o in ("pass", "expected_error", "near_tie", "skipped", "fail")}
+        counts = {o: sum(r["outcome"] == o for r in records)
+                  for o in ("pass", "expected_error", "near_tie", "reference_nan", "skipped", "fail")}
         print(f"[fuzz N={n} seed={seed}] {len(records)} cases in {time.monotonic() - start:.0f}s: {counts}"
               + (" (stopped after ranks fell out of step)" if stop else ""), flush=True)
         for r in failures:
