@@ -26,10 +26,12 @@ Padding kinds and what is compared:
   runs it), "holes" (zeros inside the mask), "all_pad_row" (one row is all padding, the others
   left-padded), "packed" (batch 1, no mask, position_ids restarting at 0: packed sequences,
   which transformers turns into a block-diagonal mask; forward only).
-- Logits are compared at real (unmasked) positions where the reference is finite. An all-padding
-  row's outputs depend on kernel-specific handling of a query with no visible key (the
-  reference may give NaN or a uniform average), so that row, and the rows generated from it,
-  are skipped for logits and tokens; they must still be identical on every rank.
+- Logits are compared at real (unmasked) positions where the reference is finite. A query with
+  no visible key gets a kernel-specific output (HF's eager softmax averages every key, SDPA may
+  give NaN): an all-padding row, or a row whose last prompt position is padding with no real key
+  within a sliding window (right padding, holes). Generation continues from that query, so such
+  a row, and the rows generated from it, are skipped for logits and tokens; they must still be
+  identical on every rank.
 - fp32 greedy-like modes: a token divergence where the reference's top-2 margin is within twice
   the tolerance and every earlier logit matched is a near-tie, not a failure (the case stops).
 - Where the reference's own logits are NaN (HF's fp64 eager Gemma2 computes its softmax in fp32
@@ -263,6 +265,21 @@ def generate_kwargs(turn: dict, assistant):
     return kw
 
 
+def smallest_window(config) -> int | None:
+    """The narrowest sliding window of the model's layers (None: every layer attends to all keys)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    return window if window and (types is None or "sliding_attention" in types) else None
+
+
+def sees_a_key(mask: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+    """(rows,) bool: does each row's last query see at least one real key in every layer? A padded
+    last query with no key in a window (right padding, a hole at the end) gets a kernel-specific
+    output, like an all-padding row."""
+    if mask is None:
+        return None
+    return mask[:, -window:].bool().any(1) if window else mask.bool().any(1)
+
+
 @torch.no_grad()
 def conversation(model, case: dict, make_assistant):
     """Run the case's turns on `model`, yielding one result per turn (the caller may stop early).
@@ -300,6 +317,8 @@ def conversation(model, case: dict, make_assistant):
             if mode == "sample":  # the same seed for the reference and on every rank, right before the call
                 torch.manual_seed(case["data_seed"] + t)
             out = model.generate(full, attention_mask=mask, past_key_values=cache, **kw)
+            if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
+                comparable = comparable & defined  # the first new token comes from the last query
             expand = out.sequences.shape[0] // full.shape[0]
             comparable = comparable.repeat_interleave(expand)
             logits = torch.stack(out.logits, 1)  # (rows, steps, vocab); beam search: (batch x beams, ...)
