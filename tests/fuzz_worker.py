@@ -169,9 +169,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         turns.append(turn)
         if mode == "beam":
             break
-    if padding == "none":
-        lengths = [_length(r, n)] * batch
-    elif padding == "holes":
+    if padding in ("none", "holes"):  # holes are cut into equal-length rows
         lengths = [_length(r, n)] * batch
     else:
         lengths = [_length(r, n) for _ in range(batch)]
