@@ -301,7 +301,9 @@ def conversation(model, case: dict, make_assistant):
         new = full[:, cached:]  # after generate(), the last token's K/V is not in the cache yet
         mode = turn["mode"]
         if mode == "forward":
-            kw = dict(attention_mask=mask, past_key_values=cache, use_cache=True)
+            # a last turn needs no cache, and without one transformers reads packed position_ids as
+            # separate sequences (a block-diagonal mask)
+            kw = dict(attention_mask=mask, past_key_values=cache, use_cache=t + 1 < len(case["turns"]))
             if position_ids is not None:
                 kw["position_ids"] = position_ids
             out = model(new, **kw)
