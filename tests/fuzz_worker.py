@@ -506,7 +506,8 @@ def merge(case: dict, everyone: list[dict], ref_error: str | None) -> dict:
     if ref_error and outcome != "fail":
         detail = (detail + "; " if detail else "") + f"reference raised at turn {everyone[0]['turns_compared'] + 1}: {ref_error[:200]}"
     return dict(index=case["index"], outcome=outcome, detail=detail, in_step=in_step,
-                turns_compared=everyone[0]["turns_compared"], case=case, command=reproduce_command(case))
+                turns_compared=everyone[0]["turns_compared"], case=case, description=describe(case),
+                command=reproduce_command(case))
 
 
 def run_case(case: dict, rank: int) -> dict:

@@ -41,8 +41,7 @@ def test_fuzz(n, tmp_path):
     report = json.loads(path.read_text())
     records = report["records"]
     failures = [r for r in records if r["outcome"] == "fail"]
-    lines = [f"case {r['index']} ({r['case']['family']}, {r['case']['strategy']}, {r['case']['padding']}, "
-             f"{'/'.join(t['mode'] for t in r['case']['turns'])}): {r['detail'].splitlines()[0][:400]}\n"
+    lines = [f"case {r['index']}: {r['detail'].splitlines()[0][:400]}\n    {r['description']}\n"
              f"    reproduce: {r['command']}" for r in failures]
     assert not failures, (f"{len(failures)} of {len(records)} fuzz cases failed on N={n} "
                           f"(seed {report['seed']}):\n" + "\n".join(lines))
