@@ -1,0 +1,615 @@
+"""One rank of the seeded differential fuzz test (issue 10): random cases against the unpatched model.
+
+Run it on N processes (torchrun, or tests/launch.py); every failure prints the command that
+reproduces it, e.g.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 3 tests/fuzz_worker.py --seed 0 --case 17
+
+Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, so it is the same
+case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
+few opted in through `hf_contextpar.patches.register`, and the real-checkpoint geometries of
+tests/geometries.py), dtype, RoPE type, strategy, decode mode, batch size, padding, prompt
+lengths, 1 to 3 turns and a generation mode per turn. Rank 0 runs the unpatched model (the
+single-process reference: nothing distributed touches it) and broadcasts its results; every
+rank then runs the patched model and compares each turn (logits within tolerance, tokens
+identical), and digests of every rank's outputs are compared (identical on every rank).
+
+Keeping the ranks in step: rank 0 alone decides whether another case starts (the time budget)
+and broadcasts it; every case runs on a fresh process group (`apply_context_parallel(...,
+timeout=60)` makes one), so a rank that raised mid-collective leaves its peers a 60 s timeout
+and no stray message in later cases; per-case exceptions are caught on every rank and the
+outcomes are exchanged on the default group. After ranks raised differently (one rank failed
+while its peers waited), the launch stops: the peers' state is no longer trustworthy.
+
+Padding kinds and what is compared:
+- "none" (mask None or all ones), "left" (generate's usual), "right" (transformers warns but
+  runs it), "holes" (zeros inside the mask), "all_pad_row" (one row is all padding, the others
+  left-padded), "packed" (batch 1, no mask, position_ids restarting at 0: packed sequences,
+  which transformers turns into a block-diagonal mask; forward only).
+- Logits are compared at real (unmasked) positions where the reference is finite. A query with
+  no visible key gets a kernel-specific output (HF's eager softmax averages every key, SDPA may
+  give NaN): an all-padding row, or a row whose last prompt position is padding with no real key
+  within a sliding window (right padding, holes). Generation continues from that query, so such
+  a row, and the rows generated from it, are skipped for logits and tokens; they must still be
+  identical on every rank.
+- fp32 greedy-like modes: a token divergence where the reference's top-2 margin is within twice
+  the tolerance and every earlier logit matched is a near-tie, not a failure (the case stops).
+- Where the reference's own logits are NaN (HF's fp64 eager Gemma2 computes its softmax in fp32
+  and NaNs on padded queries; 0 x NaN then reaches real rows, and beam search stops early), its
+  tokens mean nothing: a token difference in such a row is "reference_nan", not a failure.
+- A reference that raises (e.g. sampling from NaN probabilities) truncates the case before that
+  turn; a case with no comparable turn is "skipped".
+Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
+query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fewer sequences than
+ranks (ContextParallelError; conversely a decode that runs anyway is a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_contextpar  # noqa: E402
+from geometries import GEOMETRIES, geometry_config  # noqa: E402
+from hf_contextpar.models import tiny_config  # noqa: E402
+from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
+
+REGISTERED = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
+_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, initializer_range=0.2,
+             tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+# Families outside the registry that a user could opt in (plain causal softmax attention), each
+# with what sets it apart: Granite's attention/logit multipliers, StarCoder2's biases, LayerNorm
+# and sliding window, SmolLM3's NoPE layers, StableLM's partial rotary and per-head LayerNorm.
+OPTED_IN = {
+    "granite": dict(model_type="granite", embedding_multiplier=2.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                    logits_scaling=4.0),
+    "starcoder2": dict(model_type="starcoder2", sliding_window=24, use_bias=True),
+    "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0]),
+    "stablelm": dict(model_type="stablelm", num_key_value_heads=4, qk_layernorm=True, use_qkv_bias=True,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+}
+STRATEGIES = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses", "auto"]
+DECODES = ["auto", "replicated", "ring_pass_q"]
+ROPES = ["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
+PADDINGS = ["none", "left", "right", "holes", "all_pad_row", "packed"]
+PAD_ID = 258
+CASE_TIMEOUT_S = 60  # the per-case process group's timeout: a peer that raised costs this much
+
+
+def _rope_factors(n: int):
+    return [1.0 + 0.05 * i for i in range(n)], [1.0 + 3.0 * i for i in range(n)]
+
+
+_SHORT, _LONG = _rope_factors(8)  # head_dim 16: 8 frequencies
+ROPE_OVERRIDES = {  # thresholds of 64 positions, so the drawn prompts (1 to 300 tokens) cross them
+    "linear": dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
+    "dynamic": dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
+                    max_position_embeddings=64),
+    "yarn": dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                      original_max_position_embeddings=64), max_position_embeddings=256),
+    "llama3": dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        rope_theta=10000.0, original_max_position_embeddings=64),
+                   max_position_embeddings=512),
+    "longrope": dict(rope_parameters=dict(rope_type="longrope", short_factor=_SHORT, long_factor=_LONG, rope_theta=10000.0,
+                                          original_max_position_embeddings=64),
+                     max_position_embeddings=256, original_max_position_embeddings=64),
+}
+
+
+# -- the case ---------------------------------------------------------------------------------
+def model_type(family: str) -> str:
+    if family in GEOMETRIES:
+        return GEOMETRIES[family]["model_type"]
+    return OPTED_IN[family]["model_type"] if family in OPTED_IN else family
+
+
+def _length(r: random.Random, n: int, longest: int = 300) -> int:
+    """Prompt lengths 1 to `longest`, weighted to the edges: 1, below/around N, short, long."""
+    u, short = r.random(), longest * 3 // 10
+    if u < 0.12:
+        return 1
+    if u < 0.35:
+        return r.randint(2, 2 * n + 2)
+    if u < 0.8:
+        return r.randint(2 * n + 3, short)
+    return r.randint(short + 1, longest)
+
+
+def draw_case(seed: int, n: int, index: int) -> dict:
+    """Case `index` of `seed` on `n` ranks: a plain dict of everything that defines it."""
+    r = random.Random(f"{seed}/{n}/{index}")
+    u = r.random()
+    family = r.choice(REGISTERED) if u < 0.6 else r.choice(sorted(OPTED_IN)) if u < 0.75 else r.choice(sorted(GEOMETRIES))
+    # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
+    ropes = (["default"] if family in GEOMETRIES else ["default", "longrope"] if family == "phi3"
+             else [x for x in ROPES if x != "longrope"])
+    rope = "default" if r.random() < 0.4 else r.choice(ropes)
+    case = dict(seed=seed, n=n, index=index, family=family, dtype=r.choice(["float64", "float32"]), rope=rope,
+                strategy=r.choice(STRATEGIES), decode=r.choice(DECODES), data_seed=r.randrange(2**31))
+    padding = r.choice(PADDINGS)
+    batch = r.randint(1, n + 1)
+    if padding == "packed":
+        batch = 1
+    if padding == "all_pad_row" and batch == 1:
+        batch = 2
+    turns_wanted = 1 if padding == "packed" else r.choice([1, 1, 2, 3])
+    cache = r.choice(["returned", "returned", "inplace"])
+    # per turn: a mode; assisted / prompt lookup need one sequence, beam search ends the conversation
+    turns, rows = [], batch
+    for t in range(turns_wanted):
+        modes = ["forward", "greedy", "greedy", "sample", "beam"] + (["assisted", "lookup"] if rows == 1 else [])
+        mode = "forward" if padding == "packed" else r.choice(modes)
+        turn = dict(mode=mode, new_tokens=r.randint(4, 12))
+        if t > 0:
+            turn["chunk"] = _length(r, n, longest=80)
+        if mode == "sample":
+            turn["num_return_sequences"] = r.randint(1, 3)
+            turn["sampler"] = r.choice([dict(top_k=0, top_p=1.0), dict(top_k=20), dict(top_p=0.9, temperature=0.7)])
+            rows *= turn["num_return_sequences"]
+        if mode == "beam":
+            turn["num_beams"] = r.randint(2, 3)
+            turn["num_return_sequences"] = r.randint(1, turn["num_beams"])
+        turns.append(turn)
+        if mode == "beam":
+            break
+    if padding in ("none", "holes"):  # holes are cut into equal-length rows
+        lengths = [_length(r, n)] * batch
+    else:
+        lengths = [_length(r, n) for _ in range(batch)]
+    if padding == "all_pad_row":
+        lengths[r.randrange(batch)] = 0
+    case.update(batch=batch, padding=padding, lengths=lengths, turns=turns, cache=cache,
+                mask_given=padding != "packed" and (padding != "none" or r.random() < 0.5))
+    return case
+
+
+def describe(case: dict) -> str:
+    short = dict(new_tokens="new", chunk="chunk", num_return_sequences="nrs", num_beams="beams")
+    turns = ", ".join(t["mode"] + "(" + ",".join([f"{short[k]}={v}" for k, v in t.items() if k in short]
+                                                 + [f"{k}={v}" for k, v in t.get("sampler", {}).items()]) + ")"
+                      for t in case["turns"])
+    return (f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
+            f"decode={case['decode']} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
+            f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]")
+
+
+def reproduce_command(case: dict) -> str:
+    return (f"OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node {case['n']} tests/fuzz_worker.py "
+            f"--seed {case['seed']} --case {case['index']}{case.get('overrides', '')}")
+
+
+# -- models and inputs ------------------------------------------------------------------------
+def build_config(family: str, rope: str = "default"):
+    """The config of a drawn family with the drawn RoPE type."""
+    if family in GEOMETRIES:
+        return geometry_config(family)
+    overrides = copy.deepcopy(ROPE_OVERRIDES.get(rope, {}))  # configs edit rope dicts in place
+    if overrides and model_type(family) == "gemma3_text":  # per-layer-type RoPE: the global layers take it
+        overrides["rope_parameters"] = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                        "full_attention": overrides["rope_parameters"]}
+    if family in REGISTERED:
+        return tiny_config(family, **overrides)
+    spec = copy.deepcopy({**_BASE, **OPTED_IN[family], **overrides})
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
+    """The case's unpatched model, seeded: the same weights on every rank and for the reference."""
+    config = build_config(case["family"], case["rope"])
+    impl = "eager" if config.model_type == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl).eval()
+
+
+def first_prompt(case: dict, g: torch.Generator):
+    """(input_ids, attention_mask or None, position_ids or None, comparable rows) of turn 1."""
+    lengths, padding = case["lengths"], case["padding"]
+    width = max(max(lengths), 1)
+    ids = torch.full((len(lengths), width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        cols = slice(0, n) if padding == "right" else slice(width - n, width)
+        ids[i, cols] = torch.randint(0, 256, (n,), generator=g)
+        mask[i, cols] = 1
+    if padding == "holes":  # a few zeros anywhere; every row keeps at least one real token
+        for i in range(len(lengths)):
+            holes = torch.rand(width, generator=g) < 0.2
+            holes[int(torch.randint(0, width, (1,), generator=g))] = False
+            mask[i, holes] = 0
+            ids[i, holes] = PAD_ID
+    position_ids = None
+    if padding == "packed":  # 2-4 sequences packed in one row, positions restarting at 0
+        cuts = sorted(set(int(c) for c in torch.randint(1, width, (3,), generator=g))) if width > 1 else []
+        bounds = [0, *cuts, width]
+        position_ids = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]).unsqueeze(0)
+    comparable = torch.tensor([n > 0 for n in lengths])
+    return ids, (mask if case["mask_given"] else None), position_ids, comparable
+
+
+def generate_kwargs(turn: dict, assistant):
+    m = turn["new_tokens"]
+    kw = dict(max_new_tokens=m, min_new_tokens=m, pad_token_id=PAD_ID, return_dict_in_generate=True)
+    mode = turn["mode"]
+    if mode == "sample":
+        kw.update(do_sample=True, num_return_sequences=turn["num_return_sequences"], **turn["sampler"])
+    else:
+        kw.update(do_sample=False)
+    if mode == "beam":
+        kw.update(num_beams=turn["num_beams"], num_return_sequences=turn["num_return_sequences"], early_stopping=False)
+    kw.update(output_logits=True)
+    if mode == "assisted":
+        kw.update(assistant_model=assistant)
+    if mode == "lookup":
+        kw.update(prompt_lookup_num_tokens=3)
+    return kw
+
+
+def smallest_window(config) -> int | None:
+    """The narrowest sliding window of the model's layers (None: every layer attends to all keys)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    return window if window and (types is None or "sliding_attention" in types) else None
+
+
+def sees_a_key(mask: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+    """(rows,) bool: does each row's last query see at least one real key in every layer? A padded
+    last query with no key in a window (right padding, a hole at the end) gets a kernel-specific
+    output, like an all-padding row."""
+    if mask is None:
+        return None
+    return mask[:, -window:].bool().any(1) if window else mask.bool().any(1)
+
+
+@torch.no_grad()
+def conversation(model, case: dict, make_assistant):
+    """Run the case's turns on `model`, yielding one result per turn (the caller may stop early).
+
+    Turn 1 is the drawn prompt; each later turn appends a user chunk to every row (mask ones) and
+    passes the cache on: `out.past_key_values` ("returned") or the caller's own DynamicCache,
+    passed again every turn ("inplace"). Generation runs `generate(input_ids=everything so far,
+    past_key_values=cache)`, as transformers documents multi-turn generation."""
+    g = torch.Generator().manual_seed(case["data_seed"])
+    ids, mask, position_ids, comparable = first_prompt(case, g)
+    cache = DynamicCache() if case["cache"] == "inplace" else None
+    seq, cached = None, 0  # the sequence so far, and how many of its tokens the cache holds
+    for t, turn in enumerate(case["turns"]):
+        if t == 0:
+            full = ids
+        else:
+            chunk = torch.randint(0, 256, (seq.shape[0], turn["chunk"]), generator=g)
+            full = torch.cat([seq, chunk], 1)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(chunk)], 1)
+        new = full[:, cached:]  # after generate(), the last token's K/V is not in the cache yet
+        mode = turn["mode"]
+        if mode == "forward":
+            # a last turn needs no cache, and without one transformers reads packed position_ids as
+            # separate sequences (a block-diagonal mask)
+            kw = dict(attention_mask=mask, past_key_values=cache, use_cache=t + 1 < len(case["turns"]))
+            if position_ids is not None:
+                kw["position_ids"] = position_ids
+            out = model(new, **kw)
+            valid = comparable[:, None].expand(-1, new.shape[1]).clone()
+            if mask is not None:
+                valid &= mask[:, -new.shape[1]:].bool()
+            result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid, rows=new.shape[0])
+            seq, cached = full, full.shape[1]
+        else:
+            kw = generate_kwargs(turn, make_assistant() if mode == "assisted" else None)
+            if mode == "sample":  # the same seed for the reference and on every rank, right before the call
+                torch.manual_seed(case["data_seed"] + t)
+            out = model.generate(full, attention_mask=mask, past_key_values=cache, **kw)
+            if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
+                comparable = comparable & defined  # the first new token comes from the last query
+            expand = out.sequences.shape[0] // full.shape[0]
+            comparable = comparable.repeat_interleave(expand)
+            logits = torch.stack(out.logits, 1)  # (rows, steps, vocab); beam search: (batch x beams, ...)
+            # rows whose logits are finite: a reference's tokens from NaN logits mean nothing (HF's fp64
+            # eager Gemma2 NaNs on padding, and 0 x NaN spreads it to real rows; beam search stops early)
+            finite = torch.isfinite(logits).flatten(1).all(1)
+            finite = finite.all().expand(len(comparable)) if mode == "beam" else finite
+            result = dict(mode=mode, tokens=out.sequences, rows=full.shape[0], prompt_length=full.shape[1],
+                          comparable=comparable.clone(), finite=finite.clone(),
+                          logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
+                          valid=None if mode == "beam" else comparable[:, None].expand(-1, logits.shape[1]).clone())
+            seq, cached = out.sequences, out.sequences.shape[1] - 1
+            if mask is not None:
+                mask = torch.cat([mask.repeat_interleave(expand, 0),
+                                  torch.ones(seq.shape[0], seq.shape[1] - full.shape[1], dtype=mask.dtype)], 1)
+        if case["cache"] == "returned":
+            cache = out.past_key_values
+        yield result
+
+
+# -- comparison -------------------------------------------------------------------------------
+def tolerance(case: dict) -> float:
+    """Max |logit diff| against the unpatched single process (as tests/launch.py: Gemma2's fp64
+    reference computes its softmax in fp32)."""
+    if case["dtype"] == "float32":
+        return 1e-4
+    return 1e-5 if model_type(case["family"]) == "gemma2" else 1e-10
+
+
+def digest(result: dict) -> str:
+    h = hashlib.sha1()
+    for key in ("tokens", "logits"):
+        if result.get(key) is not None:
+            h.update(result[key].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
+    """('ok' | 'fail' | 'near_tie' | 'reference_nan', detail) for turn t."""
+    tol = tolerance(case)
+    if mine["mode"] != "forward" and mine["tokens"].shape != ref["tokens"].shape:
+        where = f"turn {t + 1}: sequences shape {tuple(mine['tokens'].shape)} != {tuple(ref['tokens'].shape)}"
+        return ("fail" if ref["finite"].all() else "reference_nan"), where
+    steps = None  # logit steps to compare: all, or up to the first token divergence
+    if mine["mode"] != "forward":
+        rows = ref["comparable"]
+        if rows.any() and not torch.equal(mine["tokens"][rows], ref["tokens"][rows]):
+            if not ref["finite"][rows].all():
+                return "reference_nan", f"turn {t + 1} ({mine['mode']}): tokens differ where the reference's logits are NaN"
+            diff = (mine["tokens"][rows] != ref["tokens"][rows]).nonzero()
+            row = int(rows.nonzero()[int(diff[0, 0])]) if diff.numel() else 0
+            col = int(diff[diff[:, 0] == diff[0, 0], 1].min())
+            step = col - ref["prompt_length"]
+            where = f"turn {t + 1} ({mine['mode']}): tokens differ, row {row} first at new token {step}"
+            if ref["logits"] is None:
+                return "fail", where
+            steps = step + 1
+            d = _logit_diff(ref, mine, steps)
+            if d > tol:
+                return "fail", f"{where}; logits differ by {d:.3g} (tolerance {tol:g})"
+            top = ref["logits"][row, step].double().topk(2).values
+            margin = float(top[0] - top[1])
+            if case["dtype"] == "float32" and mine["mode"] in ("greedy", "assisted", "lookup") and margin <= 2 * tol:
+                return "near_tie", f"{where}; reference margin {margin:.3g} <= 2 x tolerance"
+            return "fail", f"{where}; logits within {d:.3g}, reference margin {margin:.3g}"
+    if ref["logits"] is not None:
+        d = _logit_diff(ref, mine, steps)
+        if d > tol:
+            return "fail", f"turn {t + 1} ({mine['mode']}): max |logit diff| {d:.3g} > {tol:g}"
+    return "ok", ""
+
+
+def _logit_diff(ref: dict, mine: dict, steps: int | None) -> float:
+    """Max |diff| over valid positions where the reference is finite; inf where ours is not finite there."""
+    a, b = ref["logits"], mine["logits"]
+    if b is None or a.shape != b.shape:
+        return math.inf
+    valid = ref["valid"].clone()
+    if steps is not None:
+        valid[:, steps:] = False
+    a, b = a[valid].double(), b[valid].double()
+    finite = torch.isfinite(a).all(-1)
+    a, b = a[finite], b[finite]
+    if not torch.isfinite(b).all():
+        return math.inf
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def expected_error(case: dict, exc: Exception, decode_rows: int | None) -> bool:
+    n = case["n"]
+    if isinstance(exc, hf_contextpar.UnsupportedModelError) and case["strategy"] == "ulysses":
+        return not ulysses_fits(case)
+    if isinstance(exc, hf_contextpar.ContextParallelError) and "decode='ring_pass_q' needs" in str(exc):
+        return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
+    return False
+
+
+def ulysses_fits(case: dict) -> bool:
+    config = build_config(case["family"])
+    return config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
+
+
+def decode_rows_of(turn: dict, rows: int) -> int:
+    """Sequences in the decode steps of a turn: beams and extra samples multiply the batch."""
+    return rows * turn.get("num_beams", turn.get("num_return_sequences", 1))
+
+
+# -- one case on every rank -------------------------------------------------------------------
+def run_reference(case: dict):
+    """Rank 0: the unpatched model's turns, and the error that stopped them (None if none)."""
+    dtype = getattr(torch, case["dtype"])
+    turns = []
+    try:
+        ref = build_model(case, dtype)
+        for result in conversation(ref, case, lambda: build_model(case, dtype)):
+            turns.append(result)
+    except Exception as e:
+        return turns, f"{type(e).__name__}: {e}"
+    return turns, None
+
+
+def run_patched(case: dict, ref_turns: list) -> dict:
+    """Every rank: the patched model's turns, compared with the reference's."""
+    dtype = getattr(torch, case["dtype"])
+    rec = dict(outcome="pass", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None)
+    decode_rows = None
+    cp = None
+    try:
+        cp = build_model(case, dtype)
+        hf_contextpar.apply_context_parallel(cp, strategy=case["strategy"], decode=case["decode"], timeout=CASE_TIMEOUT_S)
+        if case["strategy"] == "ulysses" and not ulysses_fits(case):
+            rec.update(outcome="fail", detail="expected UnsupportedModelError for Ulysses, got none")
+            return rec
+        rows = case["batch"]
+        turns = conversation(cp, case, lambda: build_model(case, dtype))
+        for t, ref in enumerate(ref_turns):
+            turn = case["turns"][t]
+            decode_rows = decode_rows_of(turn, ref["rows"])
+            mine = next(turns)
+            rec["digests"].append(digest(mine))
+            verdict, detail = compare_turn(case, t, ref, mine)
+            rec["turns_compared"] = t + 1
+            if verdict != "ok":
+                rec.update(outcome=verdict, detail=detail)
+                return rec
+            if (case["decode"] == "ring_pass_q" and decode_rows < case["n"]
+                    and turn["mode"] in ("greedy", "sample", "beam")):
+                rec.update(outcome="fail", detail=f"turn {t + 1}: decode='ring_pass_q' with {decode_rows} sequences "
+                                                  f"< {case['n']} ranks ran instead of raising ContextParallelError")
+                return rec
+            rows = mine["tokens"].shape[0] if mine["tokens"] is not None else rows
+        turns.close()
+    except Exception as e:
+        rec["error_type"], rec["error_turn"] = type(e).__name__, rec["turns_compared"] + 1
+        if expected_error(case, e, decode_rows):
+            rec.update(outcome="expected_error", detail=f"{type(e).__name__}: {str(e)[:200]}")
+        else:
+            tb = traceback.format_exc().strip().splitlines()
+            rec.update(outcome="fail", detail=f"turn {rec['error_turn']}: {type(e).__name__}: {e}\n"
+                                              + "\n".join(tb[-8:]))
+    finally:
+        rt = hf_contextpar.get_runtime(cp) if cp is not None else None
+        rec["group"] = rt.comm.group if rt is not None else None
+    return rec
+
+
+def merge(case: dict, everyone: list[dict], ref_error: str | None) -> dict:
+    """One record for the case from every rank's: the worst outcome, and whether the ranks stayed in step."""
+    errors = {(r["error_type"], r["error_turn"]) for r in everyone}
+    in_step = len(errors) == 1
+    worst = next((r for r in everyone if r["outcome"] == "fail"), None) or everyone[0]
+    outcome, detail = worst["outcome"], worst["detail"]
+    if not in_step:
+        outcome = "fail"
+        detail = "ranks raised differently: " + "; ".join(
+            f"rank {i}: {r['error_type'] or 'no error'} ({r['detail'].splitlines()[0][:160] if r['detail'] else r['outcome']})"
+            for i, r in enumerate(everyone))
+    elif outcome != "fail":
+        digests = [r["digests"] for r in everyone]
+        if any(d != digests[0] for d in digests):
+            outcome, detail = "fail", "outputs differ between ranks: " + ", ".join(
+                f"rank {i} turn digests {[x[:8] for x in d]}" for i, d in enumerate(digests))
+    if outcome in ("pass", "near_tie", "reference_nan") and everyone[0]["turns_compared"] == 0:
+        outcome = "skipped"
+    if ref_error and outcome != "fail":
+        detail = (detail + "; " if detail else "") + f"reference raised at turn {everyone[0]['turns_compared'] + 1}: {ref_error[:200]}"
+    return dict(index=case["index"], outcome=outcome, detail=detail, in_step=in_step,
+                turns_compared=everyone[0]["turns_compared"], case=case, description=describe(case),
+                command=reproduce_command(case))
+
+
+def run_case(case: dict, rank: int) -> dict:
+    box = [run_reference(case) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    ref_turns, ref_error = box[0]
+    if ref_turns:
+        mine = run_patched(case, ref_turns)
+    else:
+        mine = dict(outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None,
+                    group=None)
+    group = mine.pop("group")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    record = merge(case, everyone, ref_error)
+    if group is not None and record["in_step"]:
+        dist.destroy_process_group(group)  # one gloo group per case: free its sockets
+    return record
+
+
+# -- the loop ---------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", default=os.environ.get("HF_CONTEXTPAR_FUZZ_SEED", "0"),
+                   help="an integer, or 'random' to pick (and print) one")
+    p.add_argument("--seconds", type=float, default=float(os.environ.get("HF_CONTEXTPAR_FUZZ_SECONDS", "60")),
+                   help="time budget: no case starts after it (rank 0 decides)")
+    p.add_argument("--case", default=None, help="run exactly these case indices (comma-separated), no time budget")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a drawn parameter (VALUE is JSON, else a string), to reduce a failing case: "
+                        "--set rope=default --set 'turns=[{\"mode\": \"greedy\", \"new_tokens\": 4}]'")
+    p.add_argument("--where", default=None, metavar="EXPR",
+                   help="run only the drawn cases for which this Python expression of `case` is true, e.g. to keep "
+                        "fuzzing around a known bug: --where \"case['rope'] != 'dynamic'\"")
+    p.add_argument("--max-cases", type=int, default=None)
+    p.add_argument("--out", default=None, help="directory for fuzz.json (rank 0)")
+    args = p.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10 * CASE_TIMEOUT_S))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for family in OPTED_IN.values():  # what a user does to opt a family in
+        if family["model_type"] not in REGISTRY:
+            register(FamilyPatch(family["model_type"], "opted in by the fuzz test"))
+    box = [random.SystemRandom().randrange(10**6) if args.seed == "random" else int(args.seed)]
+    dist.broadcast_object_list(box, src=0)
+    seed = box[0]
+    if rank == 0:
+        print(f"[fuzz N={n}] seed {seed} (HF_CONTEXTPAR_FUZZ_SEED={seed} reproduces this run)", flush=True)
+    explicit = [int(x) for x in args.case.split(",")] if args.case else None
+    indices = iter(explicit) if explicit is not None else iter(range(10**9))
+    records, start, stop = [], time.monotonic(), False
+    for index in indices:
+        go = [not stop and (explicit is not None or time.monotonic() - start < args.seconds)
+              and (args.max_cases is None or len(records) < args.max_cases)]
+        dist.broadcast_object_list(go, src=0)  # rank 0's clock decides for everyone
+        if not go[0]:
+            break
+        case = draw_case(seed, n, index)
+        if args.where and not eval(args.where, {}, dict(case=case)):
+            continue
+        for item in args.set:
+            key, _, value = item.partition("=")
+            try:
+                case[key] = json.loads(value)
+            except json.JSONDecodeError:
+                case[key] = value
+            case["overrides"] = case.get("overrides", "") + f" --set '{item}'"
+        t0 = time.monotonic()
+        record = run_case(case, rank)
+        record["seconds"] = round(time.monotonic() - t0, 2)
+        records.append(record)
+        if not record["in_step"]:
+            stop = True  # a rank failed while its peers waited: stop this launch
+        if rank == 0:
+            print(f"[fuzz N={n} seed={seed} case {index}] {record['outcome']} {record['seconds']}s "
+                  f"{describe(case)}", flush=True)
+            if record["outcome"] == "fail":
+                print(f"  FAILED: {record['detail']}\n  reproduce: {record['command']}", flush=True)
+            elif record["detail"]:
+                print(f"  {record['detail'].splitlines()[0][:300]}", flush=True)
+            if args.out:
+                with open(os.path.join(args.out, "fuzz.json"), "w") as f:
+                    json.dump(dict(seed=seed, n=n, finished=False, records=records), f, indent=1)
+    failures = [r for r in records if r["outcome"] == "fail"]
+    if rank == 0:
+        counts = {o: sum(r["outcome"] == o for r in records)
+                  for o in ("pass", "expected_error", "near_tie", "reference_nan", "skipped", "fail")}
+        print(f"[fuzz N={n} seed={seed}] {len(records)} cases in {time.monotonic() - start:.0f}s: {counts}"
+              + (" (stopped after ranks fell out of step)" if stop else ""), flush=True)
+        for r in failures:
+            print(f"  FAILED case {r['index']}: {r['detail'].splitlines()[0]}\n    {describe(r['case'])}\n"
+                  f"    reproduce: {r['command']}", flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "fuzz.json"), "w") as f:
+                json.dump(dict(seed=seed, n=n, finished=True, records=records), f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

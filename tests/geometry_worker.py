@@ -1,0 +1,66 @@
+"""One rank of the real-checkpoint geometry matrix (issue 11): for every geometry in
+tests/geometries.py, prefill logits at prompt lengths on both sides of its windows and position
+thresholds, and a short greedy generation that crosses them, against the unpatched
+single-process model. Writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_contextpar  # noqa: E402
+from cp_worker import gathered_equal, prompt  # noqa: E402
+from geometries import GEOMETRIES, GEOMETRY_THRESHOLD, geometry_model  # noqa: E402
+from hf_contextpar.eval import first_divergence, logits_diff  # noqa: E402
+from launch import write_records  # noqa: E402
+
+
+def lengths_for(name: str) -> list[int]:
+    """Prefill lengths: below every window and threshold; just past the largest (so that the middle
+    ranks' head-tail shards lie wholly below it, as with a position-dependent RoPE's switch); and
+    past twice it."""
+    t = GEOMETRY_THRESHOLD.get(name, 24)
+    return [17, t + 5, 2 * t + 5]
+
+
+@torch.no_grad()
+def check(name: str, n: int, rec):
+    for dtype in (torch.float64, torch.float32):
+        dname = str(dtype).split(".")[-1]
+        ref = geometry_model(name, dtype=dtype)
+        cp = hf_contextpar.apply_context_parallel(geometry_model(name, dtype=dtype), timeout=120)
+        for length in lengths_for(name):
+            ids = prompt(length, seed=length)
+            rec("prefill_logits", dtype=dname, length=length, max_diff=logits_diff(cp(ids).logits, ref(ids).logits))
+        if dtype == torch.float64:
+            # greedy from a prompt ending 4 tokens before the threshold: decode crosses it
+            ids = prompt(GEOMETRY_THRESHOLD.get(name, 44) - 4, seed=3)
+            kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
+            rec("greedy", dtype=dname, length=ids.shape[1], tokens_equal=torch.equal(a, b),
+                diverge=first_divergence(a, b), ranks_agree=gathered_equal(b))
+
+
+def main():
+    out_dir = sys.argv[1]
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(GEOMETRIES)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    records = []
+    for name in names:
+        try:
+            check(name, n, lambda case, **kw: records.append(dict(geometry=name, n=n, case=case, **kw)))
+        except Exception as e:  # recorded, so one broken geometry does not hide the others
+            import traceback
+
+            records.append(dict(geometry=name, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
+    write_records(out_dir, records)
+
+
+if __name__ == "__main__":
+    main()
