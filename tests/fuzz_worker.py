@@ -41,7 +41,9 @@ Padding kinds and what is compared:
   turn; a case with no comparable turn is "skipped".
 Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
 query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fewer sequences than
-ranks (ContextParallelError; conversely a decode that runs anyway is a failure).
+ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
+and assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
+whole sequence again on top of the cache there; refused with a ContextParallelError).
 """
 
 from __future__ import annotations
@@ -407,12 +409,21 @@ def _logit_diff(ref: dict, mine: dict, steps: int | None) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def expected_error(case: dict, exc: Exception, decode_rows: int | None) -> bool:
+def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: int) -> bool:
+    """The documented refusals. `turn`: index of the turn that raised."""
     n = case["n"]
     if isinstance(exc, hf_contextpar.UnsupportedModelError) and case["strategy"] == "ulysses":
         return not ulysses_fits(case)
-    if isinstance(exc, hf_contextpar.ContextParallelError) and "decode='ring_pass_q' needs" in str(exc):
+    if not isinstance(exc, hf_contextpar.ContextParallelError):
+        return False
+    if "decode='ring_pass_q' needs" in str(exc):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
+    if "packed documents" in str(exc):  # refused: per-document masks are not sharded
+        return case["padding"] == "packed"
+    if "repeats the cached tokens" in str(exc):
+        # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds the
+        # whole sequence again on top of the cache; refused instead of attending to the context twice
+        return turn > 0 and case["turns"][turn]["mode"] in ("assisted", "lookup")
     return False
 
 
@@ -473,7 +484,7 @@ def run_patched(case: dict, ref_turns: list) -> dict:
         turns.close()
     except Exception as e:
         rec["error_type"], rec["error_turn"] = type(e).__name__, rec["turns_compared"] + 1
-        if expected_error(case, e, decode_rows):
+        if expected_error(case, e, decode_rows, rec["turns_compared"]):
             rec.update(outcome="expected_error", detail=f"{type(e).__name__}: {str(e)[:200]}")
         else:
             tb = traceback.format_exc().strip().splitlines()
