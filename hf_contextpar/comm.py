@@ -12,6 +12,7 @@ expired) is re-raised as a ContextParallelError naming the rank and the operatio
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -45,6 +46,15 @@ class CommStats:
         self.waits.clear()
 
 
+_live: "weakref.WeakSet[Comm]" = weakref.WeakSet()  # every Comm, for release_groups()
+
+
+def release_groups() -> None:
+    """Every Comm drops its process group (at exit: see distributed.release_at_exit)."""
+    for comm in list(_live):
+        comm.group = None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -54,6 +64,7 @@ class Comm:
         self.group, self.rank, self.world = group, rank, world
         self.stats = CommStats()
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
+        _live.add(self)
 
     @contextmanager
     def _guard(self, what: str, op: str | None = None):
