@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 from . import attention
-from .distributed import resolve_group
+from .distributed import release_group, resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
 from .runtime import ContextParallelRuntime
 
@@ -90,13 +90,17 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1:
         return model
-    if strategy == "ulysses":
-        _check_ulysses(model.config, world)
+    try:
+        if strategy == "ulysses":
+            _check_ulysses(model.config, world)
+        runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
+                                         calibration=calibration, planner_rule=planner_rule, decode=decode,
+                                         kvr_partitions=kvr_partitions)
+        _agree(runtime, group)
+    except BaseException:
+        release_group(group)  # a group made for this call only
+        raise
     attention.register()
-    runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
-                                     calibration=calibration, planner_rule=planner_rule, decode=decode,
-                                     kvr_partitions=kvr_partitions)
-    _agree(runtime, group)
     runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
     model.set_attn_implementation(attention.NAME)
@@ -145,6 +149,7 @@ def remove_context_parallel(model):
     if runtime.family_undo is not None:
         runtime.family_undo()
     delattr(model, _ATTR)
+    release_group(runtime.comm.group)
     return model
 
 

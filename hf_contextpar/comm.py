@@ -14,6 +14,7 @@ expired) is re-raised as a ContextParallelError naming the rank and the operatio
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -47,6 +48,15 @@ class CommStats:
         self.waits.clear()
 
 
+_live: "weakref.WeakSet[Comm]" = weakref.WeakSet()  # every Comm, for release_groups()
+
+
+def release_groups() -> None:
+    """Every Comm drops its process group (at exit: see distributed.release_at_exit)."""
+    for comm in list(_live):
+        comm.group = None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -58,6 +68,7 @@ class Comm:
         self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
         self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
+        _live.add(self)
 
     def _record(self, tag: str, op: str, sent: int, received: int):
         self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)

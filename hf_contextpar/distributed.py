@@ -4,10 +4,21 @@ Order: an explicit `torch.distributed` group; else the default group if someone 
 the user) already initialised one; else the environment `torchrun` / `accelerate launch` set
 (RANK, WORLD_SIZE, MASTER_ADDR), initialising gloo for CPU models and nccl for CUDA ones;
 else a single process, where context parallelism is a no-op.
+
+Teardown at exit (`release_at_exit`, an `atexit` hook registered with the first group resolved
+here): every Comm drops its reference to its group, and a process group hf-contextpar created
+(the default group it initialised, or the group of its own it makes for a `timeout`) is
+destroyed. Otherwise the group's destructor, which joins gloo's
+worker and TCP threads, ran only when the model <-> runtime reference cycle was collected, i.e.
+during interpreter finalization; a gloo thread that then needs the GIL (to drop the last
+reference to a tensor whose Python object it kept alive) is stopped by CPython with
+pthread_exit, whose unwinding through a noexcept C++ destructor ends in std::terminate:
+"terminate called without an active exception", SIGABRT, now and then, after a clean run.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -15,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 300.0
+_WORLD = object()  # stands for the default group in _created
+_created: list = []  # process groups hf-contextpar created, oldest first
+_hooked = False
 
 
 def _backend_for(device: torch.device) -> str:
@@ -24,6 +38,7 @@ def _backend_for(device: torch.device) -> str:
 def resolve_group(group=None, *, device: torch.device, timeout: float | None = None):
     """Return (group, rank, world_size); group is None when running on one process."""
     if group is not None:
+        _hook_exit()
         return group, dist.get_rank(group), dist.get_world_size(group)
     td = datetime.timedelta(seconds=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
@@ -32,13 +47,53 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
         if device.type == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=_backend_for(device), timeout=td)
+        _created.append(_WORLD)
         group = dist.group.WORLD
     elif timeout is not None:
         # A group of our own, so the caller's timeout bounds every wait of ours.
         group = dist.new_group(backend=dist.get_backend(), timeout=td)
+        _created.append(group)
     else:
         group = dist.group.WORLD
+    _hook_exit()
     world = dist.get_world_size(group)
     if world == 1:
         return None, 0, 1
     return group, dist.get_rank(group), world
+
+
+def _hook_exit() -> None:
+    global _hooked
+    if not _hooked:
+        atexit.register(release_at_exit)
+        _hooked = True
+
+
+def release_at_exit() -> None:
+    """Tear down what hf-contextpar set up, while the interpreter is still whole (an `atexit` hook).
+
+    Every Comm drops its group (so no patched model keeps a process group alive into
+    finalization), then the groups hf-contextpar created are destroyed, newest first; their
+    destructors join gloo's threads here. Groups the caller created are left to the caller.
+    Idempotent; a group the caller already destroyed is skipped.
+    """
+    from .comm import release_groups
+
+    release_groups()
+    while _created:
+        group = _created.pop()
+        if group is _WORLD:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        elif dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+
+
+def release_group(group) -> None:
+    """Destroy a group of its own that hf-contextpar made for one model (`timeout=`), when that model
+    is unpatched: every apply/remove cycle would otherwise keep N-1 more connections open. The
+    default group, shared by every model, stays until exit."""
+    if group is not None and group in _created:
+        _created.remove(group)
+        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)

@@ -6,6 +6,12 @@ and the key is not padding. Sub-blocks whose mask is trivial (all visible, none 
 the square causal diagonal that head-tail sharding produces) go to the fused kernel without a
 mask; only genuinely irregular blocks pay for an explicit bias.
 
+Nothing here is O(Tq * Tk): an irregular block (a sliding window, padding, soft-capping) is done
+in tiles of query rows, each against only the keys its rows can see, cut at the window's edges
+into the keys every row sees, the causal diagonal and a narrow band; the first two go to the
+fused kernel unmasked, and a mask is built for one tile's band at a time. A whole-sequence
+block (Ulysses) therefore costs the same memory per token as a ring block.
+
 Kernels: PyTorch's CPU flash kernel and, on CUDA, the flash / memory-efficient kernels, all of
 which return the LSE. Soft-capped logits (Gemma2) and dtypes a kernel lacks use a plain math
 path. Outputs are in the accumulation dtype (fp32, or fp64 for fp64 models).
@@ -20,7 +26,8 @@ import torch
 from .merge import Accumulator
 
 _MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
-_BIAS_ELEMS = 1 << 25  # cap on the explicit-bias tile, in elements; larger blocks are done in row chunks
+_TILE_ELEMS = 1 << 22  # cap, in elements, on one tile's mask (B, 1, rows, keys) or math-path scores (B, H, rows, keys)
+_MIN_WINDOW_ROWS = 64  # with a tiny window, tiles of fewer rows would only add kernel calls
 _cuda_ok: dict[torch.dtype, bool] = {}
 
 
@@ -39,12 +46,13 @@ def runs(cols: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _visible(q_cols, k_cols, window, device):
+    """(Tq, Tk) bool for one tile. Only comparisons of column vectors: no (Tq, Tk) integer temporary."""
     qc = q_cols.to(device).unsqueeze(-1)
     kc = k_cols.to(device).unsqueeze(0)
     vis = kc <= qc
     if window is not None:
-        vis &= (qc - kc) < window
-    return vis  # (Tq, Tk)
+        vis &= kc > qc - window
+    return vis
 
 
 def _classify(q_cols, k_cols, window):
@@ -140,58 +148,124 @@ def _cuda_kernel_ok(dtype, device) -> bool:
     return _cuda_ok[dtype]
 
 
-def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
-    """One block with an arbitrary mask. Returns (out, lse) in the accumulation dtype, or None."""
-    acc = acc_dtype(q.dtype)
+def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False):
+    """One block with an arbitrary mask. Returns (out, lse) in the accumulation dtype, or None.
+
+    A trivially masked block goes to the fused kernel in one call. Any other is done in row tiles
+    (`_tiled`), or, when it already is one tile (`tile=True`), under its explicit (rows, keys) mask.
+    """
     kind = _classify(q_cols, k_cols, window)
     if kind == "none":
         return None
-    if key_valid is not None and kind != "mask" and bool(key_valid.all()):
+    if key_valid is not None and bool(key_valid.all()):
         key_valid = None
     if softcap is None and key_valid is None and kind in ("all", "causal"):
         res = _fused(q, k, v, None, kind == "causal", scale)
         if res is not None:
+            acc = acc_dtype(q.dtype)
             return res[0].to(acc), res[1].to(acc)
-    vis = _visible(q_cols, k_cols, window, q.device)  # (Tq, Tk)
+    if not tile:
+        return _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+    vis = _visible(q_cols, k_cols, window, q.device)[None, None]  # (1, 1, rows, keys)
     if key_valid is not None:
-        vis = (vis.unsqueeze(0) & key_valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, Tq, Tk): shared by all heads
-    else:
-        vis = vis[None, None]  # (1, 1, Tq, Tk)
+        vis = vis & key_valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
     return _masked(q, k, v, vis, scale, softcap)
 
 
-def _masked(q, k, v, vis, scale, softcap):
-    """Attention under an explicit mask vis (B or 1, 1, Tq, Tk), in row tiles that bound the bias size."""
-    acc = acc_dtype(q.dtype)
-    rows_per_tile = max(1, _BIAS_ELEMS // max(1, vis.shape[0] * k.shape[2]))
+def _rows_per_tile(q, n_keys, window, softcap):
+    """Query rows per tile, so that one tile's mask (B, 1, rows, keys), or its scores (B, H, rows, keys) on
+    the soft-capping math path, stays under _TILE_ELEMS elements. With a window a tile of r rows sees at
+    most r + window - 1 keys; tiles of a quarter window keep its masked band (r x r) small next to the
+    unmasked rest."""
+    per_row = q.shape[0] * (q.shape[1] if softcap is not None else 1)
+    if window is None:
+        return max(1, _TILE_ELEMS // (per_row * n_keys))
+    rows = max(window // 4, _MIN_WINDOW_ROWS)
+    while rows > 1 and per_row * rows * min(n_keys, rows + window - 1) > _TILE_ELEMS:
+        rows //= 2
+    return rows
+
+
+def _key_segments(q_cols, k_cols, window):
+    """[a, b) key-index ranges of the keys that rows q_cols (ascending) can see, cut at the column edges
+    where visibility changes: q_lo - window + 1 (band: some rows), q_hi - window + 1 (keys every row sees,
+    up to q_lo), q_lo (the causal diagonal), q_hi + 1. k_cols: ascending."""
+    q_lo, q_hi = int(q_cols[0]), int(q_cols[-1])
+    edges = [q_lo, q_hi + 1]
+    if window is not None:
+        edges = [q_lo - window + 1, min(q_hi - window + 1, q_lo), *edges]
+    idx = torch.searchsorted(k_cols, torch.tensor(edges, dtype=k_cols.dtype)).tolist()
+    if window is None:
+        idx = [0, *idx]
+    return [(a, b) for a, b in zip(idx[:-1], idx[1:]) if b > a]
+
+
+def _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+    """An irregular block in tiles of query rows (cut at breaks in q_cols, so a tile's columns are
+    usually contiguous), each against only the keys it can see, segment by segment (`_key_segments`): the
+    segments every row sees and the square diagonal run fused and unmasked; the rest gets a mask of
+    one tile's size. Partials merge by LSE, as ring blocks do."""
+    acc_t = acc_dtype(q.dtype)
+    rows = _rows_per_tile(q, k_cols.numel(), window, softcap)
+    spans = runs(q_cols)
+    if len(spans) > _MAX_RUNS:  # scattered rows: tiles need not be contiguous, only small
+        spans = [(0, q.shape[2])]
     outs, lses = [], []
-    for r0 in range(0, q.shape[2], rows_per_tile):
-        qt, vt = q[:, :, r0 : r0 + rows_per_tile], vis[..., r0 : r0 + rows_per_tile, :]
-        res = None
-        if softcap is None:
-            bias = torch.zeros(vt.shape, dtype=q.dtype, device=q.device).masked_fill(~vt, -math.inf)
-            res = _fused(qt, k, v, bias, False, scale)
-            if res is not None:  # fused kernels report lse 0 for rows that saw nothing: make it -inf
-                res = res[0].to(acc), res[1].to(acc).masked_fill(~vt.any(-1), -math.inf)
-        if res is None:
-            res = _math(qt, k, v, vt, scale, softcap)
-        outs.append(res[0])
-        lses.append(res[1])
+    for qa, qb in spans:
+        for r0 in range(qa, qb, rows):
+            r1 = min(r0 + rows, qb)
+            qt, qc = q[:, :, r0:r1], q_cols[r0:r1]
+            acc = Accumulator()
+            for ka, kb in _key_segments(qc, k_cols, window):
+                valid = key_valid[:, ka:kb] if key_valid is not None else None
+                res = _block(qt, k[:, :, ka:kb], v[:, :, ka:kb], qc, k_cols[ka:kb], valid, window, scale, softcap,
+                             tile=True)
+                if res is not None:
+                    acc.add(*res)
+            if acc.out is None:  # no visible key for these rows
+                shape = (q.shape[0], q.shape[1], r1 - r0)
+                acc.out = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t)
+                acc.lse = q.new_full(shape, -math.inf, dtype=acc_t)
+            outs.append(acc.out)
+            lses.append(acc.lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
+def _masked(q, k, v, vis, scale, softcap):
+    """Attention under an explicit mask vis (B or 1, 1, Tq, Tk), a tile's worth: callers bound its size."""
+    acc = acc_dtype(q.dtype)
+    if softcap is None:
+        bias = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill(~vis, -math.inf)
+        res = _fused(q, k, v, bias, False, scale)
+        if res is not None:  # fused kernels report lse 0 for rows that saw nothing: make those -inf, out 0
+            seen = vis.any(-1)
+            return res[0].to(acc).masked_fill(~seen.unsqueeze(-1), 0.0), res[1].to(acc).masked_fill(~seen, -math.inf)
+    return _math(q, k, v, vis, scale, softcap)
+
+
 def _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
-    """Keys whose columns differ per sequence: k_cols (B, Tk), -1 marking an empty slot."""
-    qc = q_cols.to(q.device).view(1, -1, 1)
+    """Keys whose columns differ per sequence: k_cols (B, Tk), -1 marking an empty slot. In row tiles."""
+    acc_t = acc_dtype(q.dtype)
+    rows = _rows_per_tile(q, k_cols.shape[1], None, softcap)
     kc = k_cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
-    vis = (kc >= 0) & (kc <= qc)
-    if window is not None:
-        vis &= (qc - kc) < window
-    if key_valid is not None:
-        vis &= key_valid.unsqueeze(1)
-    if not bool(vis.any()):
-        return None
-    return _masked(q, k, v, vis.unsqueeze(1), scale, softcap)
+    outs, lses, any_seen = [], [], False
+    for r0 in range(0, q.shape[2], rows):
+        qt = q[:, :, r0:r0 + rows]
+        qc = q_cols[r0:r0 + rows].to(q.device).view(1, -1, 1)
+        vis = (kc >= 0) & (kc <= qc)
+        if window is not None:
+            vis &= kc > qc - window
+        if key_valid is not None:
+            vis &= key_valid.unsqueeze(1)
+        if bool(vis.any()):
+            any_seen = True
+            out, lse = _masked(qt, k, v, vis.unsqueeze(1), scale, softcap)
+        else:
+            shape = (q.shape[0], q.shape[1], qt.shape[2])
+            out, lse = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t), q.new_full(shape, -math.inf, dtype=acc_t)
+        outs.append(out)
+        lses.append(lse)
+    return (torch.cat(outs, dim=2), torch.cat(lses, dim=2)) if any_seen else None
 
 
 def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None):
@@ -206,8 +280,7 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
         return None
     if k_cols.dim() == 2:
         return _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
-    whole = _classify(q_cols, k_cols, window)
-    if whole != "mask" or softcap is not None:
+    if _classify(q_cols, k_cols, window) != "mask":
         return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
     q_runs, k_runs = runs(q_cols), runs(k_cols)
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:

@@ -43,6 +43,12 @@ def check_targets(report) -> list[dict]:
                                        f"TTIT(N={N})/TTIT(1) = {r['ttit_ratio_vs_unpatched']:.2f}"))
                 out.append(dict(target=f"KV bytes per rank {s} N={N} T={T}: <= single/N + one token per layer",
                                 met=r["kv_within_bound"], figure=f"{max(r['kv_bytes_per_rank'])} <= {r['kv_bound_bytes']:.0f}"))
+            if info.get("windowed") and r.get("peak_vs_unpatched") is not None:
+                # windowed masks are where O(T^2) buffers hide: no strategy may need more than one process
+                out.append(dict(target=f"peak memory per rank {s} N={N} T={T} (sliding window): <= unpatched 1 process",
+                                met=r["peak_vs_unpatched"] <= 1.0,
+                                figure=f"{_mib(max(r['peak_delta_bytes_per_rank'])):.0f} MiB = "
+                                       f"{r['peak_vs_unpatched']:.2f} x the unpatched process's peak"))
             if s == "ring_pass_kv":
                 out.append(dict(target=f"exposed communication ring_pass_kv N={N} T={T} < 10% of TTFT",
                                 met=r["comm_wait_frac"] < 0.10, figure=f"{r['comm_wait_frac'] * 100:.1f}%"))

@@ -104,7 +104,7 @@ def run(args) -> dict | None:
     def patched(strategy, fn):
         extra = {}
         if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
-            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
+            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions, windowed=_windowed(model.config))
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
@@ -159,7 +159,7 @@ def run(args) -> dict | None:
                     decode_floor_s=shape.layers * floor_collective,
                     small_collective_after_compute_s=woken_collective, shape=shape.__dict__,
                     load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped,
-                    kvr_partitions=args.kvr_partitions)
+                    kvr_partitions=args.kvr_partitions, windowed=_windowed(model.config))
     _annotate(rows, run_info, shape, machine)
     report = _merge(os.path.join(args.out, "bench.json"), run_info, rows)
     os.makedirs(args.out, exist_ok=True)
@@ -174,6 +174,14 @@ def run(args) -> dict | None:
             json.dump(report, f, indent=1)
     print(md, flush=True)
     return report
+
+
+def _windowed(config) -> bool:
+    """Whether any layer attends through a sliding window (their masks are where O(T^2) buffers hide)."""
+    text = config.get_text_config(decoder=True)
+    if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return True
+    return bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True)
 
 
 def _annotate(rows, run_info, shape, machine):
@@ -198,6 +206,7 @@ def _annotate(rows, run_info, shape, machine):
             r["tokens_match_unpatched"] = r["tokens"] == one["tokens"]
             r["kv_bound_bytes"] = one["kv_bytes_per_rank"][0] / r["N"] + token_bytes
             r["kv_within_bound"] = max(r["kv_bytes_per_rank"]) <= r["kv_bound_bytes"]
+            r["peak_vs_unpatched"] = max(r["peak_delta_bytes_per_rank"]) / max(1, one["peak_delta_bytes_per_rank"][0])
         if allc is not None:
             r["speedup_vs_unpatched_all_cores"] = allc["ttft_s"] / r["ttft_s"]
 

@@ -1,0 +1,42 @@
+"""Clean exit (issue 10, item 10): a patched model's script, the CLI and the tools exit 0 every time.
+
+hf-contextpar tears down what it set up in an atexit hook (distributed.release_at_exit): before it,
+the process group outlived the script (the runtime's Comm objects kept it, and the model <-> runtime
+cycle is only collected during interpreter finalization), so gloo's threads were still alive while
+the interpreter finalized, and now and then one rank aborted after printing its results.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import free_port, launch  # noqa: E402
+
+
+def test_user_script_without_cleanup_exits_cleanly():
+    """Patch, generate with every strategy, return: exit 0, every async work waited, no gloo thread
+    alive once the interpreter starts finalizing."""
+    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_worker.py")], timeout=300)
+    for rank, (rc, out, err) in enumerate(results):
+        why = f"rank {rank} rc {rc}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
+        assert rc == 0 and "generated" in out, why
+        assert "terminate called" not in err, why
+        assert "gloo threads at exit: []" in out, why
+        assert "unwaited works: [] of" in out and "unwaited works: [] of 0" not in out, why
+
+
+def test_cli_exits_zero_every_time():
+    """The README's job, five times at once (the contention makes teardown races likelier): exit 0 each."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              f"--master_port={free_port()}", "-m", "hf_contextpar", "generate", "--prompt-tokens", "64",
+                              "--max-new-tokens", "2", "--baseline"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(5)]
+    for i, p in enumerate(runs):
+        out, err = p.communicate(timeout=300)
+        why = f"run {i}: rc {p.returncode}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
+        assert p.returncode == 0 and "tokens identical: True" in out, why
+        assert "terminate called" not in err, why
