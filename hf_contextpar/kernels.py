@@ -1,8 +1,8 @@
-"""Local attention of one query block against one key block, returning (out, log-sum-exp).
+"""Kernel dispatch: local attention of one query block against one key block, returning (out, LSE).
 
-Masks come from *global* token columns, never from SDPA's top-left `is_causal` on a sharded
-query: key column c is visible to query column q iff c <= q, q - c < window (sliding layers),
-and the key is not padding. Sub-blocks whose mask is trivial (all visible, none visible, or
+Masks come from *global* token columns (`masks`), never from SDPA's top-left `is_causal` on a
+sharded query: key column c is visible to query column q iff c <= q, q - c < window (sliding
+layers), and the key is not padding. Sub-blocks whose mask is trivial (all visible, none visible, or
 the square causal diagonal that head-tail sharding produces) go to the fused kernel without a
 mask; only genuinely irregular blocks pay for an explicit bias.
 
@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .masks import classify, key_segments, runs, visible
 from .merge import Accumulator
 
 _MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
@@ -35,42 +36,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def runs(cols: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) index ranges over which `cols` (ascending, CPU) increases by exactly 1."""
-    n = cols.numel()
-    if n == 0:
-        return []
-    breaks = (torch.nonzero(cols[1:] - cols[:-1] != 1).flatten() + 1).tolist()
-    edges = [0, *breaks, n]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def _visible(q_cols, k_cols, window, device):
-    """(Tq, Tk) bool for one tile. Only comparisons of column vectors: no (Tq, Tk) integer temporary."""
-    qc = q_cols.to(device).unsqueeze(-1)
-    kc = k_cols.to(device).unsqueeze(0)
-    vis = kc <= qc
-    if window is not None:
-        vis &= kc > qc - window
-    return vis
-
-
-def _classify(q_cols, k_cols, window):
-    """'none', 'all', 'causal' (square diagonal) or 'mask', from column ranges alone."""
-    q_lo, q_hi = int(q_cols[0]), int(q_cols[-1])
-    k_lo, k_hi = int(k_cols[0]), int(k_cols[-1])
-    if k_lo > q_hi or (window is not None and q_lo - k_hi >= window):
-        return "none"
-    if k_hi <= q_lo and (window is None or q_hi - k_lo < window):
-        return "all"
-    contiguous = q_hi - q_lo + 1 == q_cols.numel() and k_hi - k_lo + 1 == k_cols.numel()
-    if contiguous and q_lo == k_lo and q_hi == k_hi and (window is None or q_hi - q_lo < window):
-        return "causal"
-    return "mask"
-
-
-def _math(q, k, v, visible, scale, softcap):
-    """Reference path: explicit scores in the accumulation dtype. visible: bool, broadcastable to scores."""
+def _math(q, k, v, vis, scale, softcap):
+    """Reference path: explicit scores in the accumulation dtype. vis: bool, broadcastable to scores."""
     acc = acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     k = k.to(acc).repeat_interleave(group, dim=1)
@@ -78,8 +45,8 @@ def _math(q, k, v, visible, scale, softcap):
     s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    if visible is not None:
-        s = s.masked_fill(~visible, -math.inf)
+    if vis is not None:
+        s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
     return torch.matmul(p, v), lse
@@ -154,7 +121,7 @@ def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=F
     A trivially masked block goes to the fused kernel in one call. Any other is done in row tiles
     (`_tiled`), or, when it already is one tile (`tile=True`), under its explicit (rows, keys) mask.
     """
-    kind = _classify(q_cols, k_cols, window)
+    kind = classify(q_cols, k_cols, window)
     if kind == "none":
         return None
     if key_valid is not None and bool(key_valid.all()):
@@ -166,7 +133,7 @@ def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=F
             return res[0].to(acc), res[1].to(acc)
     if not tile:
         return _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
-    vis = _visible(q_cols, k_cols, window, q.device)[None, None]  # (1, 1, rows, keys)
+    vis = visible(q_cols, k_cols, window, q.device)[None, None]  # (1, 1, rows, keys)
     if key_valid is not None:
         vis = vis & key_valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
     return _masked(q, k, v, vis, scale, softcap)
@@ -186,25 +153,11 @@ def _rows_per_tile(q, n_keys, window, softcap):
     return rows
 
 
-def _key_segments(q_cols, k_cols, window):
-    """[a, b) key-index ranges of the keys that rows q_cols (ascending) can see, cut at the column edges
-    where visibility changes: q_lo - window + 1 (band: some rows), q_hi - window + 1 (keys every row sees,
-    up to q_lo), q_lo (the causal diagonal), q_hi + 1. k_cols: ascending."""
-    q_lo, q_hi = int(q_cols[0]), int(q_cols[-1])
-    edges = [q_lo, q_hi + 1]
-    if window is not None:
-        edges = [q_lo - window + 1, min(q_hi - window + 1, q_lo), *edges]
-    idx = torch.searchsorted(k_cols, torch.tensor(edges, dtype=k_cols.dtype)).tolist()
-    if window is None:
-        idx = [0, *idx]
-    return [(a, b) for a, b in zip(idx[:-1], idx[1:]) if b > a]
-
-
 def _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     """An irregular block in tiles of query rows (cut at breaks in q_cols, so a tile's columns are
-    usually contiguous), each against only the keys it can see, segment by segment (`_key_segments`): the
-    segments every row sees and the square diagonal run fused and unmasked; the rest gets a mask of
-    one tile's size. Partials merge by LSE, as ring blocks do."""
+    usually contiguous), each against only the keys it can see, segment by segment
+    (`masks.key_segments`): the segments every row sees and the square diagonal run fused and
+    unmasked; the rest gets a mask of one tile's size. Partials merge by LSE, as ring blocks do."""
     acc_t = acc_dtype(q.dtype)
     rows = _rows_per_tile(q, k_cols.numel(), window, softcap)
     spans = runs(q_cols)
@@ -216,7 +169,7 @@ def _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
             r1 = min(r0 + rows, qb)
             qt, qc = q[:, :, r0:r1], q_cols[r0:r1]
             acc = Accumulator()
-            for ka, kb in _key_segments(qc, k_cols, window):
+            for ka, kb in key_segments(qc, k_cols, window):
                 valid = key_valid[:, ka:kb] if key_valid is not None else None
                 res = _block(qt, k[:, :, ka:kb], v[:, :, ka:kb], qc, k_cols[ka:kb], valid, window, scale, softcap,
                              tile=True)
@@ -280,7 +233,7 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
         return None
     if k_cols.dim() == 2:
         return _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
-    if _classify(q_cols, k_cols, window) != "mask":
+    if classify(q_cols, k_cols, window) != "mask":
         return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
     q_runs, k_runs = runs(q_cols), runs(k_cols)
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:
