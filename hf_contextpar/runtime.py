@@ -46,6 +46,33 @@ def _is_packed(position_ids: torch.Tensor) -> bool:
     return bool((torch.diff(position_ids, prepend=first, dim=-1) != 1).any())
 
 
+def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past: int, device):
+    """The forward's global position ids (B, T), after refusing inputs whose mask the plan cannot
+    reproduce: a 4D or wrongly sized mask, and packed documents."""
+    if mask is not None and mask.dim() != 2:
+        raise ContextParallelError(
+            "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
+            f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
+        )
+    if mask is not None and mask.shape[1] != past + num_new:
+        again = " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do " \
+                "that over a cache filled by an earlier call; start them with no cache)" if mask.shape[1] == num_new else ""
+        raise ContextParallelError(
+            f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
+            f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
+        )
+    if position_ids is None:
+        return (torch.arange(num_new, device=device) + past).unsqueeze(0).expand(batch, -1)
+    if mask is None and cache is None and _is_packed(position_ids):
+        raise ContextParallelError(
+            "these position_ids restart inside a row, which transformers reads as packed documents "
+            "(a block-diagonal mask); hf-contextpar does not shard packed sequences. Run each document "
+            "as its own row (with padding and an attention_mask), or pass an all-ones attention_mask if "
+            "the jumps in position_ids are not document boundaries."
+        )
+    return position_ids.expand(batch, -1)
+
+
 class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and what to restore on removal."""
 
@@ -107,29 +134,7 @@ class ContextParallelRuntime:
         cache = self._resolve_cache(kwargs.get("past_key_values"), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0
         mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() != 2:
-            raise ContextParallelError(
-                "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
-                f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
-            )
-        if mask is not None and mask.shape[1] != past + num_new:
-            again = " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do " \
-                    "that over a cache filled by an earlier call; start them with no cache)" if mask.shape[1] == num_new else ""
-            raise ContextParallelError(
-                f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
-                f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
-            )
-        position_ids = kwargs.get("position_ids")
-        if position_ids is not None and mask is None and cache is None and _is_packed(position_ids):
-            raise ContextParallelError(
-                "these position_ids restart inside a row, which transformers reads as packed documents "
-                "(a block-diagonal mask); hf-contextpar does not shard packed sequences. Run each document "
-                "as its own row (with padding and an attention_mask), or pass an all-ones attention_mask if "
-                "the jumps in position_ids are not document boundaries."
-            )
-        if position_ids is None:
-            position_ids = (torch.arange(num_new, device=x.device) + past).unsqueeze(0).expand(batch, -1)
-        position_ids = position_ids.expand(batch, -1)
+        position_ids = _checked_positions(kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device)
         padding = None if mask is None or bool(mask.all()) else mask.bool()
 
         plan = build_plan(self._policy(), cache.layout if cache is not None else None, batch=batch, num_new=num_new,
