@@ -603,6 +603,7 @@ def main(argv=None):
             elif record["detail"]:
                 print(f"  {record['detail'].splitlines()[0][:300]}", flush=True)
             if args.out:
+                os.makedirs(args.out, exist_ok=True)
                 with open(os.path.join(args.out, "fuzz.json"), "w") as f:
                     json.dump(dict(seed=seed, n=n, finished=False, records=records), f, indent=1)
     failures = [r for r in records if r["outcome"] == "fail"]
@@ -615,6 +616,7 @@ def main(argv=None):
             print(f"  FAILED case {r['index']}: {r['detail'].splitlines()[0]}\n    {describe(r['case'])}\n"
                   f"    reproduce: {r['command']}", flush=True)
         if args.out:
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "fuzz.json"), "w") as f:
                 json.dump(dict(seed=seed, n=n, finished=True, records=records), f, indent=1)
     dist.barrier()
