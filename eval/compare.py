@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from hf_contextpar.patches import REGISTRY
 
 
@@ -13,7 +12,7 @@ def logits_diff(a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor |
         raise ValueError(f"logit shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     d = (a.double() - b.double()).abs()
     if attention_mask is not None:
-        d = d[attention_mask.bool()[:, -a.shape[1]:]]
+        d = d[attention_mask.bool()[:, -a.shape[1] :]]
     return float(d.max()) if d.numel() else 0.0
 
 
@@ -57,8 +56,9 @@ def step_logits_diff(ref: torch.Tensor, cp: torch.Tensor, steps: int) -> float:
     return logits_diff(ref[:steps], cp[:steps])
 
 
-def compare_generation(ref_tokens: torch.Tensor, ref_logits: torch.Tensor, cp_tokens: torch.Tensor,
-                       cp_logits: torch.Tensor) -> dict:
+def compare_generation(
+    ref_tokens: torch.Tensor, ref_logits: torch.Tensor, cp_tokens: torch.Tensor, cp_logits: torch.Tensor
+) -> dict:
     """Token identity, first divergence, and max logit diff over the steps both runs share a prefix for.
 
     After the first divergent token the two runs condition on different text, so their later
@@ -73,9 +73,13 @@ def compare_generation(ref_tokens: torch.Tensor, ref_logits: torch.Tensor, cp_to
     if div is not None and div < min(ref_tokens.numel(), cp_tokens.numel(), ref_logits.shape[0]):
         row = ref_logits[div].double()
         margin = float(row[ref_tokens[div]] - row[cp_tokens[div]])
-    return dict(tokens_identical=div is None, first_divergence=div,
-                max_logit_diff=step_logits_diff(ref_logits, cp_logits, steps),
-                steps_compared=min(steps, ref_logits.shape[0], cp_logits.shape[0]), divergence_margin=margin)
+    return dict(
+        tokens_identical=div is None,
+        first_divergence=div,
+        max_logit_diff=step_logits_diff(ref_logits, cp_logits, steps),
+        steps_compared=min(steps, ref_logits.shape[0], cp_logits.shape[0]),
+        divergence_margin=margin,
+    )
 
 
 # -- teacher forcing ---------------------------------------------------------------------------
@@ -90,18 +94,23 @@ def window_metrics(ref_logits: torch.Tensor, cp_logits: torch.Tensor, ids: torch
     nll_ref = torch.zeros((), dtype=torch.float64)
     nll_cp = torch.zeros((), dtype=torch.float64)
     for s in range(0, T, rows):
-        a = ref_logits[s:s + rows].double()
-        b = cp_logits[s:s + rows].to(a.device).double()
+        a = ref_logits[s : s + rows].double()
+        b = cp_logits[s : s + rows].to(a.device).double()
         max_diff = max(max_diff, float((a - b).abs().max()))
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         n = min(s + rows, T - 1) - s  # positions in this chunk that predict a next token
         if n > 0:
-            target = ids[s + 1:s + 1 + n].to(a.device)[:, None]
+            target = ids[s + 1 : s + 1 + n].to(a.device)[:, None]
             la = -torch.log_softmax(a[:n], -1).gather(1, target).squeeze(1)
             lb = -torch.log_softmax(b[:n], -1).gather(1, target).squeeze(1)
             max_nll = max(max_nll, float((la - lb).abs().max()))
             nll_ref += la.sum().cpu()
             nll_cp += lb.sum().cpu()
     predicted = max(T - 1, 1)
-    return dict(max_logit_diff=max_diff, max_nll_diff=max_nll, ppl_ref=float(torch.exp(nll_ref / predicted)),
-                ppl_cp=float(torch.exp(nll_cp / predicted)), argmax_agreement=agree / T)
+    return dict(
+        max_logit_diff=max_diff,
+        max_nll_diff=max_nll,
+        ppl_ref=float(torch.exp(nll_ref / predicted)),
+        ppl_cp=float(torch.exp(nll_cp / predicted)),
+        argmax_agreement=agree / T,
+    )

@@ -106,14 +106,15 @@ def kernel_swap(model, ids: torch.Tensor) -> float | None:
     return logits_diff(a, b)
 
 
-def run_rounds(d: Dist, model, cases: list, *, strategy: str, reference: dict | None, ref_fn, cp_fn, compare_fn,
-               desc: str) -> list:
+def run_rounds(
+    d: Dist, model, cases: list, *, strategy: str, reference: dict | None, ref_fn, cp_fn, compare_fn, desc: str
+) -> list:
     """The loop described in the module docstring. Returns every case's record, in case order, on every rank."""
     mine = []
     patched = False
     bar = tqdm(total=len(cases), desc=desc, disable=d.rank != 0, dynamic_ncols=True)
     for start in range(0, len(cases), d.world):
-        chunk = cases[start:start + d.world]
+        chunk = cases[start : start + d.world]
         own = chunk[d.rank] if d.rank < len(chunk) else None
         if reference is None:
             if patched:
@@ -134,8 +135,11 @@ def run_rounds(d: Dist, model, cases: list, *, strategy: str, reference: dict | 
             cp_s = time.perf_counter() - t0
             if i == d.rank:
                 rec = compare_fn(case, ref, out)
-                rec.update(index=case["index"], cp_seconds=round(cp_s, 3),
-                           ref_seconds=round(ref_s, 3) if ref_s is not None else None)
+                rec.update(
+                    index=case["index"],
+                    cp_seconds=round(cp_s, 3),
+                    ref_seconds=round(ref_s, 3) if ref_s is not None else None,
+                )
                 mine.append(rec)
             bar.update(1)
     bar.close()
@@ -148,22 +152,27 @@ def run_rounds(d: Dist, model, cases: list, *, strategy: str, reference: dict | 
 def load_reference(path: str, kind: str, cases: list, meta: dict) -> dict:
     """A saved single-process run, checked against this run's cases (same prompts, same settings)."""
     if not os.path.exists(path):
-        raise SystemExit(f"--reference {path}: no such file. Make it with the same command on one process "
-                         "and --save-reference FILE.")
+        raise SystemExit(
+            f"--reference {path}: no such file. Make it with the same command on one process and --save-reference FILE."
+        )
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if saved.get("kind") != kind:
         raise SystemExit(f"--reference {path} is a {saved.get('kind')} reference, not {kind}.")
     for k in ("model", "dtype") + (("max_new_tokens",) if kind == "needlebench" else ()):
         if saved["meta"].get(k) != meta.get(k):
-            raise SystemExit(f"--reference {path} was made with {k}={saved['meta'].get(k)!r}, this run has {meta.get(k)!r}.")
+            raise SystemExit(
+                f"--reference {path} was made with {k}={saved['meta'].get(k)!r}, this run has {meta.get(k)!r}."
+            )
     refs = saved["cases"]
     for c in cases:
         r = refs.get(c["key"])
         if r is None:
             raise SystemExit(f"--reference {path} has no case {c['key']}; save a reference with the same arguments.")
         if r["prompt_sha"] != fingerprint(c["ids"]):
-            raise SystemExit(f"--reference {path}: the prompt of case {c['key']} differs from this run's "
-                             "(different tokenizer, data or seed).")
+            raise SystemExit(
+                f"--reference {path}: the prompt of case {c['key']} differs from this run's "
+                "(different tokenizer, data or seed)."
+            )
     return refs
 
 

@@ -26,7 +26,11 @@ from .needles import NEEDLES, REASONING
 
 TASKS = ("single_retrieval", "multi_retrieval", "multi_reasoning")
 HUB_REPO = "opencompass/NeedleBench"
-FILES = {"haystack": "PaulGrahamEssays.jsonl", "needles": "needles.jsonl", "reasoning": "multi_needle_reasoning_en.json"}
+FILES = {
+    "haystack": "PaulGrahamEssays.jsonl",
+    "needles": "needles.jsonl",
+    "reasoning": "multi_needle_reasoning_en.json",
+}
 _BOUNDARY = re.compile(r"[.!?](?=\s)|\n\n")
 
 
@@ -62,7 +66,9 @@ def builtin_data() -> NeedleData:
     from hf_contextpar.models import sample_text
 
     docs = [d for d in sample_text().split("\n\n") if d.strip()]
-    return NeedleData(["\n\n".join(docs)], list(NEEDLES), list(REASONING), "builtin (pydoc_data haystack, hf-contextpar needles)")
+    return NeedleData(
+        ["\n\n".join(docs)], list(NEEDLES), list(REASONING), "builtin (pydoc_data haystack, hf-contextpar needles)"
+    )
 
 
 def _load_json_file(path_or_name: str, data_dir: str | None):
@@ -72,8 +78,10 @@ def _load_json_file(path_or_name: str, data_dir: str | None):
     if data_dir is not None:
         hits = sorted(glob.glob(os.path.join(data_dir, "**", path_or_name), recursive=True))
         if not hits:
-            raise DataError(f"{path_or_name} not found under --data {data_dir}. Download the dataset with "
-                            f"`huggingface-cli download --repo-type dataset {HUB_REPO} --local-dir {data_dir}`.")
+            raise DataError(
+                f"{path_or_name} not found under --data {data_dir}. Download the dataset with "
+                f"`huggingface-cli download --repo-type dataset {HUB_REPO} --local-dir {data_dir}`."
+            )
         return load_dataset("json", data_files=hits[0], split="train")
     return load_dataset(HUB_REPO, data_files=path_or_name, split="train")
 
@@ -88,12 +96,18 @@ def hub_data(data_dir: str | None = None) -> NeedleData:
         raise
     except Exception as e:  # ConnectionError, FileNotFoundError, DatasetNotFoundError, ...
         where = f"--data {data_dir}" if data_dir else f"the hub ({HUB_REPO}) or its cache"
-        raise DataError(f"could not load NeedleBench from {where}: {type(e).__name__}: {e}. Give a local copy with "
-                        "--data DIR, or use --source builtin for the offline haystack and needles.") from None
+        raise DataError(
+            f"could not load NeedleBench from {where}: {type(e).__name__}: {e}. Give a local copy with "
+            "--data DIR, or use --source builtin for the offline haystack and needles."
+        ) from None
     if not needles or not reasoning or "text" not in hay.column_names:
-        raise DataError("the NeedleBench files loaded but lack the expected fields (text; needle/retrieval_question/"
-                        "arg2/language; derivations/derivation_count/question/answer).")
-    return NeedleData([r["text"] for r in hay], needles, reasoning, f"{HUB_REPO}" + (f" ({data_dir})" if data_dir else ""))
+        raise DataError(
+            "the NeedleBench files loaded but lack the expected fields (text; needle/retrieval_question/"
+            "arg2/language; derivations/derivation_count/question/answer)."
+        )
+    return NeedleData(
+        [r["text"] for r in hay], needles, reasoning, f"{HUB_REPO}" + (f" ({data_dir})" if data_dir else "")
+    )
 
 
 def load_data(source: str, data_dir: str | None, builtin_model: bool) -> tuple[NeedleData, str | None]:
@@ -113,9 +127,11 @@ def load_data(source: str, data_dir: str | None, builtin_model: bool) -> tuple[N
 # -- prompts ------------------------------------------------------------------------------
 def _template(context: str, question: str, task: str) -> str:
     asks = "the questions are" if task == "multi_retrieval" else "the question is"
-    return ("You are an intelligent AI assistant skilled in answering user questions.\n"
-            "Please keep your answers concise and clear. Do not talk about irrelevant topics or repeat your answers.\n"
-            f"The document given to you by the user is {context}\n\nNow, {asks}: {question}\n")
+    return (
+        "You are an intelligent AI assistant skilled in answering user questions.\n"
+        "Please keep your answers concise and clear. Do not talk about irrelevant topics or repeat your answers.\n"
+        f"The document given to you by the user is {context}\n\nNow, {asks}: {question}\n"
+    )
 
 
 def _encoder(tok, chat: bool):
@@ -124,7 +140,9 @@ def _encoder(tok, chat: bool):
 
     def encode(text: str) -> list:
         if use_chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             return tok(text, add_special_tokens=False).input_ids
         return tok(text).input_ids
 
@@ -181,13 +199,19 @@ def _task_content(task: str, data: NeedleData, rng: random.Random, num_needles: 
                 break
         questions = "、".join(n["retrieval_question"].split("?")[0] + "?" for n in picked)
         formats = "、".join(_answer_format(n["retrieval_question"]) for n in picked)
-        return [n["needle"] for n in picked], f"{questions} Please answer in the format of '{formats}'", [n["arg2"] for n in picked]
+        return (
+            [n["needle"] for n in picked],
+            f"{questions} Please answer in the format of '{formats}'",
+            [n["arg2"] for n in picked],
+        )
     if task == "multi_reasoning":
         pool = [r for r in data.reasoning if r["derivation_count"] == reasoning_needles]
         if not pool:
             counts = sorted({r["derivation_count"] for r in data.reasoning})
-            raise DataError(f"no multi-needle reasoning set with {reasoning_needles} needles (available: {counts}); "
-                            "set --reasoning-needles.")
+            raise DataError(
+                f"no multi-needle reasoning set with {reasoning_needles} needles (available: {counts}); "
+                "set --reasoning-needles."
+            )
         r = rng.choice(pool)
         return list(r["derivations"]), r["question"], r["answer"].lower().split()
     raise DataError(f"unknown task {task!r}; choose from {', '.join(TASKS)}.")
@@ -206,8 +230,9 @@ def haystack_ids(data: NeedleData, tok, tokens: int, seed: int) -> tuple[str, li
         chars *= 2
 
 
-def build_prompt(task: str, length: int, depth: int, content, hay_ids: list, tok, *, spacing: int = 10,
-                 chat: bool = True) -> NeedlePrompt:
+def build_prompt(
+    task: str, length: int, depth: int, content, hay_ids: list, tok, *, spacing: int = 10, chat: bool = True
+) -> NeedlePrompt:
     """The longest NeedleBench prompt of at most `length` tokens with the needles at `depth`."""
     needles, question, keywords = content
     encode = _encoder(tok, chat)
@@ -216,11 +241,15 @@ def build_prompt(task: str, length: int, depth: int, content, hay_ids: list, tok
     fixed = len(encode(_template("".join(wrapped), question, task)))
     budget = length - fixed
     if budget < 16:
-        raise DataError(f"{task}: length {length} leaves no room for a haystack: the template, question and needles "
-                        f"alone take {fixed} tokens. Use lengths of at least {fixed + 64} (or fewer needles / other --tasks).")
+        raise DataError(
+            f"{task}: length {length} leaves no room for a haystack: the template, question and needles "
+            f"alone take {fixed} tokens. Use lengths of at least {fixed + 64} (or fewer needles / other --tasks)."
+        )
     if len(hay_ids) < budget:
-        raise DataError(f"only {len(hay_ids)} tokens of haystack text are available, {budget} are needed for length "
-                        f"{length}. Use shorter --lengths or a larger haystack (--data / --source hub).")
+        raise DataError(
+            f"only {len(hay_ids)} tokens of haystack text are available, {budget} are needed for length "
+            f"{length}. Use shorter --lengths or a larger haystack (--data / --source hub)."
+        )
     for _ in range(20):
         context = tok.decode(hay_ids[:budget])
         context = context[: context.rfind(" ")] if " " in context[-16:] else context  # no half words at the cut
@@ -242,10 +271,15 @@ def score(task: str, answer: str, keywords: list) -> float:
     return 100.0 * found / len(keywords) if keywords else 0.0
 
 
-def build_cases(data: NeedleData, tok, tasks, lengths, depths, *, seed=0, num_needles=3, reasoning_needles=2,
-                spacing=10, chat=True) -> list[NeedlePrompt]:
+def build_cases(
+    data: NeedleData, tok, tasks, lengths, depths, *, seed=0, num_needles=3, reasoning_needles=2, spacing=10, chat=True
+) -> list[NeedlePrompt]:
     rng = random.Random(seed)
     contents = {t: _task_content(t, data, rng, num_needles, reasoning_needles) for t in tasks}
     _, hay = haystack_ids(data, tok, max(lengths), seed)
-    return [build_prompt(t, L, d, contents[t], hay, tok, spacing=spacing, chat=chat)
-            for t in tasks for L in lengths for d in depths]
+    return [
+        build_prompt(t, L, d, contents[t], hay, tok, spacing=spacing, chat=chat)
+        for t in tasks
+        for L in lengths
+        for d in depths
+    ]

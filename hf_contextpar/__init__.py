@@ -1,8 +1,8 @@
 """hf-contextpar: exact context-parallel inference for Hugging Face causal LMs.
 
-    model = hf_contextpar.apply_context_parallel(model)   # under torchrun / accelerate launch
-    out = model.generate(**inputs)                          # same tokens as one device
-    hf_contextpar.remove_context_parallel(model)
+model = hf_contextpar.apply_context_parallel(model)   # under torchrun / accelerate launch
+out = model.generate(**inputs)                          # same tokens as one device
+hf_contextpar.remove_context_parallel(model)
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ def _check_model(model):
 
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError("encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs.")
+        raise UnsupportedModelError(
+            "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."
+        )
     text = config.get_text_config(decoder=True)
     layer_types = set(getattr(text, "layer_types", None) or [])
     if layer_types - _ATTENTION_LAYER_TYPES:
@@ -34,7 +36,9 @@ def _check_model(model):
             "algorithms implement causal (and sliding-window causal) attention only."
         )
     if any(hasattr(m, "sinks") for m in model.modules()):
-        raise UnsupportedModelError("attention sinks (learned per-head sink logits) are not supported by hf-contextpar.")
+        raise UnsupportedModelError(
+            "attention sinks (learned per-head sink logits) are not supported by hf-contextpar."
+        )
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
@@ -55,9 +59,18 @@ def _check_ulysses(config, world: int):
         )
 
 
-def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout: float | None = None,
-                           check_inputs: bool = True, calibration=None, planner_rule: str = "cost",
-                           decode: str = "auto", kvr_partitions=None):
+def apply_context_parallel(
+    model,
+    *,
+    strategy: str = "auto",
+    group=None,
+    timeout: float | None = None,
+    check_inputs: bool = True,
+    calibration=None,
+    planner_rule: str = "cost",
+    decode: str = "auto",
+    kvr_partitions=None,
+):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
     group: a torch.distributed process group; by default the one torchrun / accelerate set up
@@ -93,9 +106,18 @@ def apply_context_parallel(model, *, strategy: str = "auto", group=None, timeout
     try:
         if strategy == "ulysses":
             _check_ulysses(model.config, world)
-        runtime = ContextParallelRuntime(model, group, rank, world, strategy=strategy, check_inputs=check_inputs,
-                                         calibration=calibration, planner_rule=planner_rule, decode=decode,
-                                         kvr_partitions=kvr_partitions)
+        runtime = ContextParallelRuntime(
+            model,
+            group,
+            rank,
+            world,
+            strategy=strategy,
+            check_inputs=check_inputs,
+            calibration=calibration,
+            planner_rule=planner_rule,
+            decode=decode,
+            kvr_partitions=kvr_partitions,
+        )
         _agree(runtime, group)
     except BaseException:
         release_group(group)  # a group made for this call only
@@ -117,8 +139,13 @@ def _agree(runtime, group):
     table) are taken from rank 0, since each rank may have read a different file or none."""
     import torch.distributed as dist
 
-    mine = dict(strategy=runtime.strategy, decode=runtime.decode, planner_rule=runtime.planner_rule,
-                check_inputs=runtime.check_inputs, model=_model_signature(runtime.model))
+    mine = dict(
+        strategy=runtime.strategy,
+        decode=runtime.decode,
+        planner_rule=runtime.planner_rule,
+        check_inputs=runtime.check_inputs,
+        model=_model_signature(runtime.model),
+    )
     everyone = [None] * runtime.world
     dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
     for key in mine:
@@ -134,9 +161,16 @@ def _agree(runtime, group):
 def _model_signature(model):
     text = model.config.get_text_config(decoder=True)
     p = next(model.parameters())
-    return (text.model_type, text.num_hidden_layers, text.num_attention_heads,
-            getattr(text, "num_key_value_heads", None), getattr(text, "head_dim", None), text.vocab_size,
-            str(p.dtype), sum(q.numel() for q in model.parameters()))
+    return (
+        text.model_type,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+        getattr(text, "num_key_value_heads", None),
+        getattr(text, "head_dim", None),
+        text.vocab_size,
+        str(p.dtype),
+        sum(q.numel() for q in model.parameters()),
+    )
 
 
 def remove_context_parallel(model):

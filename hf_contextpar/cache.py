@@ -76,8 +76,9 @@ class ShardedLayer(CacheLayerMixin):
 
     def _reserve(self, n: int):
         if n > self.kv.shape[0]:
-            grown = torch.empty((max(2 * self.kv.shape[0], n, 64), *self.kv.shape[1:]),
-                                dtype=self.kv.dtype, device=self.kv.device)
+            grown = torch.empty(
+                (max(2 * self.kv.shape[0], n, 64), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.kv.device
+            )
             grown[: self.n] = self.kv[: self.n]
             self.kv = grown
 
@@ -153,7 +154,7 @@ class ShardedCache(Cache):
         super().__init__(layers=[ShardedLayer(self.layout) for _ in range(num_layers)])
 
     @classmethod
-    def bind(cls, cache: Cache, num_layers: int, rank: int, world: int) -> "ShardedCache":
+    def bind(cls, cache: Cache, num_layers: int, rank: int, world: int) -> ShardedCache:
         """Turn the caller's empty cache object into this rank's ShardedCache, in place."""
         user_defined = getattr(cache, "_is_user_defined", None)
         cache.__dict__.clear()
@@ -183,7 +184,9 @@ class ShardedCache(Cache):
         return self.layout.counts()[self.layout.rank]
 
     def local_nbytes(self) -> int:
-        return sum(layer.n * layer.kv[0].numel() * layer.kv.element_size() for layer in self.layers if layer.kv is not None)
+        return sum(
+            layer.n * layer.kv[0].numel() * layer.kv.element_size() for layer in self.layers if layer.kv is not None
+        )
 
     # -- the Cache API generate() and the models use, with DynamicCache's semantics --------------
     def reorder_cache(self, beam_idx):

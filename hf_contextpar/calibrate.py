@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .kernels import attend
 from .costmodel import Machine, Shape
+from .kernels import attend
 from .planner import choose, empirical_h, fit_h
 
 
@@ -58,8 +58,15 @@ def small_collective_s(numel: int, iters: int = 200, group=None) -> float:
     return statistics.median(times)
 
 
-def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens: int = 2048,
-            message_bytes: int = 1 << 22, repeats: int = 5) -> Machine:
+def measure(
+    shape: Shape,
+    dtype=torch.float32,
+    device="cpu",
+    group=None,
+    tokens: int = 2048,
+    message_bytes: int = 1 << 22,
+    repeats: int = 5,
+) -> Machine:
     """The cost model's machine facts, measured here: C_attn on a fully visible block of the local
     kernel, C_gemm on a matmul the size of one layer's linear weights, and with a process group
     the ring bandwidth and one small collective's latency; every rank takes the minimum."""
@@ -85,8 +92,9 @@ def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens:
         recv = torch.empty_like(buf)
 
         def shift():
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, nxt, group),
-                                                dist.P2POp(dist.irecv, recv, prv, group)]):
+            for work in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            ):
                 work.wait()
 
         bw = message_bytes / median_seconds(shift, repeats, device, barrier=lambda: dist.barrier(group=group))
@@ -96,11 +104,25 @@ def measure(shape: Shape, dtype=torch.float32, device="cpu", group=None, tokens:
         dist.all_gather(everyone, mine, group=group)
         c_attn, c_gemm, bw, neg_lat, mem_bw = torch.stack(everyone).min(dim=0).values.tolist()
         lat = -neg_lat
-    return Machine(attn_flops=c_attn, gemm_flops=c_gemm, bandwidth=bw, latency=lat, memory_bandwidth=mem_bw,
-                   source="measured",
-                   details=dict(world=world, tokens=tokens, message_bytes=message_bytes,
-                                threads=torch.get_num_threads(), dtype=str(dtype), device=str(device),
-                                heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim))
+    return Machine(
+        attn_flops=c_attn,
+        gemm_flops=c_gemm,
+        bandwidth=bw,
+        latency=lat,
+        memory_bandwidth=mem_bw,
+        source="measured",
+        details=dict(
+            world=world,
+            tokens=tokens,
+            message_bytes=message_bytes,
+            threads=torch.get_num_threads(),
+            dtype=str(dtype),
+            device=str(device),
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+        ),
+    )
 
 
 @torch.no_grad()
@@ -125,19 +147,31 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                     if cache is not None:
                         cache.crop(P - cache.get_seq_length())
 
-                times[s] = median_seconds(partial_prefill, repeats, device,
-                                          barrier=lambda: dist.barrier(group=runtime.comm.group))
+                times[s] = median_seconds(
+                    partial_prefill, repeats, device, barrier=lambda: dist.barrier(group=runtime.comm.group)
+                )
             d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, runtime.planner_rule)
-            rows.append(dict(miss_rate=T / total, T=T, P=P, pass_kv_s=times["ring_pass_kv"], pass_q_s=times["ring_pass_q"],
-                             planner=d.strategy, predicted_pass_kv_s=d.predicted_pass_kv_s,
-                             predicted_pass_q_s=d.predicted_pass_q_s))
+            rows.append(
+                dict(
+                    miss_rate=T / total,
+                    T=T,
+                    P=P,
+                    pass_kv_s=times["ring_pass_kv"],
+                    pass_q_s=times["ring_pass_q"],
+                    planner=d.strategy,
+                    predicted_pass_kv_s=d.predicted_pass_kv_s,
+                    predicted_pass_q_s=d.predicted_pass_q_s,
+                )
+            )
     finally:
         runtime.strategy = strategy
     for r in rows:
         faster = "ring_pass_kv" if r["pass_kv_s"] <= r["pass_q_s"] else "ring_pass_q"
         r["faster"] = faster
         r["planner_right"] = r["planner"] == faster
-        r["planner_loss"] = r[f"{'pass_kv' if r['planner'] == 'ring_pass_kv' else 'pass_q'}_s"] / min(r["pass_kv_s"], r["pass_q_s"]) - 1
+        r["planner_loss"] = (
+            r[f"{'pass_kv' if r['planner'] == 'ring_pass_kv' else 'pass_q'}_s"] / min(r["pass_kv_s"], r["pass_q_s"]) - 1
+        )
     coeffs = None
     usable = [(r["T"], r["P"], r["pass_kv_s"], r["pass_q_s"]) for r in rows if r["P"] > 0]
     if len(usable) >= 3:
@@ -148,11 +182,15 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
 
 
 def format_sweep(rows, coeffs) -> str:
-    lines = ["| miss rate | T | P | pass-KV ms | pass-Q ms | faster | planner (Alg.5) | planner loss | h refit |",
-             "|---:|---:|---:|---:|---:|---|---|---:|---|"]
+    lines = [
+        "| miss rate | T | P | pass-KV ms | pass-Q ms | faster | planner (Alg.5) | planner loss | h refit |",
+        "|---:|---:|---:|---:|---:|---|---|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['miss_rate']:.3f} | {r['T']} | {r['P']} | {r['pass_kv_s'] * 1e3:.1f} | {r['pass_q_s'] * 1e3:.1f} | "
-                     f"{r['faster']} | {r['planner']} | {r['planner_loss'] * 100:.1f}% | {r.get('empirical_refit', '-')} |")
+        lines.append(
+            f"| {r['miss_rate']:.3f} | {r['T']} | {r['P']} | {r['pass_kv_s'] * 1e3:.1f} | {r['pass_q_s'] * 1e3:.1f} | "
+            f"{r['faster']} | {r['planner']} | {r['planner_loss'] * 100:.1f}% | {r.get('empirical_refit', '-')} |"
+        )
     if coeffs:
         lines.append(f"refit h(T,P) = {coeffs[0]:.3f} log T + {coeffs[1]:.3f} log(T/(T+P)) + {coeffs[2]:.3f}")
     return "\n".join(lines)
@@ -174,15 +212,20 @@ def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
     saved = runtime.strategy, runtime.partitions
     runtime.strategy, runtime.partitions = "kv_runahead", table
     try:
-        t = median_seconds(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats,
-                           next(model.parameters()).device, barrier=lambda: dist.barrier(group=runtime.comm.group))
+        t = median_seconds(
+            lambda: model(ids, use_cache=True, logits_to_keep=1),
+            repeats,
+            next(model.parameters()).device,
+            barrier=lambda: dist.barrier(group=runtime.comm.group),
+        )
     finally:
         runtime.strategy, runtime.partitions = saved
     return _agreed(runtime, t)
 
 
-def kvr_table(model, runtime, lengths, points: int = 5, repeats: int = 3, min_stride: int | None = None,
-              device="cpu", log=None):
+def kvr_table(
+    model, runtime, lengths, points: int = 5, repeats: int = 3, min_stride: int | None = None, device="cpu", log=None
+):
     """KVR-S at each context length (hierarchical grid search on measured TTFT), as a PartitionTable."""
     from .partitions import PartitionTable, even, search
 
@@ -190,13 +233,19 @@ def kvr_table(model, runtime, lengths, points: int = 5, repeats: int = 3, min_st
     g = torch.Generator().manual_seed(0)
     for length in lengths:
         ids = torch.randint(0, 256, (1, length), generator=g).to(device)
-        sizes, seconds, measured = search(length, runtime.world,
-                                          lambda s: kvr_prefill_seconds(model, runtime, ids, s, repeats),
-                                          points=points, min_stride=min_stride)
+        sizes, seconds, measured = search(
+            length,
+            runtime.world,
+            lambda s: kvr_prefill_seconds(model, runtime, ids, s, repeats),
+            points=points,
+            min_stride=min_stride,
+        )
         table.add(length, sizes)
         even_s = measured[tuple(even(length, runtime.world))]
         table.details[str(length)] = dict(sizes=sizes, seconds=seconds, even_seconds=even_s, evaluated=len(measured))
         if log:
-            log(f"T={length}: searched {sizes} {seconds * 1e3:.1f} ms vs even {even(length, runtime.world)} "
-                f"{even_s * 1e3:.1f} ms ({len(measured)} partitions measured)")
+            log(
+                f"T={length}: searched {sizes} {seconds * 1e3:.1f} ms vs even {even(length, runtime.world)} "
+                f"{even_s * 1e3:.1f} ms ({len(measured)} partitions measured)"
+            )
     return table

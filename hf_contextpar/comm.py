@@ -48,7 +48,7 @@ class CommStats:
         self.waits.clear()
 
 
-_live: "weakref.WeakSet[Comm]" = weakref.WeakSet()  # every Comm, for release_groups()
+_live: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm, for release_groups()
 
 
 def release_groups() -> None:
@@ -95,21 +95,21 @@ class Comm:
             self.tagged[tag].add_wait(op, seconds)
 
     # -- the ring: one hop to the next rank, from the previous one --------------------------------
-    def send_recv(self, send: torch.Tensor, recv_shape) -> "Pending":
+    def send_recv(self, send: torch.Tensor, recv_shape) -> Pending:
         """One ring hop, posted without waiting: `send` to rank+1, a block of `recv_shape` from rank-1
         (same dtype and device). Empty blocks are not posted."""
         recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
         return self._post("ring_shift", send, recv)
 
-    def send_next(self, send: torch.Tensor) -> "Pending":
+    def send_next(self, send: torch.Tensor) -> Pending:
         """Post `send` to rank+1 (KV-Runahead's chain); wait() before touching `send` again."""
         return self._post("ring_send", send, None)
 
-    def recv_prev(self, shape, dtype, device) -> "Pending":
+    def recv_prev(self, shape, dtype, device) -> Pending:
         """Post the receive of a block of `shape` from rank-1; wait() returns it."""
         return self._post("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
 
-    def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> "Pending":
+    def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> Pending:
         ops = []
         if send is not None and send.numel() > 0:
             ops.append(dist.P2POp(dist.isend, send, self._next, self.group))
@@ -117,7 +117,9 @@ class Comm:
             ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group))
         with self._guard("ring send/recv", op):
             works = dist.batch_isend_irecv(ops) if ops else []
-        self._record("attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0)
+        self._record(
+            "attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0
+        )
         return Pending(self, works, recv, op)
 
     def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
@@ -129,7 +131,7 @@ class Comm:
         self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
-    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> "Pending":
+    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> Pending:
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack.
 
         For a check that need not block the forward (every rank's input fingerprint): posted before
@@ -144,7 +146,7 @@ class Comm:
         self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return Pending(self, [work], out.view(self.world, *t.shape), "all_gather", tag)
 
-    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list["Pending"]:
+    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list[Pending]:
         """Every rank's block to every rank at its exact size: an all-gather of unequal blocks.
 
         Rank r's block goes out by one broadcast rooted at r, straight from its buffer (no padding,
@@ -162,8 +164,12 @@ class Comm:
                     works = [dist.broadcast(buf, self._global[r], group=self.group, async_op=True)]
             out.append(Pending(self, works, buf, "broadcast"))
         esize = mine.element_size()
-        self._record("attention", "broadcast", _nbytes(mine) * (self.world - 1),
-                          esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
+        self._record(
+            "attention",
+            "broadcast",
+            _nbytes(mine) * (self.world - 1),
+            esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank),
+        )
         return out
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
@@ -175,8 +181,12 @@ class Comm:
         with self._guard("all_to_all", "all_to_all"):
             dist.all_to_all_single(out, flat, out_sizes, in_sizes, group=self.group)
         esize = flat.element_size()
-        self._record("attention", "all_to_all", esize * (flat.numel() - in_sizes[self.rank]),
-                          esize * (out.numel() - out_sizes[self.rank]))
+        self._record(
+            "attention",
+            "all_to_all",
+            esize * (flat.numel() - in_sizes[self.rank]),
+            esize * (out.numel() - out_sizes[self.rank]),
+        )
         return [chunk.view(shape) for chunk, shape in zip(out.split(out_sizes), recv_shapes)]
 
 

@@ -30,15 +30,16 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-
 # Defaults when nothing was calibrated: a CPU core with gloo over loopback, a GPU with NVLink.
 DEFAULTS = {"cpu": dict(attn_flops=2.0e10, bandwidth=1.0e9), "cuda": dict(attn_flops=3.0e14, bandwidth=1.0e11)}
 PAPER_H = (-1.059, 1.145, 12.112)  # App. D's h(T,P) coefficients (a, b, c), fitted on Meta's H100 cluster
 
 
 def calibration_path() -> str:
-    return os.environ.get("HF_CONTEXTPAR_CALIBRATION",
-                          os.path.join(os.path.expanduser("~"), ".cache", "hf_contextpar", "calibration.json"))
+    return os.environ.get(
+        "HF_CONTEXTPAR_CALIBRATION",
+        os.path.join(os.path.expanduser("~"), ".cache", "hf_contextpar", "calibration.json"),
+    )
 
 
 @dataclass
@@ -65,14 +66,14 @@ class Machine:
         return path
 
     @classmethod
-    def load(cls, path: str) -> "Machine":
+    def load(cls, path: str) -> Machine:
         with open(path) as f:
             data = json.load(f)
         data["h_coefficients"] = tuple(data.get("h_coefficients", PAPER_H))
         return cls(**data)
 
     @classmethod
-    def resolve(cls, calibration=None, device_type: str = "cpu") -> "Machine":
+    def resolve(cls, calibration=None, device_type: str = "cpu") -> Machine:
         """An explicit Machine / dict / path, else the saved file, else the defaults."""
         if isinstance(calibration, Machine):
             return calibration
@@ -96,7 +97,7 @@ class Shape:
     elem_bytes: int
 
     @classmethod
-    def from_model(cls, model) -> "Shape":
+    def from_model(cls, model) -> Shape:
         """The shape of a loaded model (its first decoder layer's linear weights)."""
         import torch
 
@@ -106,8 +107,9 @@ class Shape:
         layer = model.get_decoder().layers[0]
         weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
         elem = next(model.parameters()).element_size()
-        return cls(text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", None) or heads, head_dim,
-                   weights, elem)
+        return cls(
+            text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", None) or heads, head_dim, weights, elem
+        )
 
 
 PER_FORWARD_COLLECTIVES = 2  # runtime.py: the input check and the logits gather, one all-gather each

@@ -105,10 +105,15 @@ def _cuda_kernel_ok(dtype, device) -> bool:
                 vis[:, 0] = True
                 bias = torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill(~vis, -math.inf)
                 tol = 1e-2 if dtype != torch.float32 else 1e-4
-                for b, c, m in ((None, True, torch.ones(40, 40, dtype=torch.bool, device=device).tril()), (bias, False, vis)):
+                for b, c, m in (
+                    (None, True, torch.ones(40, 40, dtype=torch.bool, device=device).tril()),
+                    (bias, False, vis),
+                ):
                     o1, l1 = _cuda_fused(q, k, v, b, c, 0.125)
                     o2, l2 = _math(q, k, v, m, 0.125, None)
-                    ok &= bool((o1.float() - o2.float()).abs().max() < tol and (l1.float() - l2.float()).abs().max() < tol)
+                    ok &= bool(
+                        (o1.float() - o2.float()).abs().max() < tol and (l1.float() - l2.float()).abs().max() < tol
+                    )
             except RuntimeError:
                 ok = False
         _cuda_ok[dtype] = ok
@@ -171,8 +176,9 @@ def _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
             acc = Accumulator()
             for ka, kb in key_segments(qc, k_cols, window):
                 valid = key_valid[:, ka:kb] if key_valid is not None else None
-                res = _block(qt, k[:, :, ka:kb], v[:, :, ka:kb], qc, k_cols[ka:kb], valid, window, scale, softcap,
-                             tile=True)
+                res = _block(
+                    qt, k[:, :, ka:kb], v[:, :, ka:kb], qc, k_cols[ka:kb], valid, window, scale, softcap, tile=True
+                )
                 if res is not None:
                     acc.add(*res)
             if acc.out is None:  # no visible key for these rows
@@ -203,8 +209,8 @@ def _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     kc = k_cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
     outs, lses, any_seen = [], [], False
     for r0 in range(0, q.shape[2], rows):
-        qt = q[:, :, r0:r0 + rows]
-        qc = q_cols[r0:r0 + rows].to(q.device).view(1, -1, 1)
+        qt = q[:, :, r0 : r0 + rows]
+        qc = q_cols[r0 : r0 + rows].to(q.device).view(1, -1, 1)
         vis = (kc >= 0) & (kc <= qc)
         if window is not None:
             vis &= kc > qc - window
@@ -245,8 +251,17 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
         acc = Accumulator()
         for ka, kb in k_runs:
             kv_valid = key_valid[:, ka:kb] if key_valid is not None else None
-            res = _block(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], q_cols[qa:qb], k_cols[ka:kb],
-                         kv_valid, window, scale, softcap)
+            res = _block(
+                q[:, :, qa:qb],
+                k[:, :, ka:kb],
+                v[:, :, ka:kb],
+                q_cols[qa:qb],
+                k_cols[ka:kb],
+                kv_valid,
+                window,
+                scale,
+                softcap,
+            )
             if res is not None:
                 acc.add(*res)
         if acc.out is None:  # no visible key for these rows

@@ -54,26 +54,36 @@ class PartitionTable:
     def sizes(self, length: int, world: int) -> list[int]:
         """KVR-P: the interpolated partition of `length` tokens (exact integer sizes)."""
         if world != self.world:
-            raise ValueError(f"this partition table was built for {self.world} ranks, not {world}; "
-                             "build one for this N with `python -m hf_contextpar kvr-table`.")
+            raise ValueError(
+                f"this partition table was built for {self.world} ranks, not {world}; "
+                "build one for this N with `python -m hf_contextpar kvr-table`."
+            )
         return partition_sizes(length, self.ratios(length))
 
     def save(self, path: str) -> str:
         with open(path, "w") as f:
-            json.dump(dict(world=self.world, entries={str(k): v for k, v in sorted(self.entries.items())},
-                           details=self.details), f, indent=1)
+            json.dump(
+                dict(
+                    world=self.world, entries={str(k): v for k, v in sorted(self.entries.items())}, details=self.details
+                ),
+                f,
+                indent=1,
+            )
         return path
 
     @classmethod
-    def load(cls, source) -> "PartitionTable":
+    def load(cls, source) -> PartitionTable:
         """From a PartitionTable, a dict (as saved) or a JSON path."""
         if isinstance(source, cls):
             return source
         if not isinstance(source, dict):
             with open(source) as f:
                 source = json.load(f)
-        return cls(int(source["world"]), {int(k): list(v) for k, v in source["entries"].items()},
-                   dict(source.get("details", {})))
+        return cls(
+            int(source["world"]),
+            {int(k): list(v) for k, v in source["entries"].items()},
+            dict(source.get("details", {})),
+        )
 
 
 def search(num_tokens: int, world: int, measure, points: int = 5, min_stride: int | None = None):

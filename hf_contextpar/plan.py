@@ -19,8 +19,8 @@ Three shapes of forward:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -85,24 +85,50 @@ class ForwardPlan:
         return self.kv_cols[rank].shape[-1]
 
 
-def build_plan(policy: Policy, layout, *, batch: int, num_new: int, position_ids: torch.Tensor,
-               padding: torch.Tensor | None, logits_to_keep=0, uses_cache: bool = True) -> ForwardPlan:
+def build_plan(
+    policy: Policy,
+    layout,
+    *,
+    batch: int,
+    num_new: int,
+    position_ids: torch.Tensor,
+    padding: torch.Tensor | None,
+    logits_to_keep=0,
+    uses_cache: bool = True,
+) -> ForwardPlan:
     """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
     world = policy.world
     past = layout.seq_length if uses_cache else 0
     cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world
     rotation = layout.rotation if uses_cache else -1
     new_cols = torch.arange(past, past + num_new)
-    common = dict(world=world, batch=batch, num_new=num_new, past=past, padding=padding, uses_cache=uses_cache,
-                  rope_length=int(position_ids.max()) + 1)
+    common = dict(
+        world=world,
+        batch=batch,
+        num_new=num_new,
+        past=past,
+        padding=padding,
+        uses_cache=uses_cache,
+        rope_length=int(position_ids.max()) + 1,
+    )
 
     if num_new >= world:  # shard the new tokens
         algorithm, rows = _prefill(policy, cols, num_new, past)
         q_cols = [new_cols[r] for r in rows]
         keep, gather = _token_gather(rows, num_new, logits_to_keep)
-        return ForwardPlan(algorithm=algorithm, token_rows=rows, seq_rows=None, q_cols=q_cols,
-                           kv_cols=_append(cols, q_cols), store=[Store()] * world, keep=keep, gather=gather,
-                           hidden=Gather(list(rows), num_new), rotation=rotation, **common)
+        return ForwardPlan(
+            algorithm=algorithm,
+            token_rows=rows,
+            seq_rows=None,
+            q_cols=q_cols,
+            kv_cols=_append(cols, q_cols),
+            store=[Store()] * world,
+            keep=keep,
+            gather=gather,
+            hidden=Gather(list(rows), num_new),
+            rotation=rotation,
+            **common,
+        )
 
     offset = _rotation(policy, cols, rotation, batch) if uses_cache and num_new == 1 and past > 0 else None
     if offset is not None:  # batched ring pass-Q decode
@@ -110,18 +136,48 @@ def build_plan(policy: Policy, layout, *, batch: int, num_new: int, position_ids
         kv_cols, store = _place_per_sequence(cols, past, seq_rows, batch)
         everyone = torch.arange(batch)
         gather = Gather([everyone[s] for s in seq_rows], batch, dim=0)
-        return ForwardPlan(algorithm="ring_pass_q_decode", token_rows=None, seq_rows=seq_rows,
-                           q_cols=[new_cols] * world, kv_cols=kv_cols, store=store, keep=None, gather=gather,
-                           hidden=gather, rotation=offset, **common)
+        return ForwardPlan(
+            algorithm="ring_pass_q_decode",
+            token_rows=None,
+            seq_rows=seq_rows,
+            q_cols=[new_cols] * world,
+            kv_cols=kv_cols,
+            store=store,
+            keep=None,
+            gather=gather,
+            hidden=gather,
+            rotation=offset,
+            **common,
+        )
 
     if uses_cache:  # replicated: every rank runs every new token, each is stored on the least-loaded rank
         owned = least_loaded_owners(num_new, _counts(cols))
-        return ForwardPlan(algorithm="decode", token_rows=None, seq_rows=None, q_cols=[new_cols] * world,
-                           kv_cols=_append(cols, [new_cols[o] for o in owned]), store=[Store(rows=o) for o in owned],
-                           keep=None, gather=None, hidden=None, rotation=rotation, **common)
-    return ForwardPlan(algorithm="local", token_rows=None, seq_rows=None, q_cols=[new_cols] * world,
-                       kv_cols=[new_cols] * world, store=[Store()] * world, keep=None, gather=None, hidden=None,
-                       rotation=rotation, **common)
+        return ForwardPlan(
+            algorithm="decode",
+            token_rows=None,
+            seq_rows=None,
+            q_cols=[new_cols] * world,
+            kv_cols=_append(cols, [new_cols[o] for o in owned]),
+            store=[Store(rows=o) for o in owned],
+            keep=None,
+            gather=None,
+            hidden=None,
+            rotation=rotation,
+            **common,
+        )
+    return ForwardPlan(
+        algorithm="local",
+        token_rows=None,
+        seq_rows=None,
+        q_cols=[new_cols] * world,
+        kv_cols=[new_cols] * world,
+        store=[Store()] * world,
+        keep=None,
+        gather=None,
+        hidden=None,
+        rotation=rotation,
+        **common,
+    )
 
 
 def _prefill(policy: Policy, cols, num_new: int, past: int):
@@ -149,8 +205,10 @@ def sequence_counts(cols, batch: int) -> torch.Tensor:
 
 def _append(cols, new_cols):
     """Every sequence appends the same columns (new_cols[r] on rank r)."""
-    return [torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
-            for c, n in zip(cols, new_cols)]
+    return [
+        torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
+        for c, n in zip(cols, new_cols)
+    ]
 
 
 def _rotation(policy: Policy, cols, rotation: int, batch: int) -> int | None:
@@ -187,7 +245,9 @@ def _place_per_sequence(cols, col: int, seq_rows, batch: int):
         c = c.expand(batch, -1).clone() if c.dim() == 1 else c.clone()
         idx = torch.arange(batch)[rows]
         # slot after the last filled one (0 for a sequence with nothing here; no argmax over empty tables)
-        filled_upto = ((c >= 0) * torch.arange(1, c.shape[1] + 1)).amax(1) if c.shape[1] else torch.zeros(batch, dtype=torch.long)
+        filled_upto = (
+            ((c >= 0) * torch.arange(1, c.shape[1] + 1)).amax(1) if c.shape[1] else torch.zeros(batch, dtype=torch.long)
+        )
         slots = filled_upto[idx]
         need = int(slots.max()) + 1 if idx.numel() else 0
         if need > c.shape[1]:

@@ -82,6 +82,8 @@ def fit_h(samples) -> tuple[float, float, float]:
         target.append(math.log(t_q / t_kv))
     if len(rows) < 3:
         raise ValueError("fit_h needs at least 3 measurements")
-    sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None])
+    sol = torch.linalg.lstsq(
+        torch.tensor(rows, dtype=torch.float64), torch.tensor(target, dtype=torch.float64)[:, None]
+    )
     a, b, c = sol.solution.flatten().tolist()
     return a, b, c

@@ -35,12 +35,30 @@ PRESETS = {
 
 # Published geometries (config.json fields), so the tool runs with no hub access.
 GEOMETRIES = {
-    "llama-3.1-8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128),
-    "llama-3.1-70b": dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                          num_key_value_heads=8, head_dim=128),
-    "llama-3.1-405b": dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
-                           num_key_value_heads=8, head_dim=128),
+    "llama-3.1-8b": dict(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "llama-3.1-70b": dict(
+        num_hidden_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "llama-3.1-405b": dict(
+        num_hidden_layers=126,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
@@ -80,8 +98,10 @@ def _config(model: str):
     try:
         return AutoConfig.from_pretrained(model)
     except OSError as e:
-        raise SystemExit(f"could not load a config for '{model}' ({e}); use a config.json, a model directory, a "
-                         f"cached hub id, a built-in model or one of {sorted(GEOMETRIES)}.") from None
+        raise SystemExit(
+            f"could not load a config for '{model}' ({e}); use a config.json, a model directory, a "
+            f"cached hub id, a built-in model or one of {sorted(GEOMETRIES)}."
+        ) from None
 
 
 def machine_of(hardware: str) -> Machine:
@@ -91,8 +111,10 @@ def machine_of(hardware: str) -> Machine:
         return Machine.resolve(None, "cpu")
     if os.path.isfile(hardware):
         return Machine.load(hardware)
-    raise SystemExit(f"--hardware must be one of {sorted(PRESETS)}, 'cpu' (the saved calibration, else defaults) "
-                     "or a calibration JSON from `python -m hf_contextpar calibrate`.")
+    raise SystemExit(
+        f"--hardware must be one of {sorted(PRESETS)}, 'cpu' (the saved calibration, else defaults) "
+        "or a calibration JSON from `python -m hf_contextpar calibrate`."
+    )
 
 
 def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
@@ -119,8 +141,10 @@ def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
     and its 1/N of the KV cache (memory-bound at batch 1), then one small collective per layer."""
     bw = m.memory_bandwidth
     linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.elem_bytes / bw)
-    attention = max(4.0 * shape.heads * shape.head_dim * context / N / m.attn_flops,
-                    2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw)
+    attention = max(
+        4.0 * shape.heads * shape.head_dim * context / N / m.attn_flops,
+        2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw,
+    )
     collective = m.latency if N > 1 else 0.0
     return shape.layers * (linear + attention + collective) + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
 
@@ -155,18 +179,24 @@ def _fmt_b(x):
 def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1) -> str:
     m = machine_of(hardware)
     shape = shape_of(model, DTYPE_BYTES[dtype], tp)
-    lines = [f"model {model} ({shape.layers} layers, per CP rank {shape.heads} query / {shape.kv_heads} KV heads "
-             f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), {dtype}, TP {tp}",
-             f"machine {hardware}: {m.source}; C_attn {m.attn_flops / 1e12:.1f} TFLOP/s, C_gemm "
-             f"{m.gemm_flops / 1e12:.1f} TFLOP/s, BW {m.bandwidth / 1e9:.1f} GB/s, latency {m.latency * 1e6:.0f} us, "
-             f"memory {m.memory_bandwidth / 1e12:.2f} TB/s", ""]
+    lines = [
+        f"model {model} ({shape.layers} layers, per CP rank {shape.heads} query / {shape.kv_heads} KV heads "
+        f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), {dtype}, TP {tp}",
+        f"machine {hardware}: {m.source}; C_attn {m.attn_flops / 1e12:.1f} TFLOP/s, C_gemm "
+        f"{m.gemm_flops / 1e12:.1f} TFLOP/s, BW {m.bandwidth / 1e9:.1f} GB/s, latency {m.latency * 1e6:.0f} us, "
+        f"memory {m.memory_bandwidth / 1e12:.2f} TB/s",
+        "",
+    ]
     for context in lengths:
         for rate in miss_rates:
             T = max(1, round(rate * context))
             P = context - T
-            lines += [f"### context {context} tokens, miss rate {rate:g} (T = {T} new, P = {P} cached)", "",
-                      "| N | GPUs | strategy | TTFT | TTIT | KV / rank | traffic / rank | auto |",
-                      "|---:|---:|---|---:|---:|---:|---:|---|"]
+            lines += [
+                f"### context {context} tokens, miss rate {rate:g} (T = {T} new, P = {P} cached)",
+                "",
+                "| N | GPUs | strategy | TTFT | TTIT | KV / rank | traffic / rank | auto |",
+                "|---:|---:|---|---:|---:|---:|---:|---|",
+            ]
             for N in worlds:
                 base = predict_ttft("ring_pass_kv", T, 1, shape, m, P) if N > 1 else None
                 pick = choose(T, P, N, shape, m, "cost").strategy if N > 1 else "-"
@@ -175,10 +205,12 @@ def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = 
                     if ttft is None:
                         continue
                     speed = f" ({base / ttft:.1f}x)" if base else ""
-                    lines.append(f"| {N} | {N * tp} | {s} | {_fmt_s(ttft)}{speed} | {_fmt_s(predict_ttit(context, N, shape, m))} | "
-                                 f"{_fmt_b(kv_bytes_per_rank(context, N, shape))} | "
-                                 f"{_fmt_b(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
-                                 f"{'<- auto' if s == pick else ''} |")
+                    lines.append(
+                        f"| {N} | {N * tp} | {s} | {_fmt_s(ttft)}{speed} | {_fmt_s(predict_ttit(context, N, shape, m))} | "
+                        f"{_fmt_b(kv_bytes_per_rank(context, N, shape))} | "
+                        f"{_fmt_b(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
+                        f"{'<- auto' if s == pick else ''} |"
+                    )
             lines.append("")
         for N in worlds:
             if N > 1:
@@ -190,19 +222,30 @@ def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = 
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="llama-3.1-70b",
-                   help=f"hub id, config.json, model directory, built-in model, or one of {sorted(GEOMETRIES)}")
+    p.add_argument(
+        "--model",
+        default="llama-3.1-70b",
+        help=f"hub id, config.json, model directory, built-in model, or one of {sorted(GEOMETRIES)}",
+    )
     p.add_argument("--hardware", default="h100-rdma", help=f"{sorted(PRESETS)}, 'cpu', or a calibration JSON")
     p.add_argument("--world", default="1,2,4,8", help="CP world sizes N, comma-separated")
     p.add_argument("--tp", type=int, default=1, help="GPUs per CP rank (tensor parallel inside a rank)")
     p.add_argument("--lengths", default="131072,1048576", help="context lengths, comma-separated")
-    p.add_argument("--miss-rates", default="1.0", help="KV-cache miss rates T/(T+P), comma-separated (1 = full prefill)")
+    p.add_argument(
+        "--miss-rates", default="1.0", help="KV-cache miss rates T/(T+P), comma-separated (1 = full prefill)"
+    )
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
 
 
 def run(args) -> str:
-    text = report(args.model, args.hardware, [int(x) for x in args.world.split(",")],
-                  [int(x) for x in args.lengths.split(",")], [float(x) for x in args.miss_rates.split(",")],
-                  args.dtype, args.tp)
+    text = report(
+        args.model,
+        args.hardware,
+        [int(x) for x in args.world.split(",")],
+        [int(x) for x in args.lengths.split(",")],
+        [float(x) for x in args.miss_rates.split(",")],
+        args.dtype,
+        args.tp,
+    )
     print(text)
     return text

@@ -14,18 +14,19 @@ from __future__ import annotations
 import inspect
 import types
 from collections import Counter
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import current_step
 from .cache import ShardedCache
 from .comm import Comm
+from .costmodel import Shape
 from .errors import ContextParallelError, UnsupportedModelError
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Gather, Policy, build_plan
-from .step import Step
-from .costmodel import Shape
 from .planner import Calibration, choose
+from .step import Step
 
 
 def _fingerprint(t: torch.Tensor | None) -> int:
@@ -55,8 +56,12 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
         )
     if mask is not None and mask.shape[1] != past + num_new:
-        again = " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do " \
-                "that over a cache filled by an earlier call; start them with no cache)" if mask.shape[1] == num_new else ""
+        again = (
+            " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do "
+            "that over a cache filled by an earlier call; start them with no cache)"
+            if mask.shape[1] == num_new
+            else ""
+        )
         raise ContextParallelError(
             f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
             f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
@@ -76,8 +81,19 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
 class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and what to restore on removal."""
 
-    def __init__(self, model, group, rank, world, strategy: str = "auto", check_inputs: bool = True,
-                 calibration=None, planner_rule: str = "cost", decode: str = "auto", kvr_partitions=None):
+    def __init__(
+        self,
+        model,
+        group,
+        rank,
+        world,
+        strategy: str = "auto",
+        check_inputs: bool = True,
+        calibration=None,
+        planner_rule: str = "cost",
+        decode: str = "auto",
+        kvr_partitions=None,
+    ):
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
@@ -137,9 +153,16 @@ class ContextParallelRuntime:
         position_ids = _checked_positions(kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device)
         padding = None if mask is None or bool(mask.all()) else mask.bool()
 
-        plan = build_plan(self._policy(), cache.layout if cache is not None else None, batch=batch, num_new=num_new,
-                          position_ids=position_ids, padding=padding, logits_to_keep=kwargs.get("logits_to_keep", 0),
-                          uses_cache=cache is not None)
+        plan = build_plan(
+            self._policy(),
+            cache.layout if cache is not None else None,
+            batch=batch,
+            num_new=num_new,
+            position_ids=position_ids,
+            padding=padding,
+            logits_to_keep=kwargs.get("logits_to_keep", 0),
+            uses_cache=cache is not None,
+        )
         check = None
         if self.check_inputs:
             pending = self._post_input_check(batch, num_new, past, ids, embeds, mask, position_ids)
@@ -153,8 +176,13 @@ class ContextParallelRuntime:
         step = Step(plan, self.comm, cache, self.num_layers, check=check)
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
-        self.last_forward = dict(algorithm=plan.algorithm, tokens=num_new, past=past,
-                                 bytes_sent=-self._attention.bytes_sent, bytes_received=-self._attention.bytes_received)
+        self.last_forward = dict(
+            algorithm=plan.algorithm,
+            tokens=num_new,
+            past=past,
+            bytes_sent=-self._attention.bytes_sent,
+            bytes_received=-self._attention.bytes_received,
+        )
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep
         # activations alive. The caller's grad mode comes back in the forward hook.
@@ -260,8 +288,18 @@ class ContextParallelRuntime:
 
     def _post_input_check(self, batch, num_new, past, ids, embeds, mask, position_ids):
         """Start the all-gather of every rank's input fingerprint (one small collective per forward)."""
-        fp = torch.tensor([batch, num_new, past, _fingerprint(ids), _fingerprint(embeds),
-                           _fingerprint(mask), _fingerprint(position_ids)], dtype=torch.long)
+        fp = torch.tensor(
+            [
+                batch,
+                num_new,
+                past,
+                _fingerprint(ids),
+                _fingerprint(embeds),
+                _fingerprint(mask),
+                _fingerprint(position_ids),
+            ],
+            dtype=torch.long,
+        )
         return self.comm.all_gather_start(fp.to(self._check_device(ids if ids is not None else embeds)), tag="control")
 
     @staticmethod
@@ -272,7 +310,9 @@ class ContextParallelRuntime:
         """After generate(): every rank must hold the same sequences (covers what was sampled after
         the last forward, which no forward's input check sees)."""
         fp = torch.tensor([*sequences.shape, _fingerprint(sequences)], dtype=torch.long)
-        self._verify_same(self.comm.all_gather(fp.to(self._check_device(sequences)), tag="control"), "generated sequences")
+        self._verify_same(
+            self.comm.all_gather(fp.to(self._check_device(sequences)), tag="control"), "generated sequences"
+        )
 
     def _verify_same(self, everyone, what: str):
         if not bool((everyone == everyone[0]).all()):

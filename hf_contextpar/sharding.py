@@ -43,8 +43,11 @@ def head_tail_plan(num_tokens: int, world_size: int, counts: list[int] | None = 
     plan = []
     for r in range(world_size):
         tail_chunk = 2 * world_size - 1 - r
-        plan.append(torch.cat([torch.arange(bounds[r], bounds[r + 1]),
-                               torch.arange(bounds[tail_chunk], bounds[tail_chunk + 1])]))
+        plan.append(
+            torch.cat(
+                [torch.arange(bounds[r], bounds[r + 1]), torch.arange(bounds[tail_chunk], bounds[tail_chunk + 1])]
+            )
+        )
     return plan
 
 

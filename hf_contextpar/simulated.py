@@ -68,7 +68,8 @@ class SimulatedWorld:
             if left <= 0:
                 raise SimulationError(
                     f"simulated rank {rank}/{self.world}: {what} still waiting after {self.timeout:g}s "
-                    "(a deadlock: the peer never posted the matching send or collective)")
+                    "(a deadlock: the peer never posted the matching send or collective)"
+                )
             self.cond.wait(left)
 
     def run(self, fns: list) -> list:
@@ -92,8 +93,9 @@ class SimulatedWorld:
                         self.failed = f"rank {r} failed: {type(e).__name__}: {e}"
                     self.cond.notify_all()
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True)
-                   for r in range(self.world)]
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(self.world)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -129,26 +131,27 @@ class SimulatedComm:
         self.tagged[tag].add_wait(op, seconds)
 
     # -- the ring: one hop to the next rank, from the previous one ------------------------------
-    def send_recv(self, send: torch.Tensor, recv_shape) -> "_Pending":
+    def send_recv(self, send: torch.Tensor, recv_shape) -> _Pending:
         """One ring hop, posted without waiting: `send` to rank+1, a block of `recv_shape` from rank-1."""
         return self._post_p2p("ring_shift", send, torch.empty(recv_shape, dtype=send.dtype, device=send.device))
 
-    def send_next(self, send: torch.Tensor) -> "_Pending":
+    def send_next(self, send: torch.Tensor) -> _Pending:
         """Post `send` to rank+1; wait() before touching `send` again."""
         return self._post_p2p("ring_send", send, None)
 
-    def recv_prev(self, shape, dtype, device) -> "_Pending":
+    def recv_prev(self, shape, dtype, device) -> _Pending:
         """Post the receive of a block of `shape` from rank-1; wait() returns it."""
         return self._post_p2p("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
 
-    def _post_p2p(self, op: str, send, recv) -> "_Pending":
+    def _post_p2p(self, op: str, send, recv) -> _Pending:
         """Empty blocks are not posted (on either side, as in `Comm`)."""
         sim, nxt, prv = self.sim, (self.rank + 1) % self.world, (self.rank - 1) % self.world
         posted_send = send_index = recv_index = None
         if send is not None and send.numel() > 0:
             if not send.is_contiguous():
-                raise SimulationError(f"simulated rank {self.rank}: {op} of a non-contiguous tensor "
-                                      "(torch.distributed refuses it)")
+                raise SimulationError(
+                    f"simulated rank {self.rank}: {op} of a non-contiguous tensor (torch.distributed refuses it)"
+                )
             posted_send = (send, send.clone())
             with sim.cond:
                 send_index = sim.sent[self.rank][nxt]
@@ -160,15 +163,20 @@ class SimulatedComm:
                 recv_index = sim.posted_recvs[self.rank][prv]
                 sim.posted_recvs[self.rank][prv] += 1
                 sim.cond.notify_all()
-        self._record("attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0)
+        self._record(
+            "attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0
+        )
 
         def finish():
             if posted_send is not None:
                 if not torch.equal(*posted_send):
                     raise SimulationError(f"simulated rank {self.rank}: an {op} send buffer changed before wait()")
                 with sim.cond:  # a send completes once the peer has posted its receive (NCCL/gloo rendezvous)
-                    sim.wait_for(lambda: sim.posted_recvs[nxt][self.rank] > send_index,
-                                 f"{op} send #{send_index} to rank {nxt} (no matching receive posted)", self.rank)
+                    sim.wait_for(
+                        lambda: sim.posted_recvs[nxt][self.rank] > send_index,
+                        f"{op} send #{send_index} to rank {nxt} (no matching receive posted)",
+                        self.rank,
+                    )
             if recv_index is None:
                 return recv
             key = (prv, self.rank, recv_index)
@@ -178,7 +186,8 @@ class SimulatedComm:
             if got.shape != recv.shape or got.dtype != recv.dtype:
                 raise SimulationError(
                     f"simulated rank {self.rank}: {op} receive #{recv_index} expected {tuple(recv.shape)} "
-                    f"{recv.dtype} from rank {prv}, which sent {tuple(got.shape)} {got.dtype}")
+                    f"{recv.dtype} from rank {prv}, which sent {tuple(got.shape)} {got.dtype}"
+                )
             recv.copy_(got)
             return recv
 
@@ -208,14 +217,15 @@ class SimulatedComm:
             for r in ranks:
                 if slot[r][0] != op:
                     raise SimulationError(
-                        f"collective #{index}: rank {self.rank} called {op}, rank {r} called {slot[r][0]}")
+                        f"collective #{index}: rank {self.rank} called {op}, rank {r} called {slot[r][0]}"
+                    )
             return {r: slot[r][1] for r in ranks}
 
     def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
         return self.all_gather_start(t, tag).wait()
 
-    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> "_Pending":
+    def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> _Pending:
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack."""
         index = self._post("all_gather", t.contiguous().clone())
         self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
@@ -224,8 +234,10 @@ class SimulatedComm:
             parts = self._collect(index, "all_gather")
             for r, p in parts.items():
                 if p.shape != t.shape or p.dtype != t.dtype:
-                    raise SimulationError(f"all_gather: rank {self.rank} has {tuple(t.shape)} {t.dtype}, "
-                                          f"rank {r} has {tuple(p.shape)} {p.dtype}")
+                    raise SimulationError(
+                        f"all_gather: rank {self.rank} has {tuple(t.shape)} {t.dtype}, "
+                        f"rank {r} has {tuple(p.shape)} {p.dtype}"
+                    )
             return torch.stack([parts[r] for r in range(self.world)])
 
         return _Pending(self, "all_gather", finish, tag)
@@ -235,19 +247,27 @@ class SimulatedComm:
         mine = mine.contiguous()
         index = self._post("broadcast", mine)
         esize = mine.element_size()
-        self._record("attention", "broadcast", _nbytes(mine) * (self.world - 1),
-                     esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank))
+        self._record(
+            "attention",
+            "broadcast",
+            _nbytes(mine) * (self.world - 1),
+            esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank),
+        )
 
         def block(r):
             if r == self.rank:
                 if mine.shape != torch.Size(shapes[r]):
-                    raise SimulationError(f"broadcast: rank {r}'s block is {tuple(mine.shape)}, "
-                                          f"its own shapes[{r}] says {tuple(shapes[r])}")
+                    raise SimulationError(
+                        f"broadcast: rank {r}'s block is {tuple(mine.shape)}, "
+                        f"its own shapes[{r}] says {tuple(shapes[r])}"
+                    )
                 return mine
             got = self._collect(index, "broadcast", [r])[r]
             if got.shape != torch.Size(shapes[r]) or got.dtype != mine.dtype:
-                raise SimulationError(f"broadcast: rank {self.rank} expected {tuple(shapes[r])} {mine.dtype} "
-                                      f"from rank {r}, which sent {tuple(got.shape)} {got.dtype}")
+                raise SimulationError(
+                    f"broadcast: rank {self.rank} expected {tuple(shapes[r])} {mine.dtype} "
+                    f"from rank {r}, which sent {tuple(got.shape)} {got.dtype}"
+                )
             return got.clone()
 
         return [_Pending(self, "broadcast", lambda r=r: block(r)) for r in range(self.world)]
@@ -259,8 +279,12 @@ class SimulatedComm:
         out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         esize = send[0].element_size()
         total_in = sum(t.numel() for t in send)
-        self._record("attention", "all_to_all", esize * (total_in - send[self.rank].numel()),
-                     esize * (sum(out_sizes) - out_sizes[self.rank]))
+        self._record(
+            "attention",
+            "all_to_all",
+            esize * (total_in - send[self.rank].numel()),
+            esize * (sum(out_sizes) - out_sizes[self.rank]),
+        )
         t0 = time.perf_counter()
         parts = self._collect(index, "all_to_all")
         self._add_wait("attention", "all_to_all", time.perf_counter() - t0)
@@ -268,8 +292,10 @@ class SimulatedComm:
         for r, shape in enumerate(recv_shapes):
             got = parts[r][self.rank]
             if got.numel() != out_sizes[r] or got.dtype != send[0].dtype:
-                raise SimulationError(f"all_to_all: rank {self.rank} expected {tuple(shape)} {send[0].dtype} "
-                                      f"from rank {r}, which sent {tuple(got.shape)} {got.dtype}")
+                raise SimulationError(
+                    f"all_to_all: rank {self.rank} expected {tuple(shape)} {send[0].dtype} "
+                    f"from rank {r}, which sent {tuple(got.shape)} {got.dtype}"
+                )
             out.append(got.reshape(shape).clone())
         return out
 
@@ -321,8 +347,18 @@ def shard_inputs(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty:
     return qs, kvs
 
 
-def run_algorithm(plan, qs: list, kvs: list, *, scale: float, window=None, softcap=None, algorithm=None,
-                  num_layers: int = 1, timeout: float = 60.0):
+def run_algorithm(
+    plan,
+    qs: list,
+    kvs: list,
+    *,
+    scale: float,
+    window=None,
+    softcap=None,
+    algorithm=None,
+    num_layers: int = 1,
+    timeout: float = 60.0,
+):
     """Run the plan's attention algorithm on every simulated rank, for `num_layers` layers.
 
     qs[r], kvs[r]: rank r's queries (B_r, H, T_r, D) and packed K/V (slots, 2, B, Hkv, D), used by

@@ -12,8 +12,8 @@ reference attention implementation and its fp64 tolerance, so adding a family is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hf_contextpar.errors import UnsupportedModelError
 
@@ -49,17 +49,36 @@ def _text_only_gemma3(config):
 for _patch in [
     FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
     FamilyPatch("mistral", "Mistral: GQA, sliding window on every layer", tiny=dict(sliding_window=24)),
-    FamilyPatch("qwen2", "Qwen2/2.5: GQA, QKV bias, optional sliding layers",
-                tiny=dict(use_sliding_window=True, sliding_window=24, max_window_layers=1,
-                          layer_types=["full_attention", "sliding_attention"])),
+    FamilyPatch(
+        "qwen2",
+        "Qwen2/2.5: GQA, QKV bias, optional sliding layers",
+        tiny=dict(
+            use_sliding_window=True,
+            sliding_window=24,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
+    ),
     FamilyPatch("qwen3", "Qwen3: GQA, QK-norm", tiny={}),
     # HF runs Gemma2's soft-capping only in eager attention, whose softmax is fp32 even for fp64 models
-    FamilyPatch("gemma2", "Gemma2: alternating sliding/global layers, attention and final logit soft-capping",
-                tiny=dict(sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
-                          query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]),
-                reference_attn="eager", fp64_tolerance=1e-5),
-    FamilyPatch("gemma3_text", "Gemma3 (text): alternating sliding/global layers, QK-norm, dual RoPE",
-                tiny=dict(sliding_window=24, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    FamilyPatch(
+        "gemma2",
+        "Gemma2: alternating sliding/global layers, attention and final logit soft-capping",
+        tiny=dict(
+            sliding_window=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        reference_attn="eager",
+        fp64_tolerance=1e-5,
+    ),
+    FamilyPatch(
+        "gemma3_text",
+        "Gemma3 (text): alternating sliding/global layers, QK-norm, dual RoPE",
+        tiny=dict(sliding_window=24, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"]),
+    ),
     FamilyPatch("phi3", "Phi-3: fused QKV, sliding window", tiny=dict(sliding_window=40, num_key_value_heads=4)),
     FamilyPatch("olmo2", "OLMo 2: QK-norm, post-norm blocks", tiny={}),
 ]:

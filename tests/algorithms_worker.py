@@ -16,14 +16,16 @@ from test_algorithms import CASES, SCALE, _same, layers_for, lengths, prepare  #
 
 from hf_contextpar.attention import ALGORITHMS  # noqa: E402
 from hf_contextpar.comm import Comm  # noqa: E402
-from hf_contextpar.step import Step  # noqa: E402
 from hf_contextpar.simulated import run_algorithm, shard_inputs  # noqa: E402
+from hf_contextpar.step import Step  # noqa: E402
 
 
 def counts(comm):
     """Bytes and calls, all operations and per tag."""
-    return [[s.bytes_sent, s.bytes_received, dict(sorted(s.calls.items()))]
-            for s in (comm.stats, comm.tagged["attention"], comm.tagged["control"])]
+    return [
+        [s.bytes_sent, s.bytes_received, dict(sorted(s.calls.items()))]
+        for s in (comm.stats, comm.tagged["attention"], comm.tagged["control"])
+    ]
 
 
 def main():
@@ -48,8 +50,16 @@ def main():
                     step.layer = layer
                     real.append(ALGORITHMS[plan.algorithm](step, qs[rank], kvs[rank], **attn))
                 identical = all(_same(a[0], b[0]) and _same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
-                records.append(dict(case=case.name, plan=i, algorithm=plan.algorithm, identical=identical,
-                                    real=counts(comm), sim=counts(sims[rank])))
+                records.append(
+                    dict(
+                        case=case.name,
+                        plan=i,
+                        algorithm=plan.algorithm,
+                        identical=identical,
+                        real=counts(comm),
+                        sim=counts(sims[rank]),
+                    )
+                )
         except Exception as e:  # recorded, so one failure does not hide the others
             records.append(dict(case="error", job=case.name, error=f"{type(e).__name__}: {e}"))
     write_records(out_dir, records)

@@ -9,12 +9,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-import hf_contextpar
 from hf_contextpar.eval import first_divergence, logits_diff
-from hf_contextpar.models import tiny_model
 from hf_contextpar.patches import REGISTRY
 from launch import write_records
+
+import hf_contextpar
+from hf_contextpar.models import tiny_model
 
 FAMILIES = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 
@@ -86,12 +86,18 @@ def run_family(family, n, records):
         for length in (1, 2 * n + 1, 97) if dtype == torch.float64 else (2 * n + 1, 97):
             ids = prompt(length, seed=1000 + length)
             out_ref = ref.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-            out = cp.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                              return_dict_in_generate=True)
+            out = cp.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32, return_dict_in_generate=True)
             total = out.sequences.shape[1] - 1  # the last token's K/V is never computed
-            rec("greedy", dtype=dname, length=length, tokens_equal=torch.equal(out.sequences, out_ref),
-                diverge=first_divergence(out.sequences, out_ref), ranks_agree=gathered_equal(out.sequences),
-                cache_tokens=local_tokens(out.past_key_values), cache_bound=math.ceil(total / n) + 1)
+            rec(
+                "greedy",
+                dtype=dname,
+                length=length,
+                tokens_equal=torch.equal(out.sequences, out_ref),
+                diverge=first_divergence(out.sequences, out_ref),
+                ranks_agree=gathered_equal(out.sequences),
+                cache_tokens=local_tokens(out.past_key_values),
+                cache_bound=math.ceil(total / n) + 1,
+            )
         # left-padded batch of 3 prompts of different lengths
         ids, mask = left_padded([37, 64, 19], seed=7)
         mine, theirs = cp(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
@@ -101,23 +107,54 @@ def run_family(family, n, records):
         else:
             out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
             out = cp.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-            rec("padded_batch", dtype=dname, max_diff=d, tokens_equal=torch.equal(out, out_ref),
-                diverge=first_divergence(out, out_ref), ranks_agree=gathered_equal(out))
+            rec(
+                "padded_batch",
+                dtype=dname,
+                max_diff=d,
+                tokens_equal=torch.equal(out, out_ref),
+                diverge=first_divergence(out, out_ref),
+                ranks_agree=gathered_equal(out),
+            )
         # batches of 2 and 5 unequal prompts: batched ring pass-Q decode wherever B >= N
         for lengths in ([23, 57], [37, 64, 19, 50, 41]):
             ids, mask = left_padded(lengths, seed=len(lengths))
-            out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True)
+            out_ref = ref.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
             counts = hf_contextpar.get_runtime(cp).algorithm_counts.copy() if n > 1 else {}
-            out = cp.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                              return_dict_in_generate=True)
-            pass_q = (hf_contextpar.get_runtime(cp).algorithm_counts["ring_pass_q_decode"]
-                      - counts.get("ring_pass_q_decode", 0)) if n > 1 else 0
-            if any(torch.isnan(l).any() for l in out_ref.logits):  # HF's fp64 eager Gemma2 NaNs on padded rows
+            out = cp.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
+            pass_q = (
+                (
+                    hf_contextpar.get_runtime(cp).algorithm_counts["ring_pass_q_decode"]
+                    - counts.get("ring_pass_q_decode", 0)
+                )
+                if n > 1
+                else 0
+            )
+            if any(torch.isnan(lg).any() for lg in out_ref.logits):  # HF's fp64 eager Gemma2 NaNs on padded rows
                 continue
-            rec("batched_decode", dtype=dname, batch=len(lengths), pass_q_steps=pass_q,
-                tokens_equal=torch.equal(out.sequences, out_ref.sequences), ranks_agree=gathered_equal(out.sequences),
-                spread=per_sequence_spread(out.past_key_values, len(lengths)))
+            rec(
+                "batched_decode",
+                dtype=dname,
+                batch=len(lengths),
+                pass_q_steps=pass_q,
+                tokens_equal=torch.equal(out.sequences, out_ref.sequences),
+                ranks_agree=gathered_equal(out.sequences),
+                spread=per_sequence_spread(out.past_key_values, len(lengths)),
+            )
         if dtype == torch.float64:
             # beam search reorders the sharded cache; hidden states come back gathered in order
             ids = prompt(41, seed=41, batch=2)
@@ -126,12 +163,20 @@ def run_family(family, n, records):
             rec("beam_search", dtype=dname, tokens_equal=torch.equal(b_cp, b_ref), ranks_agree=gathered_equal(b_cp))
             h_ref = ref(ids, output_hidden_states=True).hidden_states
             h_cp = cp(ids, output_hidden_states=True).hidden_states
-            rec("hidden_states", dtype=dname, count_equal=len(h_ref) == len(h_cp),
-                max_diff=max(logits_diff(a, b) for a, b in zip(h_cp, h_ref)))
+            rec(
+                "hidden_states",
+                dtype=dname,
+                count_equal=len(h_ref) == len(h_cp),
+                max_diff=max(logits_diff(a, b) for a, b in zip(h_cp, h_ref)),
+            )
             # inputs_embeds instead of input_ids, for a forward and for generate()
             emb = ref.get_input_embeddings()(ids)
-            rec("prefill_logits", dtype=dname, length=-ids.shape[1], max_diff=logits_diff(cp(inputs_embeds=emb).logits,
-                                                                                         ref(inputs_embeds=emb).logits))
+            rec(
+                "prefill_logits",
+                dtype=dname,
+                length=-ids.shape[1],
+                max_diff=logits_diff(cp(inputs_embeds=emb).logits, ref(inputs_embeds=emb).logits),
+            )
             e_ref = ref.generate(inputs_embeds=emb, max_new_tokens=12, do_sample=False)
             e_cp = cp.generate(inputs_embeds=emb, max_new_tokens=12, do_sample=False)
             rec("greedy_embeds", dtype=dname, tokens_equal=torch.equal(e_cp, e_ref), ranks_agree=gathered_equal(e_cp))
@@ -147,8 +192,10 @@ def run_family(family, n, records):
             hf_contextpar.remove_context_parallel(cp)
             ids = prompt(53, seed=53)
             same = torch.equal(cp(ids).logits, ref(ids).logits)
-            g_same = torch.equal(cp.generate(ids, max_new_tokens=8, do_sample=False),
-                                 ref.generate(ids, max_new_tokens=8, do_sample=False))
+            g_same = torch.equal(
+                cp.generate(ids, max_new_tokens=8, do_sample=False),
+                ref.generate(ids, max_new_tokens=8, do_sample=False),
+            )
             rec("removed", dtype=dname, bitwise=same and g_same)
 
     # bf16: the bound is what swapping the attention kernel alone changes on one process

@@ -12,7 +12,9 @@ import itertools
 import os
 import sys
 
-ring = importlib.import_module("hf_contextpar.attention.ring_pass_kv")  # the module: the package re-exports the function
+ring = importlib.import_module(
+    "hf_contextpar.attention.ring_pass_kv"
+)  # the module: the package re-exports the function
 
 
 def drop_last_hop(attend, world: int):

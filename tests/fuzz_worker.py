@@ -67,25 +67,48 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_contextpar  # noqa: E402
 from geometries import GEOMETRIES, geometry_config  # noqa: E402
-from hf_contextpar.models import tiny_config  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
+import hf_contextpar  # noqa: E402
+from hf_contextpar.models import tiny_config  # noqa: E402
+
 REGISTERED = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
-_BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, initializer_range=0.2,
-             tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+_BASE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+)
 # Families outside the registry that a user could opt in (plain causal softmax attention), each
 # with what sets it apart: Granite's attention/logit multipliers, StarCoder2's biases, LayerNorm
 # and sliding window, SmolLM3's NoPE layers, StableLM's partial rotary and per-head LayerNorm.
 OPTED_IN = {
-    "granite": dict(model_type="granite", embedding_multiplier=2.0, attention_multiplier=0.1, residual_multiplier=0.5,
-                    logits_scaling=4.0),
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=2.0,
+        attention_multiplier=0.1,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+    ),
     "starcoder2": dict(model_type="starcoder2", sliding_window=24, use_bias=True),
     "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0]),
-    "stablelm": dict(model_type="stablelm", num_key_value_heads=4, qk_layernorm=True, use_qkv_bias=True,
-                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+    "stablelm": dict(
+        model_type="stablelm",
+        num_key_value_heads=4,
+        qk_layernorm=True,
+        use_qkv_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+    ),
 }
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses", "auto"]
 DECODES = ["auto", "replicated", "ring_pass_q"]
@@ -102,16 +125,35 @@ def _rope_factors(n: int):
 _SHORT, _LONG = _rope_factors(8)  # head_dim 16: 8 frequencies
 ROPE_OVERRIDES = {  # thresholds of 64 positions, so the drawn prompts (1 to 300 tokens) cross them
     "linear": dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0)),
-    "dynamic": dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
-                    max_position_embeddings=64),
-    "yarn": dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
-                                      original_max_position_embeddings=64), max_position_embeddings=256),
-    "llama3": dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                        rope_theta=10000.0, original_max_position_embeddings=64),
-                   max_position_embeddings=512),
-    "longrope": dict(rope_parameters=dict(rope_type="longrope", short_factor=_SHORT, long_factor=_LONG, rope_theta=10000.0,
-                                          original_max_position_embeddings=64),
-                     max_position_embeddings=256, original_max_position_embeddings=64),
+    "dynamic": dict(
+        rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0), max_position_embeddings=64
+    ),
+    "yarn": dict(
+        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=64),
+        max_position_embeddings=256,
+    ),
+    "llama3": dict(
+        rope_parameters=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            rope_theta=10000.0,
+            original_max_position_embeddings=64,
+        ),
+        max_position_embeddings=512,
+    ),
+    "longrope": dict(
+        rope_parameters=dict(
+            rope_type="longrope",
+            short_factor=_SHORT,
+            long_factor=_LONG,
+            rope_theta=10000.0,
+            original_max_position_embeddings=64,
+        ),
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+    ),
 }
 
 
@@ -138,13 +180,29 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     """Case `index` of `seed` on `n` ranks: a plain dict of everything that defines it."""
     r = random.Random(f"{seed}/{n}/{index}")
     u = r.random()
-    family = r.choice(REGISTERED) if u < 0.6 else r.choice(sorted(OPTED_IN)) if u < 0.75 else r.choice(sorted(GEOMETRIES))
+    family = (
+        r.choice(REGISTERED) if u < 0.6 else r.choice(sorted(OPTED_IN)) if u < 0.75 else r.choice(sorted(GEOMETRIES))
+    )
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
-    ropes = (["default"] if family in GEOMETRIES else ["default", "longrope"] if family == "phi3"
-             else [x for x in ROPES if x != "longrope"])
+    ropes = (
+        ["default"]
+        if family in GEOMETRIES
+        else ["default", "longrope"]
+        if family == "phi3"
+        else [x for x in ROPES if x != "longrope"]
+    )
     rope = "default" if r.random() < 0.4 else r.choice(ropes)
-    case = dict(seed=seed, n=n, index=index, family=family, dtype=r.choice(["float64", "float32"]), rope=rope,
-                strategy=r.choice(STRATEGIES), decode=r.choice(DECODES), data_seed=r.randrange(2**31))
+    case = dict(
+        seed=seed,
+        n=n,
+        index=index,
+        family=family,
+        dtype=r.choice(["float64", "float32"]),
+        rope=rope,
+        strategy=r.choice(STRATEGIES),
+        decode=r.choice(DECODES),
+        data_seed=r.randrange(2**31),
+    )
     padding = r.choice(PADDINGS)
     batch = r.randint(1, n + 1)
     if padding == "packed":
@@ -177,24 +235,41 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         lengths = [_length(r, n) for _ in range(batch)]
     if padding == "all_pad_row":
         lengths[r.randrange(batch)] = 0
-    case.update(batch=batch, padding=padding, lengths=lengths, turns=turns, cache=cache,
-                mask_given=padding != "packed" and (padding != "none" or r.random() < 0.5))
+    case.update(
+        batch=batch,
+        padding=padding,
+        lengths=lengths,
+        turns=turns,
+        cache=cache,
+        mask_given=padding != "packed" and (padding != "none" or r.random() < 0.5),
+    )
     return case
 
 
 def describe(case: dict) -> str:
     short = dict(new_tokens="new", chunk="chunk", num_return_sequences="nrs", num_beams="beams")
-    turns = ", ".join(t["mode"] + "(" + ",".join([f"{short[k]}={v}" for k, v in t.items() if k in short]
-                                                 + [f"{k}={v}" for k, v in t.get("sampler", {}).items()]) + ")"
-                      for t in case["turns"])
-    return (f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
-            f"decode={case['decode']} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
-            f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]")
+    turns = ", ".join(
+        t["mode"]
+        + "("
+        + ",".join(
+            [f"{short[k]}={v}" for k, v in t.items() if k in short]
+            + [f"{k}={v}" for k, v in t.get("sampler", {}).items()]
+        )
+        + ")"
+        for t in case["turns"]
+    )
+    return (
+        f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
+        f"decode={case['decode']} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
+        f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]"
+    )
 
 
 def reproduce_command(case: dict) -> str:
-    return (f"OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node {case['n']} tests/fuzz_worker.py "
-            f"--seed {case['seed']} --case {case['index']}{case.get('overrides', '')}")
+    return (
+        f"OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node {case['n']} tests/fuzz_worker.py "
+        f"--seed {case['seed']} --case {case['index']}{case.get('overrides', '')}"
+    )
 
 
 # -- models and inputs ------------------------------------------------------------------------
@@ -204,8 +279,10 @@ def build_config(family: str, rope: str = "default"):
         return geometry_config(family)
     overrides = copy.deepcopy(ROPE_OVERRIDES.get(rope, {}))  # configs edit rope dicts in place
     if overrides and model_type(family) == "gemma3_text":  # per-layer-type RoPE: the global layers take it
-        overrides["rope_parameters"] = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
-                                        "full_attention": overrides["rope_parameters"]}
+        overrides["rope_parameters"] = {
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": overrides["rope_parameters"],
+        }
     if family in REGISTERED:
         return tiny_config(family, **overrides)
     spec = copy.deepcopy({**_BASE, **OPTED_IN[family], **overrides})
@@ -311,7 +388,7 @@ def conversation(model, case: dict, make_assistant):
             out = model(new, **kw)
             valid = comparable[:, None].expand(-1, new.shape[1]).clone()
             if mask is not None:
-                valid &= mask[:, -new.shape[1]:].bool()
+                valid &= mask[:, -new.shape[1] :].bool()
             result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid, rows=new.shape[0])
             seq, cached = full, full.shape[1]
         else:
@@ -328,14 +405,25 @@ def conversation(model, case: dict, make_assistant):
             # eager Gemma2 NaNs on padding, and 0 x NaN spreads it to real rows; beam search stops early)
             finite = torch.isfinite(logits).flatten(1).all(1)
             finite = finite.all().expand(len(comparable)) if mode == "beam" else finite
-            result = dict(mode=mode, tokens=out.sequences, rows=full.shape[0], prompt_length=full.shape[1],
-                          comparable=comparable.clone(), finite=finite.clone(),
-                          logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
-                          valid=None if mode == "beam" else comparable[:, None].expand(-1, logits.shape[1]).clone())
+            result = dict(
+                mode=mode,
+                tokens=out.sequences,
+                rows=full.shape[0],
+                prompt_length=full.shape[1],
+                comparable=comparable.clone(),
+                finite=finite.clone(),
+                logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
+                valid=None if mode == "beam" else comparable[:, None].expand(-1, logits.shape[1]).clone(),
+            )
             seq, cached = out.sequences, out.sequences.shape[1] - 1
             if mask is not None:
-                mask = torch.cat([mask.repeat_interleave(expand, 0),
-                                  torch.ones(seq.shape[0], seq.shape[1] - full.shape[1], dtype=mask.dtype)], 1)
+                mask = torch.cat(
+                    [
+                        mask.repeat_interleave(expand, 0),
+                        torch.ones(seq.shape[0], seq.shape[1] - full.shape[1], dtype=mask.dtype),
+                    ],
+                    1,
+                )
         if case["cache"] == "returned":
             cache = out.past_key_values
         yield result
@@ -369,7 +457,10 @@ def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
         rows = ref["comparable"]
         if rows.any() and not torch.equal(mine["tokens"][rows], ref["tokens"][rows]):
             if not ref["finite"][rows].all():
-                return "reference_nan", f"turn {t + 1} ({mine['mode']}): tokens differ where the reference's logits are NaN"
+                return (
+                    "reference_nan",
+                    f"turn {t + 1} ({mine['mode']}): tokens differ where the reference's logits are NaN",
+                )
             diff = (mine["tokens"][rows] != ref["tokens"][rows]).nonzero()
             row = int(rows.nonzero()[int(diff[0, 0])]) if diff.numel() else 0
             col = int(diff[diff[:, 0] == diff[0, 0], 1].min())
@@ -459,7 +550,9 @@ def run_patched(case: dict, ref_turns: list) -> dict:
     cp = None
     try:
         cp = build_model(case, dtype)
-        hf_contextpar.apply_context_parallel(cp, strategy=case["strategy"], decode=case["decode"], timeout=CASE_TIMEOUT_S)
+        hf_contextpar.apply_context_parallel(
+            cp, strategy=case["strategy"], decode=case["decode"], timeout=CASE_TIMEOUT_S
+        )
         if case["strategy"] == "ulysses" and not ulysses_fits(case):
             rec.update(outcome="fail", detail="expected UnsupportedModelError for Ulysses, got none")
             return rec
@@ -475,10 +568,16 @@ def run_patched(case: dict, ref_turns: list) -> dict:
             if verdict != "ok":
                 rec.update(outcome=verdict, detail=detail)
                 return rec
-            if (case["decode"] == "ring_pass_q" and decode_rows < case["n"]
-                    and turn["mode"] in ("greedy", "sample", "beam")):
-                rec.update(outcome="fail", detail=f"turn {t + 1}: decode='ring_pass_q' with {decode_rows} sequences "
-                                                  f"< {case['n']} ranks ran instead of raising ContextParallelError")
+            if (
+                case["decode"] == "ring_pass_q"
+                and decode_rows < case["n"]
+                and turn["mode"] in ("greedy", "sample", "beam")
+            ):
+                rec.update(
+                    outcome="fail",
+                    detail=f"turn {t + 1}: decode='ring_pass_q' with {decode_rows} sequences "
+                    f"< {case['n']} ranks ran instead of raising ContextParallelError",
+                )
                 return rec
             rows = mine["tokens"].shape[0] if mine["tokens"] is not None else rows
         turns.close()
@@ -488,8 +587,9 @@ def run_patched(case: dict, ref_turns: list) -> dict:
             rec.update(outcome="expected_error", detail=f"{type(e).__name__}: {str(e)[:200]}")
         else:
             tb = traceback.format_exc().strip().splitlines()
-            rec.update(outcome="fail", detail=f"turn {rec['error_turn']}: {type(e).__name__}: {e}\n"
-                                              + "\n".join(tb[-8:]))
+            rec.update(
+                outcome="fail", detail=f"turn {rec['error_turn']}: {type(e).__name__}: {e}\n" + "\n".join(tb[-8:])
+            )
     finally:
         rt = hf_contextpar.get_runtime(cp) if cp is not None else None
         rec["group"] = rt.comm.group if rt is not None else None
@@ -506,19 +606,32 @@ def merge(case: dict, everyone: list[dict], ref_error: str | None) -> dict:
         outcome = "fail"
         detail = "ranks raised differently: " + "; ".join(
             f"rank {i}: {r['error_type'] or 'no error'} ({r['detail'].splitlines()[0][:160] if r['detail'] else r['outcome']})"
-            for i, r in enumerate(everyone))
+            for i, r in enumerate(everyone)
+        )
     elif outcome != "fail":
         digests = [r["digests"] for r in everyone]
         if any(d != digests[0] for d in digests):
-            outcome, detail = "fail", "outputs differ between ranks: " + ", ".join(
-                f"rank {i} turn digests {[x[:8] for x in d]}" for i, d in enumerate(digests))
+            outcome, detail = (
+                "fail",
+                "outputs differ between ranks: "
+                + ", ".join(f"rank {i} turn digests {[x[:8] for x in d]}" for i, d in enumerate(digests)),
+            )
     if outcome in ("pass", "near_tie", "reference_nan") and everyone[0]["turns_compared"] == 0:
         outcome = "skipped"
     if ref_error and outcome != "fail":
-        detail = (detail + "; " if detail else "") + f"reference raised at turn {everyone[0]['turns_compared'] + 1}: {ref_error[:200]}"
-    return dict(index=case["index"], outcome=outcome, detail=detail, in_step=in_step,
-                turns_compared=everyone[0]["turns_compared"], case=case, description=describe(case),
-                command=reproduce_command(case))
+        detail = (
+            detail + "; " if detail else ""
+        ) + f"reference raised at turn {everyone[0]['turns_compared'] + 1}: {ref_error[:200]}"
+    return dict(
+        index=case["index"],
+        outcome=outcome,
+        detail=detail,
+        in_step=in_step,
+        turns_compared=everyone[0]["turns_compared"],
+        case=case,
+        description=describe(case),
+        command=reproduce_command(case),
+    )
 
 
 def run_case(case: dict, rank: int) -> dict:
@@ -528,8 +641,9 @@ def run_case(case: dict, rank: int) -> dict:
     if ref_turns:
         mine = run_patched(case, ref_turns)
     else:
-        mine = dict(outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None,
-                    group=None)
+        mine = dict(
+            outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None, group=None
+        )
     group = mine.pop("group")
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -542,17 +656,33 @@ def run_case(case: dict, rank: int) -> dict:
 # -- the loop ---------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seed", default=os.environ.get("HF_CONTEXTPAR_FUZZ_SEED", "0"),
-                   help="an integer, or 'random' to pick (and print) one")
-    p.add_argument("--seconds", type=float, default=float(os.environ.get("HF_CONTEXTPAR_FUZZ_SECONDS", "60")),
-                   help="time budget: no case starts after it (rank 0 decides)")
+    p.add_argument(
+        "--seed",
+        default=os.environ.get("HF_CONTEXTPAR_FUZZ_SEED", "0"),
+        help="an integer, or 'random' to pick (and print) one",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=float(os.environ.get("HF_CONTEXTPAR_FUZZ_SECONDS", "60")),
+        help="time budget: no case starts after it (rank 0 decides)",
+    )
     p.add_argument("--case", default=None, help="run exactly these case indices (comma-separated), no time budget")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a drawn parameter (VALUE is JSON, else a string), to reduce a failing case: "
-                        "--set rope=default --set 'turns=[{\"mode\": \"greedy\", \"new_tokens\": 4}]'")
-    p.add_argument("--where", default=None, metavar="EXPR",
-                   help="run only the drawn cases for which this Python expression of `case` is true, e.g. to keep "
-                        "fuzzing around a known bug: --where \"case['rope'] != 'dynamic'\"")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a drawn parameter (VALUE is JSON, else a string), to reduce a failing case: "
+        '--set rope=default --set \'turns=[{"mode": "greedy", "new_tokens": 4}]\'',
+    )
+    p.add_argument(
+        "--where",
+        default=None,
+        metavar="EXPR",
+        help="run only the drawn cases for which this Python expression of `case` is true, e.g. to keep "
+        "fuzzing around a known bug: --where \"case['rope'] != 'dynamic'\"",
+    )
     p.add_argument("--max-cases", type=int, default=None)
     p.add_argument("--out", default=None, help="directory for fuzz.json (rank 0)")
     args = p.parse_args(argv)
@@ -574,8 +704,11 @@ def main(argv=None):
     indices = iter(explicit) if explicit is not None else iter(range(10**9))
     records, start, stop = [], time.monotonic(), False
     for index in indices:
-        go = [not stop and (explicit is not None or time.monotonic() - start < args.seconds)
-              and (args.max_cases is None or len(records) < args.max_cases)]
+        go = [
+            not stop
+            and (explicit is not None or time.monotonic() - start < args.seconds)
+            and (args.max_cases is None or len(records) < args.max_cases)
+        ]
         dist.broadcast_object_list(go, src=0)  # rank 0's clock decides for everyone
         if not go[0]:
             break
@@ -596,8 +729,10 @@ def main(argv=None):
         if not record["in_step"]:
             stop = True  # a rank failed while its peers waited: stop this launch
         if rank == 0:
-            print(f"[fuzz N={n} seed={seed} case {index}] {record['outcome']} {record['seconds']}s "
-                  f"{describe(case)}", flush=True)
+            print(
+                f"[fuzz N={n} seed={seed} case {index}] {record['outcome']} {record['seconds']}s {describe(case)}",
+                flush=True,
+            )
             if record["outcome"] == "fail":
                 print(f"  FAILED: {record['detail']}\n  reproduce: {record['command']}", flush=True)
             elif record["detail"]:
@@ -608,13 +743,21 @@ def main(argv=None):
                     json.dump(dict(seed=seed, n=n, finished=False, records=records), f, indent=1)
     failures = [r for r in records if r["outcome"] == "fail"]
     if rank == 0:
-        counts = {o: sum(r["outcome"] == o for r in records)
-                  for o in ("pass", "expected_error", "near_tie", "reference_nan", "skipped", "fail")}
-        print(f"[fuzz N={n} seed={seed}] {len(records)} cases in {time.monotonic() - start:.0f}s: {counts}"
-              + (" (stopped after ranks fell out of step)" if stop else ""), flush=True)
+        counts = {
+            o: sum(r["outcome"] == o for r in records)
+            for o in ("pass", "expected_error", "near_tie", "reference_nan", "skipped", "fail")
+        }
+        print(
+            f"[fuzz N={n} seed={seed}] {len(records)} cases in {time.monotonic() - start:.0f}s: {counts}"
+            + (" (stopped after ranks fell out of step)" if stop else ""),
+            flush=True,
+        )
         for r in failures:
-            print(f"  FAILED case {r['index']}: {r['detail'].splitlines()[0]}\n    {describe(r['case'])}\n"
-                  f"    reproduce: {r['command']}", flush=True)
+            print(
+                f"  FAILED case {r['index']}: {r['detail'].splitlines()[0]}\n    {describe(r['case'])}\n"
+                f"    reproduce: {r['command']}",
+                flush=True,
+            )
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "fuzz.json"), "w") as f:

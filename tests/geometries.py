@@ -17,8 +17,17 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-_SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, initializer_range=0.2,
-              tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+_SMALL = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+)
 
 
 def _longrope_factors(dim_half: int):
@@ -32,44 +41,111 @@ _PHI3_SHORT, _PHI3_LONG = _longrope_factors(96 // 2)
 
 GEOMETRIES: dict[str, dict] = {
     # 32 heads / 8 KV / 128, theta 5e5, llama3 scaling (a static frequency remap: no position threshold)
-    "llama31_8b": dict(model_type="llama", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=131072,
-                       rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama31_8b": dict(
+        model_type="llama",
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
     # 28 / 4 / 128, QKV bias (always on in Qwen2), theta 1e6
-    "qwen25_7b": dict(model_type="qwen2", num_attention_heads=28, num_key_value_heads=4, head_dim=128,
-                      max_position_embeddings=32768, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "qwen25_7b": dict(
+        model_type="qwen2",
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
     # the same with the YaRN x4 extension from 32768 (static frequencies and attention factor)
-    "qwen25_7b_yarn": dict(model_type="qwen2", num_attention_heads=28, num_key_value_heads=4, head_dim=128,
-                           max_position_embeddings=131072,
-                           rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
-                                                original_max_position_embeddings=32768)),
+    "qwen25_7b_yarn": dict(
+        model_type="qwen2",
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=32768
+        ),
+    ),
     # 16 / 8 / 256, soft-capping 50 (attention) / 30 (final), window 4096 -> 32 alternating with full layers
-    "gemma2_9b": dict(model_type="gemma2", num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                      query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                      sliding_window=32, layer_types=["sliding_attention", "full_attention"],
-                      max_position_embeddings=8192, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "gemma2_9b": dict(
+        model_type="gemma2",
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=8192,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    ),
     # 8 / 4 / 256, 5 sliding (1024 -> 24) : 1 full; local theta 1e4, global theta 1e6 with linear x8
-    "gemma3_4b": dict(model_type="gemma3_text", num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                      query_pre_attn_scalar=256, num_hidden_layers=6, sliding_window=24,
-                      layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=131072,
-                      rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
-                                       "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)}),
+    "gemma3_4b": dict(
+        model_type="gemma3_text",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        num_hidden_layers=6,
+        sliding_window=24,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=131072,
+        rope_parameters={
+            "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+        },
+    ),
     # 32 / 32 / 96, longrope with original 4096 -> 64 (max 131072 -> 2048 keeps the x32 ratio and its
     # attention factor). Phi3Config has no head_dim field and checks the longrope factors against
     # hidden_size / heads, so the config is built with the checkpoint's hidden size (3072) and shrunk
     # afterwards: the modeling code reads head_dim from the config. The checkpoint's window (262144) is never reached: 1024 here
-    "phi3_mini_128k": dict(model_type="phi3", config_hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
-                           head_dim=96, max_position_embeddings=2048, original_max_position_embeddings=64, sliding_window=1024,
-                           rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=_PHI3_SHORT,
-                                                long_factor=_PHI3_LONG, original_max_position_embeddings=64)),
+    "phi3_mini_128k": dict(
+        model_type="phi3",
+        config_hidden_size=3072,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=96,
+        max_position_embeddings=2048,
+        original_max_position_embeddings=64,
+        sliding_window=1024,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            short_factor=_PHI3_SHORT,
+            long_factor=_PHI3_LONG,
+            original_max_position_embeddings=64,
+        ),
+    ),
     # 32 / 8 / 128, theta 1e6, no sliding window (v0.3)
-    "mistral_7b_v03": dict(model_type="mistral", num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           sliding_window=None, max_position_embeddings=32768,
-                           rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    "mistral_7b_v03": dict(
+        model_type="mistral",
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        sliding_window=None,
+        max_position_embeddings=32768,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    ),
     # 32 / 32 / 128, QK-norm over all heads, theta 5e5
-    "olmo2_7b": dict(model_type="olmo2", num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-                     max_position_embeddings=4096, rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+    "olmo2_7b": dict(
+        model_type="olmo2",
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
 }
 
 # The largest window or position threshold of each geometry that has one (scaled down):
@@ -86,8 +162,7 @@ def geometry_config(name: str, **overrides):
     return config
 
 
-def geometry_model(name: str, dtype=torch.float32, seed: int = 0, attn_implementation: str | None = None,
-                   **overrides):
+def geometry_model(name: str, dtype=torch.float32, seed: int = 0, attn_implementation: str | None = None, **overrides):
     """A seeded random-initialised model with `name`'s attention geometry (same weights on every rank).
     Default attention: eager for Gemma2 (HF runs its soft-capping only there), SDPA otherwise."""
     config = geometry_config(name, **overrides)

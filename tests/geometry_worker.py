@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-import hf_contextpar  # noqa: E402
 from cp_worker import gathered_equal, prompt  # noqa: E402
 from geometries import GEOMETRIES, GEOMETRY_THRESHOLD, geometry_model  # noqa: E402
 from hf_contextpar.eval import first_divergence, logits_diff  # noqa: E402
 from launch import write_records  # noqa: E402
+
+import hf_contextpar  # noqa: E402
 
 
 def lengths_for(name: str) -> list[int]:
@@ -41,8 +42,14 @@ def check(name: str, n: int, rec):
             ids = prompt(GEOMETRY_THRESHOLD.get(name, 44) - 4, seed=3)
             kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
             a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
-            rec("greedy", dtype=dname, length=ids.shape[1], tokens_equal=torch.equal(a, b),
-                diverge=first_divergence(a, b), ranks_agree=gathered_equal(b))
+            rec(
+                "greedy",
+                dtype=dname,
+                length=ids.shape[1],
+                tokens_equal=torch.equal(a, b),
+                diverge=first_divergence(a, b),
+                ranks_agree=gathered_equal(b),
+            )
 
 
 def main():

@@ -12,26 +12,45 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from cp_worker import gathered_equal, impl_for, left_padded, prompt
+from hf_contextpar.eval import logits_diff
+from launch import tolerance, write_records
 from transformers import DynamicCache
 
 import hf_contextpar
-from cp_worker import gathered_equal, impl_for, left_padded, prompt
 from hf_contextpar.errors import ContextParallelError, UnsupportedModelError
-from hf_contextpar.eval import logits_diff
 from hf_contextpar.models import tiny_model
-from launch import tolerance, write_records
 
 ROPES = {
-    "dynamic": dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0), max_position_embeddings=64),
+    "dynamic": dict(
+        rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0), max_position_embeddings=64
+    ),
     "linear": dict(rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
-    "yarn": dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
-                                      original_max_position_embeddings=32)),
-    "llama3": dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                        original_max_position_embeddings=32, rope_theta=500000.0)),
+    "yarn": dict(
+        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=32)
+    ),
+    "llama3": dict(
+        rope_parameters=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+            rope_theta=500000.0,
+        )
+    ),
 }
-LONGROPE = dict(rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
-                                     long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=64),
-                original_max_position_embeddings=64, max_position_embeddings=512)
+LONGROPE = dict(
+    rope_parameters=dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=[1.0 + i / 8 for i in range(8)],
+        long_factor=[2.0 + i for i in range(8)],
+        original_max_position_embeddings=64,
+    ),
+    original_max_position_embeddings=64,
+    max_position_embeddings=512,
+)
 
 
 def pair(family="llama", dtype=torch.float64, strategy="auto", **kw):
@@ -59,6 +78,7 @@ def cases(n):
                 out = greedy(cp, ids, 30)
                 same &= torch.equal(out, greedy(ref, ids, 30)) and gathered_equal(out)
             return dict(ok=worst <= tolerance(family, "float64") and same, max_diff=worst, tokens_equal=same)
+
         return name, check
 
     for name, overrides in ROPES.items():
@@ -73,6 +93,7 @@ def cases(n):
         c_ref, c_cp = ref(ids[:, :40]).past_key_values, cp(ids[:, :40]).past_key_values
         d = logits_diff(cp(ids[:, 40:], past_key_values=c_cp).logits, ref(ids[:, 40:], past_key_values=c_ref).logits)
         return dict(ok=d <= 1e-10, max_diff=d)
+
     yield "rope_dynamic_partial_prefill", partial_prefill_rope
 
     def assisted():
@@ -82,6 +103,7 @@ def cases(n):
         want = greedy(ref, ids, 16)
         got = greedy(cp, ids, 16, assistant_model=helper)
         return dict(ok=torch.equal(got, want) and gathered_equal(got))
+
     yield "assisted_identical_assistant", assisted
 
     def prompt_lookup():
@@ -90,6 +112,7 @@ def cases(n):
         want = greedy(ref, ids, 16)
         got = greedy(cp, ids, 16, prompt_lookup_num_tokens=3)
         return dict(ok=torch.equal(got, want) and gathered_equal(got))
+
     yield "prompt_lookup", prompt_lookup
 
     def crop_semantics():
@@ -103,7 +126,10 @@ def cases(n):
             positive = "accepted"
         except ValueError:
             positive = "refused"
-        return dict(ok=kept == 29 and cache.get_seq_length() == 25 and positive == "refused", kept=kept, positive=positive)
+        return dict(
+            ok=kept == 29 and cache.get_seq_length() == 25 and positive == "refused", kept=kept, positive=positive
+        )
+
     yield "crop_like_dynamic_cache", crop_semantics
 
     def in_place_cache():
@@ -119,8 +145,12 @@ def cases(n):
         b = greedy(ref, ids[:, :30], 6, past_key_values=theirs)
         a2 = greedy(cp, torch.cat([a, ids[:, 30:40]], 1), 6, past_key_values=mine)
         b2 = greedy(ref, torch.cat([b, ids[:, 30:40]], 1), 6, past_key_values=theirs)
-        return dict(ok=d <= 1e-10 and torch.equal(a2, b2) and mine.get_seq_length() == theirs.get_seq_length(),
-                    max_diff=d, length=mine.get_seq_length())
+        return dict(
+            ok=d <= 1e-10 and torch.equal(a2, b2) and mine.get_seq_length() == theirs.get_seq_length(),
+            max_diff=d,
+            length=mine.get_seq_length(),
+        )
+
     yield "caller_kept_dynamic_cache", in_place_cache
 
     def packed():
@@ -132,6 +162,7 @@ def cases(n):
             return dict(ok=False, error="accepted packed position_ids")
         except ContextParallelError as e:
             return dict(ok="packed" in str(e))
+
     yield "packed_position_ids_refused", packed
 
     def bidirectional():
@@ -140,6 +171,7 @@ def cases(n):
             return dict(ok=False, error="accepted")
         except UnsupportedModelError as e:
             return dict(ok="bidirectional" in str(e))
+
     yield "bidirectional_refused", bidirectional
 
     def cache_implementations():
@@ -153,6 +185,7 @@ def cases(n):
             except ContextParallelError:
                 results[impl] = "error"
         return dict(ok=results == dict(static="error", offloaded="error", dynamic="exact"), results=results)
+
     yield "cache_implementation", cache_implementations
 
     def last_step_rng():
@@ -163,48 +196,83 @@ def cases(n):
             return dict(ok=False, error="differing sequences went undetected")
         except ContextParallelError as e:
             return dict(ok="generated sequences" in str(e))
+
     yield "differing_last_sample_detected", last_step_rng
 
-    strategies = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "auto"] + (["ulysses"] if 2 % n == 0 else [])
+    strategies = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "auto"] + (
+        ["ulysses"] if 2 % n == 0 else []
+    )
     for strategy in strategies:
+
         def turn_after_batched_decode(strategy=strategy):
             ref, cp = pair(strategy=strategy)
             ids, mask = left_padded([31, 17, 25, 40, 12][: n + 1], seed=n)
-            out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                   return_dict_in_generate=True)
-            out = cp.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                              return_dict_in_generate=True)
+            out_ref = ref.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
+            out = cp.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                return_dict_in_generate=True,
+            )
             batched = hf_contextpar.get_runtime(cp).algorithm_counts["ring_pass_q_decode"]
             follow = prompt(2 * n + 3, seed=77, batch=n + 1)
             seq = torch.cat([out.sequences, follow], 1)
             m = torch.cat([mask, torch.ones(n + 1, 6 + follow.shape[1], dtype=mask.dtype)], 1)
-            got = cp.generate(seq, attention_mask=m, past_key_values=out.past_key_values, max_new_tokens=6,
-                              min_new_tokens=6, do_sample=False)
-            want = ref.generate(seq, attention_mask=m, past_key_values=out_ref.past_key_values, max_new_tokens=6,
-                                min_new_tokens=6, do_sample=False)
+            got = cp.generate(
+                seq,
+                attention_mask=m,
+                past_key_values=out.past_key_values,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+            )
+            want = ref.generate(
+                seq,
+                attention_mask=m,
+                past_key_values=out_ref.past_key_values,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+            )
             return dict(ok=batched > 0 and torch.equal(got, want) and gathered_equal(got), batched_steps=batched)
+
         yield f"turn_after_batched_decode_{strategy}", turn_after_batched_decode
 
     def one_token_batch():
         ref, cp = pair()
         x = prompt(1, seed=4, batch=n)
         d = logits_diff(cp(x).logits, ref(x).logits)
-        beams = torch.equal(cp.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False),
-                            ref.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False))
+        beams = torch.equal(
+            cp.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False),
+            ref.generate(x[:1], num_beams=n, max_new_tokens=6, do_sample=False),
+        )
         torch.manual_seed(5)
         s_cp = cp.generate(x[:1], do_sample=True, num_return_sequences=n, max_new_tokens=6)
         torch.manual_seed(5)
         s_ref = ref.generate(x[:1], do_sample=True, num_return_sequences=n, max_new_tokens=6)
         return dict(ok=d <= 1e-10 and beams and torch.equal(s_cp, s_ref), max_diff=d, beams=beams)
+
     yield "one_token_prompt_batch_ge_n", one_token_batch
 
     def differing_settings():
         model = tiny_model("llama", dtype=torch.float64)
         try:
-            hf_contextpar.apply_context_parallel(model, timeout=60, strategy="ring_pass_q" if dist.get_rank() else "ring_pass_kv")
+            hf_contextpar.apply_context_parallel(
+                model, timeout=60, strategy="ring_pass_q" if dist.get_rank() else "ring_pass_kv"
+            )
             return dict(ok=False, error="accepted")
         except ContextParallelError as e:
             return dict(ok="strategy" in str(e))
+
     yield "differing_strategy_refused", differing_settings
 
     def differing_calibration():
@@ -218,6 +286,7 @@ def cases(n):
         d = logits_diff(cp(ids[:, 40:], past_key_values=cache).logits, ref(ids[:, 40:], past_key_values=c_ref).logits)
         algorithm = hf_contextpar.get_runtime(cp).last_forward["algorithm"]
         return dict(ok=d <= 1e-10 and algorithm == "ring_pass_q", algorithm=algorithm, max_diff=d)
+
     yield "calibration_from_rank0", differing_calibration
 
 
@@ -231,7 +300,9 @@ def main():
         try:
             records.append(dict(case=name, **check()))
         except Exception as e:  # recorded; the other ranks raise the same way (same plan, same inputs)
-            records.append(dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+            records.append(
+                dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+            )
     write_records(out_dir, records)
 
 

@@ -19,11 +19,22 @@ def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = Non
     port = free_port()
     procs = []
     for rank in range(n):
-        e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                 LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS="1",
-                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        e = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(n),
+            LOCAL_WORLD_SIZE=str(n),
+            OMP_NUM_THREADS="1",
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            **(env or {}),
+        )
+        procs.append(
+            subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     results = []
     for p in procs:
         try:

@@ -8,11 +8,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from hf_contextpar.eval import logits_diff
+from launch import write_records
 
 import hf_contextpar
-from hf_contextpar.eval import logits_diff
 from hf_contextpar.models import tiny_model
-from launch import write_records
 
 FAMILIES = ["llama", "mistral", "qwen3", "gemma3_text"]
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "auto"]
@@ -43,8 +43,12 @@ def conversation(ref, cp, n, seed):
         level &= balanced(cc)
     nxt = torch.cat([torch.cat(turns, 1), torch.randint(0, 256, (2, 9), generator=g)], 1)
     mask = torch.cat([mask, torch.ones(2, 9, dtype=torch.long)], 1)
-    ga = ref.generate(nxt, attention_mask=mask, past_key_values=rc, max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    gb = cp.generate(nxt, attention_mask=mask, past_key_values=cc, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    ga = ref.generate(
+        nxt, attention_mask=mask, past_key_values=rc, max_new_tokens=24, min_new_tokens=24, do_sample=False
+    )
+    gb = cp.generate(
+        nxt, attention_mask=mask, past_key_values=cc, max_new_tokens=24, min_new_tokens=24, do_sample=False
+    )
     return worst, torch.equal(ga, gb), level and balanced(cc)
 
 
@@ -60,8 +64,17 @@ def main():
                     cp = hf_contextpar.apply_context_parallel(tiny_model(family, dtype=dtype), strategy=strategy)
                     n = dist.get_world_size()
                     worst, same, level = conversation(ref, cp, n, seed=len(records))
-                    records.append(dict(family=family, dtype=str(dtype).split(".")[-1], strategy=strategy, n=n,
-                                        max_diff=worst, tokens_equal=same, balanced=level))
+                    records.append(
+                        dict(
+                            family=family,
+                            dtype=str(dtype).split(".")[-1],
+                            strategy=strategy,
+                            n=n,
+                            max_diff=worst,
+                            tokens_equal=same,
+                            balanced=level,
+                        )
+                    )
                 except Exception as e:
                     import traceback
 

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-import hf_contextpar  # noqa: E402
-from launch import write_records  # noqa: E402
 from cp_worker import gathered_equal, impl_for, left_padded, prompt  # noqa: E402
-from hf_contextpar.calibrate import kvr_prefill_seconds  # noqa: E402
 from hf_contextpar.eval import logits_diff  # noqa: E402
+from launch import write_records  # noqa: E402
+
+import hf_contextpar  # noqa: E402
+from hf_contextpar.calibrate import kvr_prefill_seconds  # noqa: E402
 from hf_contextpar.models import tiny_model  # noqa: E402
 from hf_contextpar.partitions import even, search  # noqa: E402
 from hf_contextpar.sharding import head_tail_plan  # noqa: E402
@@ -61,8 +62,13 @@ def exactness(family, strategy, n, rec):
         algo = hf_contextpar.get_runtime(cp).last_forward["algorithm"]
         g_ref = ref.generate(both, max_new_tokens=10, do_sample=False)
         g_cp = cp.generate(both, max_new_tokens=10, do_sample=False)
-        rec("second_turn", dtype=dname, algorithm=algo, max_diff=logits_diff(cb.logits, rb.logits),
-            tokens_equal=torch.equal(g_cp, g_ref))
+        rec(
+            "second_turn",
+            dtype=dname,
+            algorithm=algo,
+            max_diff=logits_diff(cb.logits, rb.logits),
+            tokens_equal=torch.equal(g_cp, g_ref),
+        )
 
 
 def expected_bytes(strategy, sizes, rank, n, cfg, e, layers):
@@ -102,8 +108,15 @@ def traffic(n, rec):
             cp(prompt(length, seed=length), use_cache=True)
             plan = even(length, n) if strategy == "kv_runahead" else [len(r) for r in head_tail_plan(length, n)]
             sent, recv = expected_bytes(strategy, plan, rt.rank, n, cfg, 4, cfg.num_hidden_layers)
-            rec("traffic", strategy=strategy, length=length, sent=rt.last_forward["bytes_sent"],
-                received=rt.last_forward["bytes_received"], expected_sent=sent, expected_received=recv)
+            rec(
+                "traffic",
+                strategy=strategy,
+                length=length,
+                sent=rt.last_forward["bytes_sent"],
+                received=rt.last_forward["bytes_received"],
+                expected_sent=sent,
+                expected_received=recv,
+            )
         hf_contextpar.remove_context_parallel(cp)
 
 
@@ -111,11 +124,18 @@ def kvr_search(n, rec):
     cp = hf_contextpar.apply_context_parallel(tiny_model("llama_gqa8"), strategy="kv_runahead", timeout=120)
     rt = hf_contextpar.get_runtime(cp)
     ids = prompt(384, seed=3)
-    sizes, seconds, measured = search(384, n, lambda s: kvr_prefill_seconds(cp, rt, ids, s, repeats=1),
-                                      points=3, min_stride=48)
+    sizes, seconds, measured = search(
+        384, n, lambda s: kvr_prefill_seconds(cp, rt, ids, s, repeats=1), points=3, min_stride=48
+    )
     even_s = measured[tuple(even(384, n))]
-    rec("kvr_search", sizes=sizes, seconds=seconds, even_seconds=even_s, evaluated=len(measured),
-        sizes_agree=gathered_equal(torch.tensor(sizes)))
+    rec(
+        "kvr_search",
+        sizes=sizes,
+        seconds=seconds,
+        even_seconds=even_s,
+        evaluated=len(measured),
+        sizes_agree=gathered_equal(torch.tensor(sizes)),
+    )
 
 
 def grad_mode(n, rec):
@@ -137,10 +157,16 @@ def main():
     def recorder(**fixed):
         return lambda case, **kw: records.append(dict(n=n, case=case, **fixed, **kw))
 
-    jobs = [(lambda f=f, s=s: exactness(f, s, n, recorder(family=f, strategy=s)), f"{f}/{s}")
-            for f in FAMILIES for s in STRATEGIES]
-    jobs += [(lambda: traffic(n, recorder()), "traffic"), (lambda: kvr_search(n, recorder()), "kvr_search"),
-             (lambda: grad_mode(n, recorder()), "grad_mode")]
+    jobs = [
+        (lambda f=f, s=s: exactness(f, s, n, recorder(family=f, strategy=s)), f"{f}/{s}")
+        for f in FAMILIES
+        for s in STRATEGIES
+    ]
+    jobs += [
+        (lambda: traffic(n, recorder()), "traffic"),
+        (lambda: kvr_search(n, recorder()), "kvr_search"),
+        (lambda: grad_mode(n, recorder()), "grad_mode"),
+    ]
     for job, name in jobs:
         try:
             job()

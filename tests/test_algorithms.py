@@ -127,8 +127,12 @@ def plans_for(case: Case, n: int, length: int, padding):
     sizes = None
     if case.uneven:  # the first rank takes the most, as KVR-S finds; every rank keeps one or more
         sizes = lambda t: [t - (n - 1) * max(1, t // (2 * n))] + [max(1, t // (2 * n))] * (n - 1)  # noqa: E731
-    policy = Policy(n, decode="replicated" if case.kind in ("partial", "decode") else "auto",
-                    prefill=lambda t, p: prefill, kvr_sizes=sizes)
+    policy = Policy(
+        n,
+        decode="replicated" if case.kind in ("partial", "decode") else "auto",
+        prefill=lambda t, p: prefill,
+        kvr_sizes=sizes,
+    )
     layout = ShardLayout(0, n)
     tested = []
 
@@ -136,9 +140,15 @@ def plans_for(case: Case, n: int, length: int, padding):
         past = layout.seq_length if uses_cache else 0
         total = past + num_new
         pad = padding[:batch, :total] if padding is not None else None
-        plan = build_plan(policy, layout if uses_cache else None, batch=batch, num_new=num_new,
-                          position_ids=torch.arange(past, total).expand(batch, -1),
-                          padding=pad if pad is not None and not bool(pad.all()) else None, uses_cache=uses_cache)
+        plan = build_plan(
+            policy,
+            layout if uses_cache else None,
+            batch=batch,
+            num_new=num_new,
+            position_ids=torch.arange(past, total).expand(batch, -1),
+            padding=pad if pad is not None and not bool(pad.all()) else None,
+            uses_cache=uses_cache,
+        )
         if test:
             tested.append(plan)
         if uses_cache:
@@ -203,8 +213,10 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
     if alg == "kv_runahead":  # rank i forwards blocks 0..i to rank i+1
         return (sum(kv[: rank + 1]) * kv_row if rank < n - 1 else 0), sum(kv[:rank]) * kv_row
     if alg == "ring_pass_q":  # queries travel N-1 hops; partials for the other ranks' queries go home
-        return ((Q - qn[nxt]) * q_row + (Q - qn[rank]) * part_row,
-                (Q - qn[rank]) * q_row + (n - 1) * qn[rank] * part_row)
+        return (
+            (Q - qn[nxt]) * q_row + (Q - qn[rank]) * part_row,
+            (Q - qn[rank]) * q_row + (n - 1) * qn[rank] * part_row,
+        )
     if alg == "ulysses":  # 1/N of the heads: our Q and K/V out, their tokens' outputs back (in Q's dtype)
         sent = (n - 1) * (qn[rank] * q_row + kv[rank] * kv_row) + (Q - qn[rank]) * q_row
         recv = (Q - qn[rank]) * q_row + (KV - kv[rank]) * kv_row + (n - 1) * qn[rank] * q_row
@@ -215,8 +227,10 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
     if alg == "ring_pass_q_decode":  # one query per sequence travels; partials come home
         rows = [len(range(b)[s]) for s in plan.seq_rows]
         one_q, one_part = heads * d * e, heads * (d + 1) * pe
-        return ((b - rows[nxt]) * one_q + (b - rows[rank]) * one_part,
-                (b - rows[rank]) * one_q + (n - 1) * rows[rank] * one_part)
+        return (
+            (b - rows[nxt]) * one_q + (b - rows[rank]) * one_part,
+            (b - rows[rank]) * one_q + (n - 1) * rows[rank] * one_part,
+        )
     assert alg == "local"
     return 0, 0
 
@@ -273,8 +287,9 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
     for i, plan in enumerate(plans):
         layers = layers_for(plan)
         qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)  # empty slots hold junk: they must stay masked
-        outputs, comms = run_algorithm(plan, qs, kvs, scale=SCALE, window=window, softcap=softcap,
-                                       num_layers=layers, timeout=timeout)
+        outputs, comms = run_algorithm(
+            plan, qs, kvs, scale=SCALE, window=window, softcap=softcap, num_layers=layers, timeout=timeout
+        )
         for r in range(n):
             where = f"plan {i} ({plan.algorithm}, past {plan.past}, new {plan.num_new}), rank {r}"
             want_out, want_lse = local_rows(plan, r, ref_out), local_rows(plan, r, ref_lse)
@@ -282,11 +297,21 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
                 if out is None:  # no key visible to any row: what the attention adapter turns into zeros
                     out = torch.zeros_like(want_out)
                     lse = torch.full_like(want_lse, -math.inf) if plan.algorithm != "ulysses" else None
-                torch.testing.assert_close(out.double(), want_out, atol=tol, rtol=tol,
-                                           msg=lambda m: f"{where}, layer {layer}: out differs\n{m}")
+                torch.testing.assert_close(
+                    out.double(),
+                    want_out,
+                    atol=tol,
+                    rtol=tol,
+                    msg=lambda m: f"{where}, layer {layer}: out differs\n{m}",
+                )
                 if plan.algorithm != "ulysses":  # Ulysses attends whole heads: nothing to merge, no LSE
-                    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol,
-                                               msg=lambda m: f"{where}, layer {layer}: LSE differs\n{m}")
+                    torch.testing.assert_close(
+                        lse.double(),
+                        want_lse,
+                        atol=tol,
+                        rtol=tol,
+                        msg=lambda m: f"{where}, layer {layer}: LSE differs\n{m}",
+                    )
             sent, recv = expected_traffic(plan, r, hq, hk, e, pe)
             attention = comms[r].tagged["attention"]  # what the runtime reports as a forward's attention bytes
             assert (attention.bytes_sent, attention.bytes_received) == (layers * sent, layers * recv), where
@@ -314,8 +339,19 @@ def _params():
             continue
         suffix = "-cuda" if device == "cuda" else ""
         for length in lengths(case, n):
-            out.append(pytest.param(case, n, length, heads, mask, dtype, tol, device,
-                                    id=f"{case.name}-N{n}-T{length}-{heads}-{mask}-{dname}{suffix}"))
+            out.append(
+                pytest.param(
+                    case,
+                    n,
+                    length,
+                    heads,
+                    mask,
+                    dtype,
+                    tol,
+                    device,
+                    id=f"{case.name}-N{n}-T{length}-{heads}-{mask}-{dname}{suffix}",
+                )
+            )
     return out
 
 
@@ -338,11 +374,21 @@ def test_random_forward_sequences(seed):
     for _ in range(8):
         num_new = rng.choice([1, 1, 1, 2, n - 1, n, 2 * n - 1, 2 * n + 1, 13])
         strategy = rng.choice(strategies)
-        policy = Policy(n, decode=rng.choice(["auto", "replicated"]), prefill=lambda t, p, s=strategy: s,
-                        kvr_sizes=lambda t: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]))
+        policy = Policy(
+            n,
+            decode=rng.choice(["auto", "replicated"]),
+            prefill=lambda t, p, s=strategy: s,
+            kvr_sizes=lambda t: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
+        )
         pad = padding[:, : past + num_new] if padding is not None else None
-        plan = build_plan(policy, layout, batch=batch, num_new=num_new, position_ids=torch.arange(past, past + num_new)
-                          .expand(batch, -1), padding=pad if pad is not None and not bool(pad.all()) else None)
+        plan = build_plan(
+            policy,
+            layout,
+            batch=batch,
+            num_new=num_new,
+            position_ids=torch.arange(past, past + num_new).expand(batch, -1),
+            padding=pad if pad is not None and not bool(pad.all()) else None,
+        )
         layout.commit(plan)
         plans.append(plan)
         past += num_new
@@ -384,8 +430,9 @@ def test_simulator_matches_the_real_comm(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from launch import run_matrix
 
-    for rank, records in enumerate(run_matrix(3, os.path.join(os.path.dirname(__file__), "algorithms_worker.py"),
-                                              tmp_path)):
+    for rank, records in enumerate(
+        run_matrix(3, os.path.join(os.path.dirname(__file__), "algorithms_worker.py"), tmp_path)
+    ):
         errors = [r for r in records if r["case"] == "error"]
         assert not errors, f"rank {rank}: {errors}"
         assert {r["case"] for r in records} == {c.name for c in CASES}
@@ -408,6 +455,7 @@ def test_a_missing_send_times_out_instead_of_hanging():
 
 def test_a_send_waited_before_the_peer_posts_its_receive_deadlocks():
     """As under NCCL: rank 0 waits for its send while rank 1 waits in a collective before receiving."""
+
     def body(comm):
         if comm.rank == 0:
             comm.send_next(torch.ones(3)).wait()

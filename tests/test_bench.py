@@ -15,21 +15,69 @@ from launch import launch  # noqa: E402
 
 from hf_contextpar import costmodel  # noqa: E402
 
-ROW_FIELDS = ["kind", "strategy", "N", "run_N", "length", "threads_per_rank", "ttft_s", "ttft_all_s", "ttit_s",
-              "ttit_all_s", "kv_bytes_per_rank", "peak_bytes_per_rank", "peak_delta_bytes_per_rank",
-              "bytes_sent_per_rank", "bytes_received_per_rank", "comm_wait_s_per_rank", "decode_comm_wait_s_per_rank",
-              "comm_wait_frac", "comm_wait_by_op_s_per_rank", "ttft_cpu_s_per_rank", "predicted_ttft_s", "speedup_vs_unpatched", "speedup_vs_unpatched_all_cores",
-              "cpu_speedup_vs_unpatched", "ttit_ratio_vs_unpatched", "decode_overhead_s", "tokens", "tokens_match_unpatched", "kv_bound_bytes",
-              "kv_within_bound"]
-RUN_FIELDS = ["N", "threads_per_rank", "cores", "model", "machine", "small_collective_s", "decode_floor_s", "shape",
-              "skipped", "lengths"]
+ROW_FIELDS = [
+    "kind",
+    "strategy",
+    "N",
+    "run_N",
+    "length",
+    "threads_per_rank",
+    "ttft_s",
+    "ttft_all_s",
+    "ttit_s",
+    "ttit_all_s",
+    "kv_bytes_per_rank",
+    "peak_bytes_per_rank",
+    "peak_delta_bytes_per_rank",
+    "bytes_sent_per_rank",
+    "bytes_received_per_rank",
+    "comm_wait_s_per_rank",
+    "decode_comm_wait_s_per_rank",
+    "comm_wait_frac",
+    "comm_wait_by_op_s_per_rank",
+    "ttft_cpu_s_per_rank",
+    "predicted_ttft_s",
+    "speedup_vs_unpatched",
+    "speedup_vs_unpatched_all_cores",
+    "cpu_speedup_vs_unpatched",
+    "ttit_ratio_vs_unpatched",
+    "decode_overhead_s",
+    "tokens",
+    "tokens_match_unpatched",
+    "kv_bound_bytes",
+    "kv_within_bound",
+]
+RUN_FIELDS = [
+    "N",
+    "threads_per_rank",
+    "cores",
+    "model",
+    "machine",
+    "small_collective_s",
+    "decode_floor_s",
+    "shape",
+    "skipped",
+    "lengths",
+]
 # tiny-llama: 2 layers, 4 query heads, 2 KV heads, head_dim 16, vocab 384, fp32
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 384
 
 
 def _bench(tmp_path, n):
-    args = ["-m", "hf_contextpar.bench", "--model", "tiny-llama", "--lengths", "64,128", "--repeats", "1",
-            "--new-tokens", "3", "--out", str(tmp_path)]
+    args = [
+        "-m",
+        "hf_contextpar.bench",
+        "--model",
+        "tiny-llama",
+        "--lengths",
+        "64,128",
+        "--repeats",
+        "1",
+        "--new-tokens",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     if n == 1:
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         res = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
@@ -122,7 +170,8 @@ def test_costmodel_overlap_and_scaling():
     slow_net = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e6, latency=0.0)
     T = 4096  # a/N = 4*2*4*T*T/2/2/2/1e3 = 67109 s >> message 2*2048*1*4*4/1e6 = 0.066 s
     assert costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, slow_net) == pytest.approx(
-        costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, free))
+        costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, free)
+    )
     assert costmodel.exposed_comm("ring_pass_kv", T, 2, SHAPE, slow_net) == pytest.approx(0.0, abs=1e-6)
     assert not math.isnan(costmodel.predict_ttft("ring_pass_q", T, 2, SHAPE, slow_net))
 
@@ -132,8 +181,14 @@ def test_costmodel_shape_from_model():
 
     shape = costmodel.Shape.from_model(tiny_model("llama"))
     # q, o: 64x64; k, v: 64x32; gate, up, down: 64x128
-    assert shape == costmodel.Shape(layers=2, heads=4, kv_heads=2, head_dim=16,
-                                    linear_weights=2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128, elem_bytes=4)
+    assert shape == costmodel.Shape(
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        linear_weights=2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128,
+        elem_bytes=4,
+    )
 
 
 def test_comm_wait_accounting():

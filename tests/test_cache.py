@@ -20,8 +20,14 @@ def forward(cache: ShardedCache, dyn: DynamicCache, num_new: int, seed: int):
     """One forward's K/V into both caches, as the runtime does: plan, begin, update per layer, end."""
     g = torch.Generator().manual_seed(seed)
     past = cache.layout.seq_length
-    plan = build_plan(Policy(1), cache.layout, batch=B, num_new=num_new,
-                      position_ids=torch.arange(past, past + num_new).expand(B, -1), padding=None)
+    plan = build_plan(
+        Policy(1),
+        cache.layout,
+        batch=B,
+        num_new=num_new,
+        position_ids=torch.arange(past, past + num_new).expand(B, -1),
+        padding=None,
+    )
     cache.begin(plan)
     for layer in range(LAYERS):
         k, v = torch.randn(2, B, H, num_new, D, generator=g, dtype=torch.float64)
@@ -125,8 +131,9 @@ def test_failed_forward_leaves_no_trace():
     """A forward that raises is rolled back: the layout and every layer keep what they had."""
     cache, dyn = fresh()
     forward(cache, dyn, 4, 0)
-    plan = build_plan(Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(4, 6).expand(B, -1),
-                      padding=None)
+    plan = build_plan(
+        Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(4, 6).expand(B, -1), padding=None
+    )
     cache.begin(plan)
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)  # layer 0 stored, then the forward failed
     cache.end(plan, ok=False)

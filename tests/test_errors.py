@@ -22,17 +22,23 @@ def _results(procs):
     return [[line[7:] for line in out.splitlines() if line.startswith("RESULT ")] for _, out, _ in procs]
 
 
-@pytest.mark.parametrize("scenario,needle", [
-    ("mismatch", "different inputs"),
-    ("mismatch_decode", "different inputs"),  # caught by the check that runs under the decode step
-    ("mask4d", "2D padding mask"),
-    ("labels", "labels are not supported"),
-    ("foreign_cache", "cannot be used under context parallelism"),
-])
+@pytest.mark.parametrize(
+    "scenario,needle",
+    [
+        ("mismatch", "different inputs"),
+        ("mismatch_decode", "different inputs"),  # caught by the check that runs under the decode step
+        ("mask4d", "2D padding mask"),
+        ("labels", "labels are not supported"),
+        ("foreign_cache", "cannot be used under context parallelism"),
+    ],
+)
 def test_bad_input_is_rejected_on_every_rank(scenario, needle):
     procs = launch(2, [WORKER, scenario], timeout=300)
     for rank, lines in enumerate(_results(procs)):
-        assert lines and lines[-1].startswith("ContextParallelError") and needle in lines[-1], (rank, procs[rank][2][-2000:])
+        assert lines and lines[-1].startswith("ContextParallelError") and needle in lines[-1], (
+            rank,
+            procs[rank][2][-2000:],
+        )
 
 
 @pytest.mark.parametrize("scenario,code,limit", [("dies", 3, 15), ("stalls", 4, 30)])
@@ -55,17 +61,48 @@ def _from_config(model_type, **kw):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
 
 
-@pytest.mark.parametrize("build,needle", [
-    (lambda: _from_config("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64), "not supported by hf-contextpar"),
-    (lambda: _from_config("gpt_oss", num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=16, num_local_experts=2, vocab_size=64,
-                          layer_types=["full_attention"]), "sinks"),
-    (lambda: _from_config("qwen3_next", num_hidden_layers=2, hidden_size=32, intermediate_size=32, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=16, vocab_size=64, num_experts=2, moe_intermediate_size=16,
-                          shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                          linear_key_head_dim=8, linear_value_head_dim=8,
-                          layer_types=["linear_attention", "full_attention"]), "linear-attention"),
-])
+@pytest.mark.parametrize(
+    "build,needle",
+    [
+        (lambda: _from_config("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64), "not supported by hf-contextpar"),
+        (
+            lambda: _from_config(
+                "gpt_oss",
+                num_hidden_layers=1,
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                num_local_experts=2,
+                vocab_size=64,
+                layer_types=["full_attention"],
+            ),
+            "sinks",
+        ),
+        (
+            lambda: _from_config(
+                "qwen3_next",
+                num_hidden_layers=2,
+                hidden_size=32,
+                intermediate_size=32,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                vocab_size=64,
+                num_experts=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                linear_num_value_heads=2,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+            "linear-attention",
+        ),
+    ],
+)
 def test_unsupported_models_are_rejected(build, needle):
     with pytest.raises(hf_contextpar.UnsupportedModelError, match=needle):
         hf_contextpar.apply_context_parallel(build())
@@ -74,8 +111,9 @@ def test_unsupported_models_are_rejected(build, needle):
 def test_encoder_decoder_rejected():
     from transformers import AutoModelForSeq2SeqLM
 
-    t5 = AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model("t5", d_model=32, d_ff=32, num_layers=1, num_heads=2,
-                                                                 d_kv=16, vocab_size=64))
+    t5 = AutoModelForSeq2SeqLM.from_config(
+        AutoConfig.for_model("t5", d_model=32, d_ff=32, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)
+    )
     with pytest.raises(hf_contextpar.UnsupportedModelError, match="encoder-decoder"):
         hf_contextpar.apply_context_parallel(t5)
 

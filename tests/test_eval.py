@@ -12,9 +12,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from hf_contextpar.eval import needlebench as nb  # noqa: E402
 from launch import launch  # noqa: E402
 
-from hf_contextpar.eval import needlebench as nb  # noqa: E402
 from hf_contextpar.models import byte_tokenizer  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "eval_worker.py")
@@ -39,11 +39,11 @@ def _check_placement(p, depths):
     assert len(haystack) == len(p.context) - sum(map(len, p.needles))
     ends = [m.end() for m in SENTENCE_END.finditer(haystack)]
     for needle, at, target, depth in zip(p.needles, p.needle_at, p.target_at, depths):
-        assert p.context[at:at + len(needle)] == needle
+        assert p.context[at : at + len(needle)] == needle
         at_h = at - removed  # offset in the haystack without the needles inserted before this one
         removed += len(needle)
-        assert at_h == 0 or at_h == len(haystack) or at_h in ends, repr(haystack[at_h - 20:at_h + 20])
-        assert at_h <= target and not any(at_h < e <= target for e in ends), repr(haystack[at_h:target + 1])
+        assert at_h == 0 or at_h == len(haystack) or at_h in ends, repr(haystack[at_h - 20 : at_h + 20])
+        assert at_h <= target and not any(at_h < e <= target for e in ends), repr(haystack[at_h : target + 1])
         # the byte tokenizer makes haystack tokens and characters the same scale
         assert abs(target / len(haystack) - depth / 100) < 0.005, (target, len(haystack), depth)
 
@@ -69,7 +69,9 @@ def test_multi_needles_at_spaced_depths_within_budget(tok, data, task, length, d
     _check_placement(p, [min(100, depth + 10 * i) for i in range(len(p.needles))])
     assert all(k.lower() in "".join(p.needles).lower() for k in p.keywords)
     if task == "multi_retrieval":  # NeedleBench's combined question: each question, then one answer format
-        assert p.question.count("?") == 3 and re.search(r"format of '[^']*______、[^']*______、[^']*______'$", p.question)
+        assert p.question.count("?") == 3 and re.search(
+            r"format of '[^']*______、[^']*______、[^']*______'$", p.question
+        )
 
 
 def test_prompt_too_short_is_a_clear_error(tok, data):
@@ -87,7 +89,11 @@ def test_scores():
 def _report(out):
     with open(os.path.join(out, "report.json")) as f:
         rep = json.load(f)
-    for name in ("report.md", "heatmap.png", "logit_diff.png") if rep["summary"]["kind"] == "needlebench" else ("report.md", "logit_diff.png"):
+    for name in (
+        ("report.md", "heatmap.png", "logit_diff.png")
+        if rep["summary"]["kind"] == "needlebench"
+        else ("report.md", "logit_diff.png")
+    ):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     return rep
 
@@ -99,8 +105,25 @@ def _check(procs, expect_rc):
 
 def test_needlebench_equivalent_n2(tmp_path):
     out = tmp_path / "nb"
-    procs = launch(2, ["-m", "hf_contextpar.eval", "needlebench", "--model", "tiny-llama", "--lengths", "1024",
-                       "--depths", "0,50,100", "--max-new-tokens", "6", "--out", str(out)], timeout=300)
+    procs = launch(
+        2,
+        [
+            "-m",
+            "hf_contextpar.eval",
+            "needlebench",
+            "--model",
+            "tiny-llama",
+            "--lengths",
+            "1024",
+            "--depths",
+            "0,50,100",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+    )
     _check(procs, 0)
     assert "needlebench: EQUIVALENT" in procs[0][1] and procs[1][1] == ""  # rank 0 reports, the others stay quiet
     rep = _report(out)
@@ -116,9 +139,29 @@ def test_needlebench_equivalent_n2(tmp_path):
 
 def test_needlebench_broken_ring_is_not_equivalent(tmp_path):
     out = tmp_path / "broken"
-    procs = launch(2, [WORKER, "needlebench", "--model", "tiny-llama", "--lengths", "1024", "--depths", "0,100",
-                       "--tasks", "single_retrieval", "--max-new-tokens", "4", "--strategy", "ring_pass_kv",
-                       "--out", str(out)], timeout=300, env={"HF_CONTEXTPAR_TEST_BREAK_RING": "1"})
+    procs = launch(
+        2,
+        [
+            WORKER,
+            "needlebench",
+            "--model",
+            "tiny-llama",
+            "--lengths",
+            "1024",
+            "--depths",
+            "0,100",
+            "--tasks",
+            "single_retrieval",
+            "--max-new-tokens",
+            "4",
+            "--strategy",
+            "ring_pass_kv",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+        env={"HF_CONTEXTPAR_TEST_BREAK_RING": "1"},
+    )
     _check(procs, 1)
     assert "needlebench: NOT EQUIVALENT" in procs[0][1]
     s = _report(out)["summary"]
@@ -135,7 +178,9 @@ def test_bookcorpus_saved_reference_n2(tmp_path):
     procs = launch(2, ["-m", "hf_contextpar.eval", *args, "--reference", str(ref), "--out", str(out)], timeout=300)
     _check(procs, 0)
     rep = _report(out)
-    assert rep["summary"]["verdict"] == "equivalent" and rep["summary"]["reference"].startswith("saved single-process run")
+    assert rep["summary"]["verdict"] == "equivalent" and rep["summary"]["reference"].startswith(
+        "saved single-process run"
+    )
     assert [c["window"] for c in rep["cases"]] == [0, 1, 2]
     for c in rep["cases"]:
         assert c["tokens"] == 700 and c["argmax_agreement"] == 1.0 and c["max_logit_diff"] <= 1e-4
@@ -149,11 +194,43 @@ def test_clear_errors(tmp_path, capsys):
     assert main(["needlebench", "--model", "tiny-llama", "--lengths", "70000", "--out", str(tmp_path)]) == 2
     assert "exceeds the model's context (max_position_embeddings = 65536)" in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
-    assert main(["bookcorpus", "--model", "tiny-llama", "--reference", str(tmp_path / "missing.pt"), "--window", "64",
-                 "--num-windows", "1", "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "bookcorpus",
+                "--model",
+                "tiny-llama",
+                "--reference",
+                str(tmp_path / "missing.pt"),
+                "--window",
+                "64",
+                "--num-windows",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "no such file" in capsys.readouterr().err
-    assert main(["needlebench", "--model", "tiny-llama", "--data", str(tmp_path / "nowhere"), "--lengths", "1024",
-                 "--depths", "0", "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "needlebench",
+                "--model",
+                "tiny-llama",
+                "--data",
+                str(tmp_path / "nowhere"),
+                "--lengths",
+                "1024",
+                "--depths",
+                "0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "PaulGrahamEssays.jsonl not found under --data" in capsys.readouterr().err
 
 
@@ -162,15 +239,32 @@ def test_needlebench_files_through_datasets(tmp_path, tok):
     essays = ["First essay. It has sentences! Does it? Yes. " * 40, "Second essay, shorter. " * 40]
     with open(tmp_path / "PaulGrahamEssays.jsonl", "w") as f:
         f.writelines(json.dumps(dict(text=t)) + "\n" for t in essays)
-    needles = [dict(needle=f"Needle {i} says the code is {1000 + i}.", retrieval_question=f"What is code {i}? Please "
-                    f"answer in the format 'The code is ______.'", arg1=f"code {i}", arg2=str(1000 + i), language=lang)
-               for i in range(4) for lang in ("English", "Chinese")]
+    needles = [
+        dict(
+            needle=f"Needle {i} says the code is {1000 + i}.",
+            retrieval_question=f"What is code {i}? Please answer in the format 'The code is ______.'",
+            arg1=f"code {i}",
+            arg2=str(1000 + i),
+            language=lang,
+        )
+        for i in range(4)
+        for lang in ("English", "Chinese")
+    ]
     with open(tmp_path / "needles.jsonl", "w") as f:
         f.writelines(json.dumps(n) + "\n" for n in needles)
     (tmp_path / "sub").mkdir()
     with open(tmp_path / "sub" / "multi_needle_reasoning_en.json", "w") as f:
-        json.dump([dict(derivations=["A is B's parent.", "B lives in Qux."], derivation_count=2,
-                        question="Where does A's child live?", answer="Qux")], f)
+        json.dump(
+            [
+                dict(
+                    derivations=["A is B's parent.", "B lives in Qux."],
+                    derivation_count=2,
+                    question="Where does A's child live?",
+                    answer="Qux",
+                )
+            ],
+            f,
+        )
     data, warning = nb.load_data("auto", str(tmp_path), builtin_model=True)
     assert warning is None and data.source.startswith(nb.HUB_REPO) and len(data.haystack) == 2
     assert all(n["language"] == "English" for n in data.needles) and len(data.needles) == 4
@@ -191,21 +285,22 @@ def test_bookcorpus_local_text_and_windows(tmp_path, tok):
     assert tok.decode(ids[:31]) == "the first sentence of a book .\n"
     wins = bc.windows(ids, 500, 4, bos=256)
     assert [len(w) for w in wins] == [500] * 4 and all(w[0] == 256 for w in wins)
-    assert sum((w[1:] for w in wins), []) == ids[:4 * 499]  # consecutive, no token dropped or repeated
+    assert sum((w[1:] for w in wins), []) == ids[: 4 * 499]  # consecutive, no token dropped or repeated
     with pytest.raises(nb.DataError, match="only"):
         bc.load_token_stream(tok, 10**6, data=str(tmp_path / "books"))
 
 
 def test_generation_and_window_metrics():
     import torch
-
     from hf_contextpar.eval.compare import compare_generation, window_metrics
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 11, generator=g, dtype=torch.float64)
     tokens = logits.argmax(-1)
     same = compare_generation(tokens, logits, tokens.clone(), logits + 1e-7)
-    assert same["tokens_identical"] and same["first_divergence"] is None and same["max_logit_diff"] == pytest.approx(1e-7)
+    assert (
+        same["tokens_identical"] and same["first_divergence"] is None and same["max_logit_diff"] == pytest.approx(1e-7)
+    )
     other = tokens.clone()
     other[2] = (tokens[2] + 1) % 11
     late = logits.clone()
@@ -227,9 +322,9 @@ def test_generation_and_window_metrics():
 
 def test_low_precision_tolerance_is_the_kernel_swap():
     import torch
-
     from hf_contextpar.eval.compare import tolerance
     from hf_contextpar.eval.harness import kernel_swap
+
     from hf_contextpar.models import tiny_model
 
     model = tiny_model("llama", dtype=torch.bfloat16)

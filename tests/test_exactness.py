@@ -5,7 +5,6 @@ case is its own test, so a failure reads like `test_exact[N3-llama-beam_search]`
 from __future__ import annotations
 
 import pytest
-
 from cp_worker import FAMILIES
 from launch import matrix, tolerance
 

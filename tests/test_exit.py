@@ -31,10 +31,31 @@ def test_user_script_without_cleanup_exits_cleanly():
 def test_cli_exits_zero_every_time():
     """The README's job, five times at once (the contention makes teardown races likelier): exit 0 each."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    runs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                              f"--master_port={free_port()}", "-m", "hf_contextpar", "generate", "--prompt-tokens", "64",
-                              "--max-new-tokens", "2", "--baseline"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(5)]
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                f"--master_port={free_port()}",
+                "-m",
+                "hf_contextpar",
+                "generate",
+                "--prompt-tokens",
+                "64",
+                "--max-new-tokens",
+                "2",
+                "--baseline",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(5)
+    ]
     for i, p in enumerate(runs):
         out, err = p.communicate(timeout=300)
         why = f"run {i}: rc {p.returncode}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"

@@ -31,7 +31,13 @@ MIN_CASES = 5  # passing cases: the default budget runs 9 to 70 here (2 shared c
 def test_fuzz(n, tmp_path):
     seconds = float(os.environ.get("HF_CONTEXTPAR_FUZZ_SECONDS", DEFAULT_SECONDS))
     only = os.environ.get("HF_CONTEXTPAR_FUZZ_CASE")
-    args = [os.path.join(os.path.dirname(__file__), "fuzz_worker.py"), "--out", str(tmp_path), "--seconds", str(seconds)]
+    args = [
+        os.path.join(os.path.dirname(__file__), "fuzz_worker.py"),
+        "--out",
+        str(tmp_path),
+        "--seconds",
+        str(seconds),
+    ]
     if only:
         args += ["--case", only]
     procs = launch(n, args, timeout=seconds + 900)
@@ -41,10 +47,13 @@ def test_fuzz(n, tmp_path):
     report = json.loads(path.read_text())
     records = report["records"]
     failures = [r for r in records if r["outcome"] == "fail"]
-    lines = [f"case {r['index']}: {r['detail'].splitlines()[0][:400]}\n    {r['description']}\n"
-             f"    reproduce: {r['command']}" for r in failures]
-    assert not failures, (f"{len(failures)} of {len(records)} fuzz cases failed on N={n} "
-                          f"(seed {report['seed']}):\n" + "\n".join(lines))
+    lines = [
+        f"case {r['index']}: {r['detail'].splitlines()[0][:400]}\n    {r['description']}\n    reproduce: {r['command']}"
+        for r in failures
+    ]
+    assert not failures, (
+        f"{len(failures)} of {len(records)} fuzz cases failed on N={n} (seed {report['seed']}):\n" + "\n".join(lines)
+    )
     assert report["finished"], f"the fuzz loop did not finish (seed {report['seed']}):\n{procs[0][2][-4000:]}"
     passed = [r for r in records if r["outcome"] in ("pass", "expected_error")]
     wanted = len(only.split(",")) if only else MIN_CASES

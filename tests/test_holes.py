@@ -2,7 +2,6 @@
 each case runs on N ranks against the unpatched model in the same process (tests/holes_worker.py)."""
 
 import pytest
-
 from holes_worker import cases
 from launch import matrix
 

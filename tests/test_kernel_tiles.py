@@ -41,10 +41,14 @@ COLS = {  # (query columns, key columns)
 
 
 @pytest.mark.parametrize("cols", sorted(COLS))
-@pytest.mark.parametrize("window,padded,softcap,kv_heads", [
-    (w, p, s, h) for w, p, s, h in itertools.product([None, 1, 7, 40, 500], [False, True], [None, 5.0], [4, 2, 1])
-    if h == 2 or (p and s is None)  # GQA variants on the padded case, to keep the matrix small
-])
+@pytest.mark.parametrize(
+    "window,padded,softcap,kv_heads",
+    [
+        (w, p, s, h)
+        for w, p, s, h in itertools.product([None, 1, 7, 40, 500], [False, True], [None, 5.0], [4, 2, 1])
+        if h == 2 or (p and s is None)  # GQA variants on the padded case, to keep the matrix small
+    ],
+)
 def test_tiled_attend_is_exact(monkeypatch, cols, window, padded, softcap, kv_heads):
     """Tiles of a few rows against whole-block math, in fp64 (tests/test_units.py: one tile per block)."""
     monkeypatch.setattr(kernels, "_TILE_ELEMS", 300)
@@ -74,8 +78,7 @@ def _largest_allocation(fn) -> int:
     return max(e.self_cpu_memory_usage for e in prof.events())
 
 
-@pytest.mark.parametrize("window,padded,softcap", [(64, True, None), (None, True, None),
-                                                   (64, False, 20.0)])
+@pytest.mark.parametrize("window,padded,softcap", [(64, True, None), (None, True, None), (64, False, 20.0)])
 def test_long_windowed_sequence_has_no_quadratic_temporary(monkeypatch, window, padded, softcap):
     """Ulysses' whole-sequence block at T=2048 with 256 KiB tiles: a (T, T) bool alone would be 4 MiB (and
     the old int64 window temporary 32 MiB). Every allocation must fit in one tile, or be the O(T) output."""
@@ -86,8 +89,11 @@ def test_long_windowed_sequence_has_no_quadratic_temporary(monkeypatch, window, 
     cols = torch.arange(t)
     valid = torch.ones(b, t, dtype=torch.bool)
     valid[:, :100] = False  # left padding
-    biggest = _largest_allocation(lambda: attend(q, k, v, cols, cols, scale=0.25, key_valid=valid if padded else None,
-                                                 window=window, softcap=softcap))
+    biggest = _largest_allocation(
+        lambda: attend(
+            q, k, v, cols, cols, scale=0.25, key_valid=valid if padded else None, window=window, softcap=softcap
+        )
+    )
     tile_bytes = kernels._TILE_ELEMS * 4  # one fp32 mask or score tile
     output_bytes = b * h * t * (d + 1) * 4  # out and lse
     assert biggest <= max(tile_bytes, output_bytes), f"{biggest / 2**20:.1f} MiB allocated at once"

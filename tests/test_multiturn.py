@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import matrix, tolerance  # noqa: E402
 from multiturn_worker import FAMILIES  # noqa: E402
 
+
 def results(n: int, tmp_path_factory) -> list[list[dict]]:
     return matrix("multiturn_worker.py", n, tmp_path_factory)
 

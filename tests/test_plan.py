@@ -16,8 +16,16 @@ def plan_for(layout, num_new, batch=1, policy=None, keep=0, uses_cache=True, pos
     policy = policy or Policy(layout.world)
     past = layout.seq_length if uses_cache else 0
     pos = positions if positions is not None else torch.arange(past, past + num_new).expand(batch, -1)
-    return build_plan(policy, layout if uses_cache else None, batch=batch, num_new=num_new, position_ids=pos,
-                      padding=None, logits_to_keep=keep, uses_cache=uses_cache)
+    return build_plan(
+        policy,
+        layout if uses_cache else None,
+        batch=batch,
+        num_new=num_new,
+        position_ids=pos,
+        padding=None,
+        logits_to_keep=keep,
+        uses_cache=uses_cache,
+    )
 
 
 def stored_columns(layout, batch):

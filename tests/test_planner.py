@@ -105,8 +105,24 @@ def test_calibrate_and_sweep_commands(tmp_path):
     data = json.load(open(cal))
     assert data["source"] == "measured" and data["attn_flops"] > 0 and data["bandwidth"] > 0
     out = tmp_path / "sweep.json"
-    procs = launch(2, ["-m", "hf_contextpar", "sweep", "--total", "512", "--miss-rates", "0.05,0.25,0.5,1.0",
-                       "--repeats", "1", "--out", str(out)], timeout=300, env=env)
+    procs = launch(
+        2,
+        [
+            "-m",
+            "hf_contextpar",
+            "sweep",
+            "--total",
+            "512",
+            "--miss-rates",
+            "0.05,0.25,0.5,1.0",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+        env=env,
+    )
     assert all(rc == 0 for rc, _, _ in procs), procs[0][2][-3000:]
     rows = json.load(open(out))["rows"]
     assert len(rows) == 4 and all(r["pass_kv_s"] > 0 and r["pass_q_s"] > 0 for r in rows)

@@ -8,8 +8,15 @@ import pytest
 
 from hf_contextpar.costmodel import Machine, predict_ttft
 from hf_contextpar.planner import choose
-from hf_contextpar.predict import (PRESETS, kv_bytes_per_rank, pass_q_threshold, predict_ttit, report, shape_of,
-                                   traffic_per_rank)
+from hf_contextpar.predict import (
+    PRESETS,
+    kv_bytes_per_rank,
+    pass_q_threshold,
+    predict_ttit,
+    report,
+    shape_of,
+    traffic_per_rank,
+)
 
 
 def test_shape_of_a_published_geometry_with_tensor_parallelism():
@@ -32,8 +39,11 @@ def test_kv_and_traffic_formulas():
     s = shape_of("llama-3.1-8b", 2)
     assert kv_bytes_per_rank(1024, 4, s) == 32 * 2 * 256 * 8 * 128 * 2
     # ring pass-KV and all-gather: every rank's K/V reaches the N-1 others
-    assert traffic_per_rank("ring_pass_kv", 1024, 0, 4, s) == traffic_per_rank("allgather_kv", 1024, 0, 4, s) \
+    assert (
+        traffic_per_rank("ring_pass_kv", 1024, 0, 4, s)
+        == traffic_per_rank("allgather_kv", 1024, 0, 4, s)
         == 32 * 3 * 2 * 256 * 8 * 128 * 2
+    )
     # KV-Runahead: half of that on average (KVR Eq. 7: (N-1)/2 C rows in all), fresh prompts only
     assert traffic_per_rank("kv_runahead", 1024, 0, 4, s) == traffic_per_rank("ring_pass_kv", 1024, 0, 4, s) / 2
     assert traffic_per_rank("kv_runahead", 1024, 10, 4, s) is None
@@ -62,12 +72,31 @@ def test_report_marks_the_planners_choice():
 
 def test_cli_with_a_calibration_file(tmp_path):
     cal = tmp_path / "cal.json"
-    Machine(attn_flops=2e10, gemm_flops=3e10, bandwidth=1e9, latency=1e-4, memory_bandwidth=1e10,
-            source="measured").save(str(cal))
+    Machine(
+        attn_flops=2e10, gemm_flops=3e10, bandwidth=1e9, latency=1e-4, memory_bandwidth=1e10, source="measured"
+    ).save(str(cal))
     assert json.load(open(cal))["memory_bandwidth"] == 1e10
-    res = subprocess.run([sys.executable, "-m", "hf_contextpar", "predict", "--model", "tiny-llama", "--hardware",
-                          str(cal), "--world", "1,2", "--lengths", "4096", "--dtype", "float32"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hf_contextpar",
+            "predict",
+            "--model",
+            "tiny-llama",
+            "--hardware",
+            str(cal),
+            "--world",
+            "1,2",
+            "--lengths",
+            "4096",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "ring_pass_q" in res.stdout and "measured" in res.stdout
 

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import matrix, tolerance  # noqa: E402
 from strategy_worker import FAMILIES, STRATEGIES  # noqa: E402
 
+
 def results(n: int, tmp_path_factory) -> list[list[dict]]:
     return matrix("strategy_worker.py", n, tmp_path_factory)
 
@@ -59,10 +60,13 @@ def test_traffic_matches_the_formulas(n, tmp_path_factory):
         for r in traffic:
             assert (r["sent"], r["received"]) == (r["expected_sent"], r["expected_received"]), f"rank {rank} {r}"
     # totals over the ranks, even partitions (64 tokens): the papers' formulas in K/V rows
-    for strategy, rows in (("ring_pass_kv", (n - 1) * 64), ("allgather_kv", (n - 1) * 64),
-                           ("kv_runahead", None)):
-        sent = sum(r["sent"] for records in every for r in records
-                   if r["case"] == "traffic" and r["strategy"] == strategy and r["length"] == 64)
+    for strategy, rows in (("ring_pass_kv", (n - 1) * 64), ("allgather_kv", (n - 1) * 64), ("kv_runahead", None)):
+        sent = sum(
+            r["sent"]
+            for records in every
+            for r in records
+            if r["case"] == "traffic" and r["strategy"] == strategy and r["length"] == 64
+        )
         row_bytes = 2 * 4 * 16 * 4 * 2  # K and V, 4 KV heads, head dim 16, fp32, 2 layers (tiny phi3)
         if strategy == "kv_runahead":  # KVR Eq. 7: (N-1)/2 C for even partitions (exact when N divides C)
             sizes = even(64, n)

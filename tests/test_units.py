@@ -103,8 +103,8 @@ def test_merge_of_key_splits_is_exact():
 def test_merge_keeps_empty_rows_finite():
     out = torch.zeros(2, 1, 3, 4)
     lse = torch.full((2, 1, 3), -math.inf)
-    o, l = merge_stacked(out, lse)
-    assert torch.isneginf(l).all() and (o == 0).all()
+    o, lse_m = merge_stacked(out, lse)
+    assert torch.isneginf(lse_m).all() and (o == 0).all()
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -119,5 +119,5 @@ def test_attend_with_per_sequence_key_columns(window):
     out, lse = attend(q, k, v, qc, kc, scale=0.3, window=window)
     for b in range(2):
         keep = (kc[b] >= 0) & (kc[b] <= 11) & ((11 - kc[b] < window) if window else True)
-        o, l = _math(q[b : b + 1], k[b : b + 1, :, keep], v[b : b + 1, :, keep], None, 0.3, None)
-        assert (out[b] - o[0]).abs().max() < 1e-12 and (lse[b] - l[0]).abs().max() < 1e-12
+        o, lse_b = _math(q[b : b + 1], k[b : b + 1, :, keep], v[b : b + 1, :, keep], None, 0.3, None)
+        assert (out[b] - o[0]).abs().max() < 1e-12 and (lse[b] - lse_b[0]).abs().max() < 1e-12

@@ -28,13 +28,19 @@ from .ulysses import ulysses
 NAME = "hf_contextpar"
 current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
 
-PREFILL = {"ring_pass_kv": ring_pass_kv, "ring_pass_q": ring_pass_q, "allgather_kv": allgather_kv,
-           "kv_runahead": kv_runahead, "ulysses": ulysses}
+PREFILL = {
+    "ring_pass_kv": ring_pass_kv,
+    "ring_pass_q": ring_pass_q,
+    "allgather_kv": allgather_kv,
+    "kv_runahead": kv_runahead,
+    "ulysses": ulysses,
+}
 ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": local}
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                               sliding_window=None, softcap=None, **kwargs):
+def context_parallel_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     step = current_step.get()
     if step is None:
         raise ContextParallelError(
@@ -57,8 +63,16 @@ def context_parallel_attention(module, query, key, value, attention_mask, scalin
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def context_parallel_mask(batch_size=None, q_length=None, kv_length=None, q_offset=None, kv_offset=None,
-                          mask_function=None, attention_mask=None, **kwargs):
+def context_parallel_mask(
+    batch_size=None,
+    q_length=None,
+    kv_length=None,
+    q_offset=None,
+    kv_offset=None,
+    mask_function=None,
+    attention_mask=None,
+    **kwargs,
+):
     """Pass the 2D padding mask (B, global length) through; None when nothing is padded."""
     if attention_mask is None or bool(attention_mask.all()):
         return None

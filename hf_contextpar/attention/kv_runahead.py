@@ -23,8 +23,10 @@ def _post_receives(step, layer, like):
     """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
     rank = step.comm.rank
     shapes = [(step.kv_size(src), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
-    step.state[("kvr_recv", layer)] = [(src, step.comm.recv_prev(shape, like.dtype, like.device))
-                                       for src, shape in zip(range(rank - 1, -1, -1), shapes)]
+    step.state[("kvr_recv", layer)] = [
+        (src, step.comm.recv_prev(shape, like.dtype, like.device))
+        for src, shape in zip(range(rank - 1, -1, -1), shapes)
+    ]
 
 
 def kv_runahead(step, q, kv_local, **attn):

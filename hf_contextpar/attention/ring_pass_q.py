@@ -40,6 +40,9 @@ def ring_pass_q(step, q, kv_local, **attn):
     k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
     b, h, _, d = q.shape
     key_valid = step.key_valid(rank)
-    return pass_q(step, q, lambda r: (b, h, step.q_cols_all[r].numel(), d),
-                  lambda src, block: attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank],
-                                            key_valid=key_valid, **attn))
+    return pass_q(
+        step,
+        q,
+        lambda r: (b, h, step.q_cols_all[r].numel(), d),
+        lambda src, block: attend(block, k, v, step.q_cols_all[src], step.kv_cols[rank], key_valid=key_valid, **attn),
+    )

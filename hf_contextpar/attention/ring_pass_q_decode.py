@@ -22,7 +22,14 @@ def ring_pass_q_decode(step, q, kv_local, **attn):
 
     def attend_block(src, block):
         rows = step.batch_rows[src]
-        return attend(block, k[rows], v[rows], step.q_cols, cols[rows] if cols.dim() == 2 else cols,
-                      key_valid=step.key_valid(rank, rows), **attn)
+        return attend(
+            block,
+            k[rows],
+            v[rows],
+            step.q_cols,
+            cols[rows] if cols.dim() == 2 else cols,
+            key_valid=step.key_valid(rank, rows),
+            **attn,
+        )
 
     return pass_q(step, q, lambda r: (step.batch_size(r), h, t, d), attend_block)

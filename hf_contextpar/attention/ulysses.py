@@ -23,10 +23,10 @@ def ulysses(step, q, kv_local, **attn):
     q_sizes = [c.numel() for c in step.q_cols_all]
     kv_sizes = [c.numel() for c in step.kv_cols]
     # sequence-sharded -> head-sharded
-    qs = comm.all_to_all([q[:, j * hq:(j + 1) * hq] for j in range(world)],
-                         [(b, hq, n, d) for n in q_sizes])
-    kvs = comm.all_to_all([kv_local[:, :, :, j * hk:(j + 1) * hk] for j in range(world)],
-                          [(n, 2, b, hk, d) for n in kv_sizes])
+    qs = comm.all_to_all([q[:, j * hq : (j + 1) * hq] for j in range(world)], [(b, hq, n, d) for n in q_sizes])
+    kvs = comm.all_to_all(
+        [kv_local[:, :, :, j * hk : (j + 1) * hk] for j in range(world)], [(n, 2, b, hk, d) for n in kv_sizes]
+    )
     q_cols, q_order = torch.cat(step.q_cols_all).sort()
     k_cols, k_order = torch.cat(step.kv_cols).sort()
     qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))

@@ -23,19 +23,28 @@ import torch.distributed as dist
 from ..cli import DTYPES
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hf_contextpar.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir or tiny-<family> (default {DEFAULT_MODEL})")
+    p = argparse.ArgumentParser(
+        prog="python -m hf_contextpar.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"hub id, local dir or tiny-<family> (default {DEFAULT_MODEL})"
+    )
     p.add_argument("--lengths", default="4096,8192,16384", help="prompt lengths, comma-separated")
-    p.add_argument("--strategies", default=None, help="comma-separated (default: every strategy of this build but auto)")
+    p.add_argument(
+        "--strategies", default=None, help="comma-separated (default: every strategy of this build but auto)"
+    )
     p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per config (TTIT over the last n-1)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / N)")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills per config (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--out", default="bench", help="output directory (bench.json, bench.md, *.png)")
-    p.add_argument("--kvr-partitions", help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
-                   f"adds a row '{KVR_TABLE}' next to kv_runahead's even partitions")
+    p.add_argument(
+        "--kvr-partitions",
+        help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
+        f"adds a row '{KVR_TABLE}' next to kv_runahead's even partitions",
+    )
     p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..calibrate import sync
 
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -65,11 +66,21 @@ def prefill(model, ids, *, stats=None, barrier=None, device):
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     sync(device)
-    res = dict(ttft_s=time.perf_counter() - t0, ttft_cpu_s=time.process_time() - c0, comm_wait_s=0.0,
-               comm_wait_by_op_s={}, bytes_sent=0, bytes_received=0)
+    res = dict(
+        ttft_s=time.perf_counter() - t0,
+        ttft_cpu_s=time.process_time() - c0,
+        comm_wait_s=0.0,
+        comm_wait_by_op_s={},
+        bytes_sent=0,
+        bytes_received=0,
+    )
     if stats is not None:
-        res.update(comm_wait_s=stats.wait_s, comm_wait_by_op_s=dict(stats.waits), bytes_sent=stats.bytes_sent,
-                   bytes_received=stats.bytes_received)
+        res.update(
+            comm_wait_s=stats.wait_s,
+            comm_wait_by_op_s=dict(stats.waits),
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+        )
     return res, out.past_key_values, token
 
 
@@ -90,8 +101,13 @@ def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, de
         tokens.append(int(token[0, 0]))
         if stats is not None:
             waits.append(stats.wait_s)
-    return dict(ttit_s=_median(steps), ttit_all_s=steps, decode_comm_wait_s=_median(waits) if waits else 0.0,
-                tokens=tokens, kv_bytes=_kv_bytes(cache))
+    return dict(
+        ttit_s=_median(steps),
+        ttit_all_s=steps,
+        decode_comm_wait_s=_median(waits) if waits else 0.0,
+        tokens=tokens,
+        kv_bytes=_kv_bytes(cache),
+    )
 
 
 class Samples:
@@ -115,14 +131,21 @@ class Samples:
             self.final.update(peak_bytes=peak, peak_delta_bytes=max(0, peak - rss0) if device.type == "cpu" else peak)
 
     def summary(self) -> dict:
-        med = {k: _median([p[k] for p in self.prefills])
-               for k in ("ttft_s", "ttft_cpu_s", "comm_wait_s")}
+        med = {k: _median([p[k] for p in self.prefills]) for k in ("ttft_s", "ttft_cpu_s", "comm_wait_s")}
         ops = {op for p in self.prefills for op in p["comm_wait_by_op_s"]}
-        return dict(**{**self.final, "ttit_s": _median(self.steps), "ttit_all_s": self.steps,
-                       "decode_comm_wait_s": _median(self.step_waits)},
-                    **med, ttft_all_s=[p["ttft_s"] for p in self.prefills],
-                    comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
-                    bytes_sent=self.prefills[-1]["bytes_sent"], bytes_received=self.prefills[-1]["bytes_received"])
+        return dict(
+            **{
+                **self.final,
+                "ttit_s": _median(self.steps),
+                "ttit_all_s": self.steps,
+                "decode_comm_wait_s": _median(self.step_waits),
+            },
+            **med,
+            ttft_all_s=[p["ttft_s"] for p in self.prefills],
+            comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
+            bytes_sent=self.prefills[-1]["bytes_sent"],
+            bytes_received=self.prefills[-1]["bytes_received"],
+        )
 
 
 def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:

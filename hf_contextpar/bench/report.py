@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+
 def check_targets(report) -> list[dict]:
     """The issue's targets, evaluated on the largest measured length of each run."""
     out = []
@@ -21,37 +22,65 @@ def check_targets(report) -> list[dict]:
                 if dt is None:
                     continue
                 ok = abs(1 / dt - 1) <= 0.03 and abs(di - 1) <= 0.03
-                out.append(dict(target=f"N=1 patched ({r['strategy']}) vs unpatched within 3% (T={T})", met=ok,
-                                figure=f"TTFT x{1 / dt:.3f}, TTIT x{di:.3f}"))
+                out.append(
+                    dict(
+                        target=f"N=1 patched ({r['strategy']}) vs unpatched within 3% (T={T})",
+                        met=ok,
+                        figure=f"TTFT x{1 / dt:.3f}, TTIT x{di:.3f}",
+                    )
+                )
             continue
         for r in cps:
             s = r["strategy"]
             if r.get("speedup_vs_unpatched") is not None:
                 ok = r["speedup_vs_unpatched"] >= 1.8 and r.get("speedup_vs_unpatched_all_cores", 1.0) >= 1.0
-                out.append(dict(target=f"prefill {s} N={N} T={T}: >=1.8x vs 1-process same threads, >=1x vs all cores",
-                                met=ok, figure=f"{r['speedup_vs_unpatched']:.2f}x / "
-                                                f"{r.get('speedup_vs_unpatched_all_cores', float('nan')):.2f}x "
-                                                f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)"))
+                out.append(
+                    dict(
+                        target=f"prefill {s} N={N} T={T}: >=1.8x vs 1-process same threads, >=1x vs all cores",
+                        met=ok,
+                        figure=f"{r['speedup_vs_unpatched']:.2f}x / "
+                        f"{r.get('speedup_vs_unpatched_all_cores', float('nan')):.2f}x "
+                        f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)",
+                    )
+                )
                 floor = info["decode_floor_s"]
                 over = r["decode_overhead_s"]
                 woken = info.get("small_collective_after_compute_s", 0.0) * info["shape"]["layers"]
-                out.append(dict(target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
-                                met=over <= 1.1 * floor,
-                                figure=f"overhead {over * 1e3:.2f} ms = {over / floor if floor else float('nan'):.2f} x floor "
-                                       f"({over / woken if woken else float('nan'):.2f} x the after-compute floor "
-                                       f"{woken * 1e3:.2f} ms); "
-                                       f"TTIT(N={N})/TTIT(1) = {r['ttit_ratio_vs_unpatched']:.2f}"))
-                out.append(dict(target=f"KV bytes per rank {s} N={N} T={T}: <= single/N + one token per layer",
-                                met=r["kv_within_bound"], figure=f"{max(r['kv_bytes_per_rank'])} <= {r['kv_bound_bytes']:.0f}"))
+                out.append(
+                    dict(
+                        target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
+                        met=over <= 1.1 * floor,
+                        figure=f"overhead {over * 1e3:.2f} ms = {over / floor if floor else float('nan'):.2f} x floor "
+                        f"({over / woken if woken else float('nan'):.2f} x the after-compute floor "
+                        f"{woken * 1e3:.2f} ms); "
+                        f"TTIT(N={N})/TTIT(1) = {r['ttit_ratio_vs_unpatched']:.2f}",
+                    )
+                )
+                out.append(
+                    dict(
+                        target=f"KV bytes per rank {s} N={N} T={T}: <= single/N + one token per layer",
+                        met=r["kv_within_bound"],
+                        figure=f"{max(r['kv_bytes_per_rank'])} <= {r['kv_bound_bytes']:.0f}",
+                    )
+                )
             if info.get("windowed") and r.get("peak_vs_unpatched") is not None:
                 # windowed masks are where O(T^2) buffers hide: no strategy may need more than one process
-                out.append(dict(target=f"peak memory per rank {s} N={N} T={T} (sliding window): <= unpatched 1 process",
-                                met=r["peak_vs_unpatched"] <= 1.0,
-                                figure=f"{_mib(max(r['peak_delta_bytes_per_rank'])):.0f} MiB = "
-                                       f"{r['peak_vs_unpatched']:.2f} x the unpatched process's peak"))
+                out.append(
+                    dict(
+                        target=f"peak memory per rank {s} N={N} T={T} (sliding window): <= unpatched 1 process",
+                        met=r["peak_vs_unpatched"] <= 1.0,
+                        figure=f"{_mib(max(r['peak_delta_bytes_per_rank'])):.0f} MiB = "
+                        f"{r['peak_vs_unpatched']:.2f} x the unpatched process's peak",
+                    )
+                )
             if s == "ring_pass_kv":
-                out.append(dict(target=f"exposed communication ring_pass_kv N={N} T={T} < 10% of TTFT",
-                                met=r["comm_wait_frac"] < 0.10, figure=f"{r['comm_wait_frac'] * 100:.1f}%"))
+                out.append(
+                    dict(
+                        target=f"exposed communication ring_pass_kv N={N} T={T} < 10% of TTFT",
+                        met=r["comm_wait_frac"] < 0.10,
+                        figure=f"{r['comm_wait_frac'] * 100:.1f}%",
+                    )
+                )
         del at
     return out
 
@@ -70,18 +99,23 @@ def format_report(report) -> str:
     lines = ["# hf-contextpar benchmark", ""]
     for n_key, info in report["runs"].items():
         m = info["machine"]
-        lines.append(f"- run N={n_key}: model {info['model']} ({info['dtype']}, {info['device']}), threads/rank "
-                     f"{info['threads_per_rank']} of {info['cores']} cores, repeats {info['repeats']}, decode "
-                     f"{info['new_tokens']} tokens; C_attn {m['attn_flops'] / 1e9:.2f} GFLOP/s, C_gemm "
-                     f"{m['gemm_flops'] / 1e9:.2f} GFLOP/s, BW {m['bandwidth'] / 1e9:.3f} GB/s, small collective "
-                     f"{info['small_collective_s'] * 1e3:.3f} ms ({info.get('small_collective_after_compute_s', 0) * 1e3:.3f} ms "
-                     f"after compute) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
-                     f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}")
+        lines.append(
+            f"- run N={n_key}: model {info['model']} ({info['dtype']}, {info['device']}), threads/rank "
+            f"{info['threads_per_rank']} of {info['cores']} cores, repeats {info['repeats']}, decode "
+            f"{info['new_tokens']} tokens; C_attn {m['attn_flops'] / 1e9:.2f} GFLOP/s, C_gemm "
+            f"{m['gemm_flops'] / 1e9:.2f} GFLOP/s, BW {m['bandwidth'] / 1e9:.3f} GB/s, small collective "
+            f"{info['small_collective_s'] * 1e3:.3f} ms ({info.get('small_collective_after_compute_s', 0) * 1e3:.3f} ms "
+            f"after compute) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
+            f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}"
+        )
         for s in info.get("skipped", []):
             lines.append(f"  - skipped {s['strategy']}: {s['reason']}")
-    lines += ["", "| strategy | N | thr | T | TTFT ms | CPU ms | pred ms | speed-up 1p | CPU speed-up | vs all cores | comm wait | "
-              "wait by op ms | TTIT ms | TTIT ratio | KV MiB/rank | peak MiB/rank | sent MiB/rank | recv MiB/rank | tokens = |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "| strategy | N | thr | T | TTFT ms | CPU ms | pred ms | speed-up 1p | CPU speed-up | vs all cores | comm wait | "
+        "wait by op ms | TTIT ms | TTIT ratio | KV MiB/rank | peak MiB/rank | sent MiB/rank | recv MiB/rank | tokens = |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -99,13 +133,20 @@ def format_report(report) -> str:
             f"{r['ttit_s'] * 1e3:.2f} | {f(r.get('ttit_ratio_vs_unpatched'), '.2f')} | "
             f"{_mib(max(r['kv_bytes_per_rank'])):.2f} | {_mib(max(r['peak_delta_bytes_per_rank'])):.0f} | "
             f"{_mib(max(r['bytes_sent_per_rank'])):.2f} | {_mib(max(r['bytes_received_per_rank'])):.2f} | "
-            f"{f(r.get('tokens_match_unpatched'), '')} |")
-    lines += ["", "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "
-              "speed-up 1p: unpatched one process with the run's threads "
-              "per process / this TTFT; CPU speed-up: the same ratio of CPU times (blind to other processes' load); "
-              "vs all cores: the TTFT ratio against the unpatched process on every core. comm wait: the slowest rank's time "
-              "blocked in communication during prefill, share of TTFT. peak: RSS growth over the config (CPU) or "
-              "CUDA peak. tokens =: greedy tokens identical to the unpatched run.", "", "## Targets", ""]
+            f"{f(r.get('tokens_match_unpatched'), '')} |"
+        )
+    lines += [
+        "",
+        "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "
+        "speed-up 1p: unpatched one process with the run's threads "
+        "per process / this TTFT; CPU speed-up: the same ratio of CPU times (blind to other processes' load); "
+        "vs all cores: the TTFT ratio against the unpatched process on every core. comm wait: the slowest rank's time "
+        "blocked in communication during prefill, share of TTFT. peak: RSS growth over the config (CPU) or "
+        "CUDA peak. tokens =: greedy tokens identical to the unpatched run.",
+        "",
+        "## Targets",
+        "",
+    ]
     for t in report.get("targets", []):
         lines.append(f"- {'met' if t['met'] else 'MISSED'}: {t['target']}: {t['figure']}")
     return "\n".join(lines) + "\n"
@@ -122,18 +163,31 @@ def plot(report, out_dir) -> list[str]:
         groups = {}
         for r in report["rows"]:
             if pred(r):
-                label = (f"{r['strategy']} N={r['N']}" if r["kind"] == "cp"
-                         else f"{r['strategy']} ({r['threads_per_rank']} thr)")
+                label = (
+                    f"{r['strategy']} N={r['N']}"
+                    if r["kind"] == "cp"
+                    else f"{r['strategy']} ({r['threads_per_rank']} thr)"
+                )
                 groups.setdefault(label, []).append(r)
         return {k: sorted(v, key=lambda r: r["length"]) for k, v in groups.items()}
 
     names = []
     for fname, ylabel, value, pred, logy in (
         ("ttft.png", "TTFT (s)", lambda r: r["ttft_s"], lambda r: True, True),
-        ("speedup.png", "speed-up vs unpatched, same threads/process", lambda r: r.get("speedup_vs_unpatched"),
-         lambda r: r.get("speedup_vs_unpatched") is not None and r["run_N"] > 1, False),
-        ("kv_memory.png", "KV cache per rank (MiB, largest rank)", lambda r: _mib(max(r["kv_bytes_per_rank"])),
-         lambda r: r["strategy"] != "unpatched_all_cores", True),
+        (
+            "speedup.png",
+            "speed-up vs unpatched, same threads/process",
+            lambda r: r.get("speedup_vs_unpatched"),
+            lambda r: r.get("speedup_vs_unpatched") is not None and r["run_N"] > 1,
+            False,
+        ),
+        (
+            "kv_memory.png",
+            "KV cache per rank (MiB, largest rank)",
+            lambda r: _mib(max(r["kv_bytes_per_rank"])),
+            lambda r: r["strategy"] != "unpatched_all_cores",
+            True,
+        ),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, rs in series(pred).items():
@@ -149,8 +203,12 @@ def plot(report, out_dir) -> list[str]:
         ax.set_xscale("log", base=2)
         if logy:
             ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens" + {"ttft.png": "   (x: cost-model prediction)",
-                                          "speedup.png": "   (dotted: CPU-time speed-up)"}.get(fname, ""))
+        ax.set_xlabel(
+            "prompt tokens"
+            + {"ttft.png": "   (x: cost-model prediction)", "speedup.png": "   (dotted: CPU-time speed-up)"}.get(
+                fname, ""
+            )
+        )
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

@@ -44,11 +44,28 @@ def _gather(obj, world):
 def _row(kind, strategy, world, length, threads, per_rank: list[dict]):
     """One table row: scalar timings from rank 0 (identical work on every rank), per-rank lists for the rest."""
     r0 = per_rank[0]
-    row = dict(kind=kind, strategy=strategy, N=world, length=length, threads_per_rank=threads,
-               ttft_s=max(p["ttft_s"] for p in per_rank), ttft_all_s=r0["ttft_all_s"],
-               ttit_s=max(p["ttit_s"] for p in per_rank), ttit_all_s=r0["ttit_all_s"])
-    for key in ("kv_bytes", "peak_bytes", "peak_delta_bytes", "bytes_sent", "bytes_received", "comm_wait_s",
-                "comm_wait_by_op_s", "decode_comm_wait_s", "ttft_cpu_s"):
+    row = dict(
+        kind=kind,
+        strategy=strategy,
+        N=world,
+        length=length,
+        threads_per_rank=threads,
+        ttft_s=max(p["ttft_s"] for p in per_rank),
+        ttft_all_s=r0["ttft_all_s"],
+        ttit_s=max(p["ttit_s"] for p in per_rank),
+        ttit_all_s=r0["ttit_all_s"],
+    )
+    for key in (
+        "kv_bytes",
+        "peak_bytes",
+        "peak_delta_bytes",
+        "bytes_sent",
+        "bytes_received",
+        "comm_wait_s",
+        "comm_wait_by_op_s",
+        "decode_comm_wait_s",
+        "ttft_cpu_s",
+    ):
         row[f"{key}_per_rank"] = [p[key] for p in per_rank]
     row["comm_wait_frac"] = max(row["comm_wait_s_per_rank"]) / row["ttft_s"] if row["ttft_s"] > 0 else 0.0
     row["tokens"] = r0["tokens"]
@@ -70,21 +87,26 @@ def run(args) -> dict | None:
     shape = costmodel.Shape.from_model(model)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)),
-                        generator=g).to(device)
+    ids = torch.randint(
+        0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)), generator=g
+    ).to(device)
     strategies = _strategies(args.strategies)
     if args.kvr_partitions and "kv_runahead" in strategies:
         strategies.append(KVR_TABLE)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
-    log(f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
-        f"strategies {strategies}")
+    log(
+        f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
+        f"strategies {strategies}"
+    )
 
     machine = measure(shape, dtype, device)
     floor_collective = small_collective_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
     woken_collective = small_collective_after_compute_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
-    log(f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "
+    log(
+        f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "
         f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective {floor_collective * 1e3:.3f} ms "
-        f"({woken_collective * 1e3:.3f} ms after compute)")
+        f"({woken_collective * 1e3:.3f} ms after compute)"
+    )
 
     rows, skipped = [], []
     warm = ids[:, : min(256, lengths[0])]
@@ -114,13 +136,17 @@ def run(args) -> dict | None:
 
     # Warm-up every configuration once (allocator, process-group connections) and drop the strategies
     # this model cannot run.
-    for kind, n_threads in baselines:
+    for _, n_threads in baselines:
         baseline(n_threads, lambda: Samples().measure(model, warm, last=True, new_tokens=2, device=device))
     active = []
     for strategy in strategies:
         try:
-            patched(strategy, lambda st: Samples().measure(model, warm, last=True, new_tokens=2, stats=st,
-                                                           barrier=barrier, device=device))
+            patched(
+                strategy,
+                lambda st: Samples().measure(
+                    model, warm, last=True, new_tokens=2, stats=st, barrier=barrier, device=device
+                ),
+            )
             active.append(strategy)
         except (ValueError, NotImplementedError, hf_contextpar.ContextParallelError) as e:
             skipped.append(dict(strategy=strategy, N=world, reason=f"{type(e).__name__}: {e}"))
@@ -135,11 +161,17 @@ def run(args) -> dict | None:
         for rep in range(args.repeats):
             last = rep == args.repeats - 1
             for kind, n_threads in baselines:
-                baseline(n_threads, lambda: samples[kind].measure(model, x, last=last, new_tokens=args.new_tokens,
-                                                                  device=device))
+                baseline(
+                    n_threads,
+                    lambda: samples[kind].measure(model, x, last=last, new_tokens=args.new_tokens, device=device),
+                )
             for strategy in active:
-                patched(strategy, lambda st: samples[strategy].measure(model, x, last=last, new_tokens=args.new_tokens,
-                                                                       stats=st, barrier=barrier, device=device))
+                patched(
+                    strategy,
+                    lambda st: samples[strategy].measure(
+                        model, x, last=last, new_tokens=args.new_tokens, stats=st, barrier=barrier, device=device
+                    ),
+                )
         for kind, n_threads in baselines:
             if rank == 0:
                 rows.append(_row("baseline", kind, 1, length, n_threads, [samples[kind].summary()]))
@@ -147,19 +179,35 @@ def run(args) -> dict | None:
             rows.append(_row("cp", strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
         for r in rows:
             if r["length"] == length:
-                log(f"  {r['strategy']:22s} N={r['N']} threads {r['threads_per_rank']}  T={length:6d}  "
+                log(
+                    f"  {r['strategy']:22s} N={r['N']} threads {r['threads_per_rank']}  T={length:6d}  "
                     f"TTFT {r['ttft_s'] * 1e3:9.1f} ms  TTIT {r['ttit_s'] * 1e3:7.2f} ms  comm wait "
-                    f"{r['comm_wait_frac'] * 100:5.1f}%")
+                    f"{r['comm_wait_frac'] * 100:5.1f}%"
+                )
 
     if rank != 0:
         return None
-    run_info = dict(N=world, threads_per_rank=threads, cores=cores, model=args.model, dtype=args.dtype,
-                    device=str(device), repeats=args.repeats, new_tokens=args.new_tokens, lengths=lengths,
-                    machine=machine.as_dict(), small_collective_s=floor_collective,
-                    decode_floor_s=shape.layers * floor_collective,
-                    small_collective_after_compute_s=woken_collective, shape=shape.__dict__,
-                    load_before=os.getloadavg(), torch=torch.__version__, skipped=skipped,
-                    kvr_partitions=args.kvr_partitions, windowed=_windowed(model.config))
+    run_info = dict(
+        N=world,
+        threads_per_rank=threads,
+        cores=cores,
+        model=args.model,
+        dtype=args.dtype,
+        device=str(device),
+        repeats=args.repeats,
+        new_tokens=args.new_tokens,
+        lengths=lengths,
+        machine=machine.as_dict(),
+        small_collective_s=floor_collective,
+        decode_floor_s=shape.layers * floor_collective,
+        small_collective_after_compute_s=woken_collective,
+        shape=shape.__dict__,
+        load_before=os.getloadavg(),
+        torch=torch.__version__,
+        skipped=skipped,
+        kvr_partitions=args.kvr_partitions,
+        windowed=_windowed(model.config),
+    )
     _annotate(rows, run_info, shape, machine)
     report = _merge(os.path.join(args.out, "bench.json"), run_info, rows)
     os.makedirs(args.out, exist_ok=True)
@@ -190,8 +238,9 @@ def _annotate(rows, run_info, shape, machine):
     token_bytes = 2 * shape.kv_heads * shape.head_dim * shape.elem_bytes * shape.layers  # one token, every layer
     for r in rows:
         r["run_N"] = run_info["N"]
-        r["predicted_ttft_s"] = costmodel.predict_ttft(r["strategy"] if r["kind"] == "cp" else "unpatched", r["length"],
-                                                       r["N"], shape, machine)
+        r["predicted_ttft_s"] = costmodel.predict_ttft(
+            r["strategy"] if r["kind"] == "cp" else "unpatched", r["length"], r["N"], shape, machine
+        )
         if r["kind"] == "baseline" and r["strategy"] == "unpatched_all_cores":
             r["predicted_ttft_s"] = None  # the machine constants are per rank (run's threads)
         one, allc = base.get(("unpatched", r["length"])), base.get(("unpatched_all_cores", r["length"]))
