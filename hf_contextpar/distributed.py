@@ -91,9 +91,16 @@ def release_at_exit() -> None:
 
 def release_group(group) -> None:
     """Destroy a group of its own that hf-contextpar made for one model (`timeout=`), when that model
-    is unpatched: every apply/remove cycle would otherwise keep N-1 more connections open. The
-    default group, shared by every model, stays until exit."""
-    if group is not None and group in _created:
-        _created.remove(group)
-        if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(group)
+    is unpatched or its patching failed: every apply/remove cycle would otherwise keep N-1 more
+    connections open. Every rank calls it; the barrier first makes sure no peer is still connecting
+    or talking on the group (a peer tearing its end down early breaks theirs). The default group,
+    shared by every model, stays until exit."""
+    if group is None or group not in _created:
+        return
+    _created.remove(group)
+    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        try:
+            dist.barrier(group=group)
+        except (RuntimeError, dist.DistError):
+            return  # a peer is gone: leave the group to the exit hook rather than fail here
+        dist.destroy_process_group(group)

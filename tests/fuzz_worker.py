@@ -511,10 +511,13 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
     if "packed documents" in str(exc):  # refused: per-document masks are not sharded
         return case["padding"] == "packed"
-    if "repeats the cached tokens" in str(exc):
-        # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds the
-        # whole sequence again on top of the cache; refused instead of attending to the context twice
-        return turn > 0 and case["turns"][turn]["mode"] in ("assisted", "lookup")
+    # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds the
+    # whole sequence again on top of the cache: refused where the mask shows it, and where it does not
+    # (the reference then holds the context twice, as the patched model does), later turns' masks no
+    # longer match the cache, which is refused too
+    over_filled = [t for t in range(1, turn + 1) if case["turns"][t]["mode"] in ("assisted", "lookup")]
+    if "repeats the cached tokens" in str(exc) or "attention_mask covers" in str(exc):
+        return bool(over_filled)
     return False
 
 
@@ -591,8 +594,7 @@ def run_patched(case: dict, ref_turns: list) -> dict:
                 outcome="fail", detail=f"turn {rec['error_turn']}: {type(e).__name__}: {e}\n" + "\n".join(tb[-8:])
             )
     finally:
-        rt = hf_contextpar.get_runtime(cp) if cp is not None else None
-        rec["group"] = rt.comm.group if rt is not None else None
+        rec["model"] = cp if cp is not None and hf_contextpar.get_runtime(cp) is not None else None
     return rec
 
 
@@ -642,14 +644,14 @@ def run_case(case: dict, rank: int) -> dict:
         mine = run_patched(case, ref_turns)
     else:
         mine = dict(
-            outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None, group=None
+            outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None, model=None
         )
-    group = mine.pop("group")
+    model = mine.pop("model")
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     record = merge(case, everyone, ref_error)
-    if group is not None and record["in_step"]:
-        dist.destroy_process_group(group)  # one gloo group per case: free its sockets
+    if model is not None and record["in_step"]:
+        hf_contextpar.remove_context_parallel(model)  # frees the case's own gloo group and its sockets
     return record
 
 
