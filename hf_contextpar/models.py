@@ -1,8 +1,11 @@
-"""Built-in random-initialised models and a byte-level tokenizer: everything works offline.
+"""Built-in models: everything works offline.
 
-`tiny-<family>` names build a small config of that family (seeded, so every rank builds the
-same weights). They exist for the default demo and the test suite; any hub id or local
-directory works in their place.
+`needle-lm` is a real, trained model shipped inside the package (a 1.3M-parameter Llama with a
+BPE tokenizer, trained by tools/train_needle_lm.py to retrieve facts from long documents): the
+default for the main job, the eval harness, the benchmark and the examples, so that their scores
+mean something. `tiny-<family>` names build a small random-initialised config of that family
+(seeded, so every rank builds the same weights) with a byte-level tokenizer, for the family test
+matrix. Any hub id or local directory works in their place.
 """
 
 from __future__ import annotations
@@ -35,7 +38,23 @@ TINY_CONFIGS: dict[str, dict] = {
     "llama_gqa4": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
                        num_key_value_heads=2, head_dim=32),
 }
-DEFAULT_MODEL = "tiny-llama"
+DEFAULT_MODEL = "needle-lm"
+# built-in trained models: name -> directory under hf_contextpar/assets (package data)
+BUILTIN_MODELS = {"needle-lm": "needle-lm"}
+
+
+def builtin_model_path(name: str) -> str | None:
+    """The directory of a built-in trained model (a standard HF model directory), or None."""
+    if name not in BUILTIN_MODELS:
+        return None
+    from importlib.resources import files
+
+    return str(files("hf_contextpar") / "assets" / BUILTIN_MODELS[name])
+
+
+def is_builtin(name: str) -> bool:
+    """A model that ships with hf-contextpar (trained or tiny random): its data default to offline text."""
+    return name in BUILTIN_MODELS or (name.startswith("tiny-") and name[5:] in TINY_CONFIGS)
 
 
 def tiny_config(family: str, **overrides):
@@ -80,3 +99,21 @@ def sample_text(num_chars: int | None = None) -> str:
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
     return text if num_chars is None else text[:num_chars]
+
+
+def heldout_topic_keys() -> list[str]:
+    """The pydoc topics kept out of the built-in model's training (every 4th, by sorted name).
+
+    `needle-lm` (tools/train_needle_lm.py) never sees them, so teacher-forced perplexity on
+    `heldout_text()` measures language modelling on unseen text.
+    """
+    from pydoc_data.topics import topics
+
+    return [k for i, k in enumerate(sorted(topics)) if i % 4 == 1]
+
+
+def heldout_text() -> str:
+    """The held-out pydoc topics, joined like `sample_text`."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in heldout_topic_keys())
