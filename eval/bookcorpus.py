@@ -55,7 +55,7 @@ def load_token_stream(tok, tokens: int, *, source="auto", data=None, dataset_id=
     """(at least `tokens` token ids of running text, where they came from, a fallback warning or None)."""
     warning = None
     if source == "builtin" or (source == "auto" and builtin_model and data is None):
-        rows, where = None, "builtin (pydoc_data topics)"
+        rows, where = None, "builtin (held-out pydoc_data topics)"
     else:
         try:
             rows, where = _rows(source, data, dataset_id, revision, column)
@@ -66,11 +66,11 @@ def load_token_stream(tok, tokens: int, *, source="auto", data=None, dataset_id=
                    "Give local files with --data, another copy with --dataset-id/--revision, or use --source builtin.")
             if source == "hub" or data is not None:
                 raise DataError(msg) from None
-            rows, where, warning = None, "builtin (pydoc_data topics)", msg + " Falling back to the built-in text."
+            rows, where, warning = None, "builtin (held-out pydoc_data topics)", msg + " Falling back to the built-in text."
     if rows is None:
-        from hf_contextpar.models import sample_text
+        from hf_contextpar.models import heldout_text  # pydoc topics needle-lm never trained on
 
-        ids = tok(sample_text(), add_special_tokens=False).input_ids
+        ids = tok(heldout_text(), add_special_tokens=False).input_ids
     else:
         ids, chunk, chars = [], [], 0
         for row in rows:  # BookCorpus rows are sentences: one per line, as in its text files

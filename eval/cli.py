@@ -21,7 +21,7 @@ import torch
 
 import hf_contextpar
 from hf_contextpar.cli import DTYPES, load
-from hf_contextpar.models import DEFAULT_MODEL
+from hf_contextpar.models import DEFAULT_MODEL, is_builtin
 
 from . import bookcorpus as bc
 from . import needlebench as nb
@@ -160,7 +160,7 @@ def cmd_needlebench(args) -> int:
                          f"(max_position_embeddings = {limit}); use --lengths up to {limit - args.max_new_tokens}.")
 
     def build():
-        data, warning = nb.load_data(args.source, args.data, args.model.startswith("tiny-"))
+        data, warning = nb.load_data(args.source, args.data, is_builtin(args.model))
         prompts = nb.build_cases(data, tok, tasks, lengths, depths, seed=args.seed, num_needles=args.num_needles,
                                  reasoning_needles=args.reasoning_needles, spacing=args.spacing, chat=not args.no_chat_template)
         return data.source, warning, [dict(task=p.task, length=p.length, depth=p.depth, ids=p.ids, keywords=p.keywords)
@@ -236,7 +236,7 @@ def cmd_bookcorpus(args) -> int:
         need = args.num_windows * (args.window - (bos is not None))
         ids, where, warning = bc.load_token_stream(tok, need, source=args.source, data=args.data, dataset_id=args.dataset_id,
                                                    revision=args.revision or None, column=args.text_column,
-                                                   builtin_model=args.model.startswith("tiny-"))
+                                                   builtin_model=is_builtin(args.model))
         return where, warning, bc.windows(ids, args.window, args.num_windows, bos)
 
     source, warning, wins = on_rank0(d, build)
@@ -273,13 +273,13 @@ def cmd_bookcorpus(args) -> int:
 
 # -- arguments ---------------------------------------------------------------------------------
 def _common(p):
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in tiny-<family> (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in needle-lm / tiny-<family> (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--strategy", choices=hf_contextpar.api.STRATEGIES, default="auto", help="prefill algorithm (default auto)")
     p.add_argument("--out", required=False, default="eval_out", help="report directory (default eval_out)")
     p.add_argument("--source", choices=("auto", "hub", "builtin"), default="auto",
                    help="data: hub (or its cache, or --data), builtin (offline text shipped with Python and "
-                        "hf-contextpar), or auto: builtin for tiny-* models, else hub with a fall-back to builtin")
+                        "hf-contextpar), or auto: builtin for the built-in models (needle-lm, tiny-*), else hub with a fall-back to builtin")
     p.add_argument("--data", help="a local copy of the dataset (directory or files) instead of the hub")
     p.add_argument("--reference", metavar="FILE", help="compare against a saved single-process run instead of computing it")
     p.add_argument("--save-reference", metavar="FILE", help="run the unpatched model on one process and save its outputs")

@@ -1,6 +1,6 @@
 """Gate a deployment on exactness: NeedleBench, then BookCorpus, each on N processes.
 
-    python examples/eval_gate.py                                   # built-in tiny model, offline, 2 processes
+    python examples/eval_gate.py                                   # built-in needle-lm, offline, 2 processes
     python examples/eval_gate.py --nproc 4 --model meta-llama/Llama-3.1-8B-Instruct --dtype bfloat16 \\
         --lengths 4096,16384 --window 8192 --out gate/
 
@@ -38,7 +38,7 @@ def run(kind: str, args, extra: list[str]) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model", default="needle-lm")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--lengths", default="1024,2048")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import costmodel
 from .cli import DTYPES, load
 
-DEFAULT_MODEL = "tiny-llama_gqa8"
+DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
 
 

@@ -1,11 +1,16 @@
 """`python -m hf_contextpar generate`: the main job, launched with torchrun or accelerate.
 
-    torchrun --nproc_per_node 2 -m hf_contextpar generate --max-new-tokens 32
+    torchrun --nproc_per_node 2 -m hf_contextpar generate
+    torchrun --nproc_per_node 2 -m hf_contextpar generate --prompt-tokens 16384 --depth 25 --needle 2
     torchrun --nproc_per_node 2 -m hf_contextpar generate --model meta-llama/Llama-3.2-1B --prompt-file book.txt
 
-Prints the generated text once (rank 0), time to first token, decode tokens/s and every rank's
-KV-cache size. `--baseline` first runs the unpatched model on rank 0 alone (the other ranks
-wait) and reports its TTFT and whether the tokens are identical.
+By default it runs the built-in trained model (needle-lm) on a NeedleBench prompt: a fact (a
+built-in needle) hidden at `--depth` % of `--prompt-tokens` tokens of English text shipped with
+Python, and a question about it at the end. Rank 0 prints the needle, the question, the model's
+answer and whether it is right, the time to first token, decode tokens/s and every rank's
+KV-cache size, then the unpatched model's run on one process (rank 0 alone, before the
+context-parallel run; `--no-baseline` skips it) and whether the tokens are identical.
+`--prompt-file` generates a plain continuation of a text file instead.
 """
 
 from __future__ import annotations
@@ -19,29 +24,46 @@ import torch
 import torch.distributed as dist
 
 from .api import DECODES, STRATEGIES
-from .models import DEFAULT_MODEL, TINY_CONFIGS, byte_tokenizer, sample_text, tiny_model
+from .models import BUILTIN_MODELS, DEFAULT_MODEL, TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def load(name: str, dtype: torch.dtype, device: torch.device):
-    """A built-in `tiny-<family>` (random weights, offline) or any hub id / local directory."""
+    """A built-in model (`needle-lm`, or `tiny-<family>` with random weights), or any hub id / local directory."""
     if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
         family = name[5:]
         impl = "eager" if family == "gemma2" else "sdpa"
         return tiny_model(family, dtype=dtype, attn_implementation=impl).to(device), byte_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = builtin_model_path(name) or name
     try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as e:
         raise SystemExit(
             f"could not load '{name}' ({e}). Use a local directory, a hub id that is cached or reachable "
             f"(HF_HUB_OFFLINE=1 uses the cache only), or a built-in model: "
-            + ", ".join(f"tiny-{f}" for f in TINY_CONFIGS)
+            + ", ".join(list(BUILTIN_MODELS) + [f"tiny-{f}" for f in TINY_CONFIGS])
         ) from None
     return model.to(device).eval(), tok
+
+
+def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):
+    """A NeedleBench single-needle prompt (the eval harness's builder and built-in needles), `tokens` long."""
+    from .eval import needlebench as nb
+
+    data = nb.builtin_data()
+    if not 0 <= needle < len(data.needles):
+        raise SystemExit(f"--needle must be 0..{len(data.needles) - 1}")
+    n = data.needles[needle]
+    _, hay = nb.haystack_ids(data, tok, tokens, seed)
+    try:
+        return nb.build_prompt("single_retrieval", tokens, depth, ([n["needle"]], n["retrieval_question"], [n["arg2"]]),
+                               hay, tok)
+    except nb.DataError as e:
+        raise SystemExit(f"{e} (--prompt-tokens {tokens})") from None
 
 
 class _FirstToken:
@@ -67,15 +89,17 @@ def _warm_up(model, inputs):
 
 
 def _timed_generate(model, inputs, max_new_tokens):
+    """Greedy generate up to `max_new_tokens` (stops at EOS); (output, TTFT s, decode tokens/s)."""
     _warm_up(model, inputs)
     streamer = _FirstToken()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, streamer=streamer, return_dict_in_generate=True)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
+                             return_dict_in_generate=True)
     end = time.perf_counter()
-    ttft = streamer.first - start
-    tok_s = (max_new_tokens - 1) / (end - streamer.first) if max_new_tokens > 1 else float("nan")
+    new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+    ttft = (streamer.first or end) - start
+    tok_s = (new - 1) / (end - streamer.first) if new > 1 else float("nan")
     return out, ttft, tok_s
 
 
@@ -88,8 +112,13 @@ def cmd_generate(args):
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     model, tok = load(args.model, DTYPES[args.dtype], device)
-    text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else sample_text()
-    ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    task = None
+    if args.prompt_file:
+        text = open(args.prompt_file, encoding="utf-8").read()
+        ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    else:
+        task = needle_prompt(tok, args.prompt_tokens, args.depth, args.needle)
+        ids = torch.tensor([task.ids])
     inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
 
     baseline = None
@@ -109,7 +138,17 @@ def cmd_generate(args):
     per_rank = runtime.control.all_gather(local.to(device if cuda else "cpu")).cpu() if runtime else local[None]
     if rank == 0:
         new = out.sequences[0, ids.shape[1]:]
-        print(tok.decode(new, skip_special_tokens=True))
+        answer = tok.decode(new, skip_special_tokens=True)
+        if task is None:
+            print(answer)
+        else:
+            needle = task.needles[0].strip()
+            at = len(tok(task.context[: task.needle_at[0]], add_special_tokens=False).input_ids)
+            found = task.keywords[0] in answer
+            print(f"needle   (depth {args.depth}%, about token {at} of {ids.shape[1]}): {needle}")
+            print(f"question: {task.question}")
+            print(f"answer:   {answer.strip()}")
+            print(f"expected: {task.keywords[0]!r} -> {'correct' if found else 'WRONG'}")
         print("-" * 60)
         print(f"model {args.model}  dtype {args.dtype}  processes {world}  prompt {ids.shape[1]} tokens  "
               f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}")
@@ -196,17 +235,21 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="context-parallel generate() on one prompt")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in tiny-<family> (default {DEFAULT_MODEL})")
-    g.add_argument("--prompt-file", help="UTF-8 text file (default: English text shipped with Python)")
-    g.add_argument("--prompt-tokens", type=int, default=4096, help="truncate the prompt to this many tokens")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"hub id, local dir, or built-in needle-lm / tiny-<family> (default {DEFAULT_MODEL})")
+    g.add_argument("--prompt-file", help="generate a continuation of this UTF-8 text file instead of answering a needle question")
+    g.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length in tokens (a file is truncated to it)")
+    g.add_argument("--depth", type=int, default=50, help="where the needle sits, %% of the haystack (default 50)")
+    g.add_argument("--needle", type=int, default=0, help="which built-in needle (hf_contextpar.eval.needles.NEEDLES) to hide")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="at most this many new tokens (stops at EOS)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
     g.add_argument("--decode", default="auto", choices=DECODES, help="decode algorithm (default: batched pass-Q when B >= N)")
     g.add_argument("--kvr-partitions", help="KV-Runahead partition table from `kvr-table` (default: even partitions)")
     g.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
-    g.add_argument("--baseline", action="store_true", help="also time the unpatched model on rank 0 alone")
+    g.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the unpatched model on rank 0 alone and compare (default on)")
     g.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     g.set_defaults(func=cmd_generate)
 

@@ -14,8 +14,11 @@ Why the recipe looks like this (plain language modelling on a small haystack onl
   random (invented names, numbers, phrases), so the answer can only come from the context.
 - The loss is on the answer tokens, plus a down-weighted LM loss on a random quarter of the
   other tokens (for perplexity on held-out text).
-- A curriculum: very short haystacks first, several episodes packed into one sequence and
-  distractor needles (so an induction/copy head forms), then longer haystacks.
+- The copy mechanism first: layers 0-1 start as an induction circuit (`init_copy_circuit`), and the
+  run starts mostly on repeated spans (random tokens or text, loss on the repeat) and short
+  "repeat this stretch" episodes; tries that had to discover the circuit from scratch were still
+  guessing answers from priors after 120-370 steps. Then a curriculum: very short haystacks,
+  several episodes packed into one sequence and distractor needles, then longer haystacks.
 - Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
   the position ids jump forward at a few sentence boundaries so that a 1-2K-token training
   sequence spans up to `--max-span` positions; relative distances of 16K are seen in training
@@ -208,6 +211,7 @@ class Corpus:
             pieces.append("\n\n")
         self.pieces = tok(pieces, add_special_tokens=False).input_ids
         self.tokens = sum(len(p) for p in self.pieces)
+        self.newline = tok("\n", add_special_tokens=False).input_ids
 
     def haystack(self, rng: random.Random, n_tokens: int) -> list[list[int]]:
         i, out, have = rng.randrange(len(self.pieces)), [], 0
@@ -230,7 +234,7 @@ class Episodes:
         self.enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
 
     def make(self, rng: random.Random, hay_tokens: int, multi_prob: float):
-        n = rng.choices([1, 2, 3, 4], weights=[3, 3, 2, 2])[0]
+        n = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
         facts, subjects = [], set()
         if rng.random() < 0.1:
             facts.append(fact(rng, passkey=True))
@@ -277,14 +281,50 @@ class Episodes:
         return ids, is_answer, cut_ok
 
 
-def pack(rng, episodes: Episodes, seq_len: int, hay_range, multi_prob: float, max_span: int, pose_prob: float):
+def copy_episode(rng, corpus: Corpus, hay_tokens: int):
+    """Dense induction signal: a stretch of text, then a span of it repeated; loss on the repeat after a 3-token cue.
+
+    The needle answers are copied the same way (find where the cue occurred, copy what followed);
+    answer tokens alone are too sparse a signal for the copy heads to form in a short run.
+    """
+    flat = [t for p in corpus.haystack(rng, hay_tokens) for t in p][:hay_tokens]
+    n = rng.randint(8, 24)
+    start = rng.randint(0, max(0, len(flat) - n))
+    span = flat[start:start + n]
+    ids = flat + corpus.newline + span
+    is_copy = [False] * (len(flat) + len(corpus.newline) + 3) + [True] * (len(span) - 3)
+    cut_ok = [False] * len(ids)
+    return ids, is_copy, cut_ok
+
+
+def repeat_sequence(rng, corpus: Corpus, seq_len: int, vocab: int):
+    """The densest copy signal: a span (random tokens or text) and the span again, loss on the whole repeat.
+
+    Induction heads form much faster on this than on sparse answer tokens; the run starts with it.
+    """
+    n = seq_len // 2
+    if rng.random() < 0.5:
+        span = [rng.randrange(3, vocab) for _ in range(n)]
+    else:
+        span = [t for p in corpus.haystack(rng, n) for t in p][:n]
+    ids = (span + span + span)[:seq_len]
+    return ids, [False] * (n + 1) + [True] * (seq_len - n - 1), list(range(seq_len))
+
+
+def pack(rng, episodes: Episodes, seq_len: int, hay_range, multi_prob: float, max_span: int, pose_prob: float,
+         copy_prob: float = 0.0, repeat_prob: float = 0.0):
     """seq_len tokens of episodes (the last topped up with plain text), position ids with PoSE skips."""
+    if rng.random() < repeat_prob:
+        return repeat_sequence(rng, episodes.corpus, seq_len, len(episodes.tok))
     ids, ans, cut = [], [], []
     while seq_len - len(ids) > 160:
         room = seq_len - len(ids)
         hay = rng.randint(hay_range[0], hay_range[1])
         hay = min(hay, max(16, room - 200))
-        e_ids, e_ans, e_cut = episodes.make(rng, hay, multi_prob)
+        if rng.random() < copy_prob:
+            e_ids, e_ans, e_cut = copy_episode(rng, episodes.corpus, min(hay, room - 30))
+        else:
+            e_ids, e_ans, e_cut = episodes.make(rng, hay, multi_prob)
         if len(e_ids) > room:
             if ids:
                 break
@@ -330,13 +370,93 @@ def make_config(vocab_size: int, tok):
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
-# (steps, seq_len, batch, haystack tokens min/max per episode, multi-question share, PoSE span, PoSE share)
+# (steps, seq_len, batch, haystack tokens min/max per episode, multi-question share, PoSE span, PoSE share,
+#  share of copy episodes, share of repeat sequences)
 STAGES = [
-    (250, 512, 8, (16, 160), 0.2, 512, 0.0),
-    (330, 512, 8, (32, 400), 0.25, 4096, 0.5),
-    (350, 1024, 4, (64, 900), 0.25, 16384, 0.6),
-    (270, 2048, 2, (256, 1900), 0.25, 20000, 0.7),
+    (60, 512, 4, (16, 160), 0.1, 512, 0.0, 0.3, 0.6),
+    (150, 512, 8, (16, 240), 0.2, 2048, 0.3, 0.3, 0.15),
+    (150, 512, 8, (32, 400), 0.25, 8192, 0.5, 0.2, 0.05),
+    (140, 1024, 4, (64, 900), 0.25, 16384, 0.6, 0.15, 0.0),
+    (100, 2048, 2, (256, 1900), 0.25, 20000, 0.7, 0.1, 0.0),
 ]
+
+
+@torch.no_grad()
+def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
+    """Start layers 0-1 as an induction circuit (previous-token head + induction head); training refines it.
+
+    Copying (find where the current token occurred before, copy what followed) is how every needle
+    answer is produced, and learning that circuit from scratch is the long plateau of a short CPU
+    run: three tries (answer-token loss; plus copy episodes; plus repeated random spans) stayed at
+    chance on the copies for 120-370 steps. So:
+    - one embedding dimension is a constant (0.05 for every token); layer 0's first query head and
+      its KV head read it into the fastest RoPE pairs, the key rotated by one position, so the
+      score is sum_j cos((t - s - 1) * theta_j): largest for the previous token. Its value copies
+      the token's content dims 1..32 into a "previous token" slot (dims 96..127).
+    - layer 1's first head matches the current token's dims 1..16 against that slot on the slowest
+      RoPE pairs (the match barely depends on distance) and writes the matched position's token
+      back onto the content dims, where the tied unembedding reads it.
+    - the rest of layers 0-1 starts with zero output projections, so the circuit is not buried in
+      random-init noise.
+    The constant column and layer 0's positional query/key rows are kept fixed (gradients zeroed:
+    a try without that lost the previous-token pattern within 100 steps); everything else trains.
+    The architecture stays a stock Llama.
+    """
+    cfg = model.config
+    d = cfg.head_dim
+    theta = cfg.rope_parameters["rope_theta"]
+    model.model.embed_tokens.weight[:, 0] = 0.05
+    attn = model.model.layers[0].self_attn
+    for j in range(pairs):
+        angle = theta ** (-2 * j / d)
+        attn.q_proj.weight[j, :] = 0.0
+        attn.q_proj.weight[j + d // 2, :] = 0.0
+        attn.k_proj.weight[j, :] = 0.0
+        attn.k_proj.weight[j + d // 2, :] = 0.0
+        attn.q_proj.weight[j, 0] = gain
+        attn.k_proj.weight[j, 0] = gain * math.cos(angle)
+        attn.k_proj.weight[j + d // 2, 0] = gain * math.sin(angle)
+    # layer 0 head 0 also copies the token's content dims 1..32 into a "previous token" slot (dims 96..127)
+    attn.v_proj.weight[:d] = 0.0
+    attn.o_proj.weight[:, :d] = 0.0
+    for k in range(d):
+        attn.v_proj.weight[k, 1 + k] = 1.0
+        attn.o_proj.weight[96 + k, k] = 0.03
+    # layer 1 head 0: an induction head. Query = current token's dims 1..16, key = the previous-token
+    # slot, on the slowest RoPE pairs (j = 8..15) so the match barely depends on distance; value =
+    # the key token's content, written back onto the content dims, where the tied unembedding reads it.
+    ind = model.model.layers[1].self_attn
+    slow = list(range(d // 4, d // 2)) + list(range(d // 2 + d // 4, d))
+    ind.q_proj.weight[:d] = 0.0
+    ind.k_proj.weight[:d] = 0.0
+    ind.v_proj.weight[:d] = 0.0
+    ind.o_proj.weight[:, :d] = 0.0
+    for m, qd in enumerate(slow):
+        ind.q_proj.weight[qd, 1 + m] = 3.5
+        ind.k_proj.weight[qd, 96 + m] = 3.5
+    for k in range(d):
+        ind.v_proj.weight[k, 1 + k] = 1.0
+        ind.o_proj.weight[1 + k, k] = 0.3
+    # the rest of layers 0-1 writes nothing at first (zero output projections, learned from there),
+    # so the circuit's signals are not buried under random-init noise
+    for layer in model.model.layers[:2]:
+        layer.self_attn.o_proj.weight[:, d:] = 0.0
+        layer.mlp.down_proj.weight.zero_()
+    rows = [j for j in range(pairs)] + [j + d // 2 for j in range(pairs)]
+
+    def keep_rows(grad):
+        grad = grad.clone()
+        grad[rows] = 0
+        return grad
+
+    def keep_column(grad):
+        grad = grad.clone()
+        grad[:, 0] = 0
+        return grad
+
+    attn.q_proj.weight.register_hook(keep_rows)
+    attn.k_proj.weight.register_hook(keep_rows)
+    model.model.embed_tokens.weight.register_hook(keep_column)
 
 
 def loss_on(model, batch, lm_share: float, lm_weight: float, gen: torch.Generator):
@@ -374,6 +494,10 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--scale-steps", type=float, default=1.0, help="multiply every stage's steps (a quick trial: 0.02)")
     p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--copy-init", action="store_true",
+                   help="start layers 0-1 as an induction circuit (init_copy_circuit; tried, see its docstring)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many steps of the same schedule (the learning rate still follows the full one)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -390,13 +514,17 @@ def main(argv=None):
     episodes = Episodes(corpus, tok)
     config = make_config(len(tok), tok)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if args.copy_init:
+        init_copy_circuit(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
     stages = [(max(1, round(st[0] * args.scale_steps)),) + tuple(st[1:]) for st in STAGES]
     total = sum(s[0] for s in stages)
     decay, no_decay = [], []
     for name, prm in model.named_parameters():
-        (no_decay if prm.ndim < 2 else decay).append(prm)
+        fixed_parts = name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                               "model.layers.0.self_attn.k_proj.weight")
+        (no_decay if prm.ndim < 2 or fixed_parts else decay).append(prm)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     warm = max(1, min(60, total // 10))
@@ -407,9 +535,9 @@ def main(argv=None):
     log = open(os.path.join(work, "train_log.jsonl"), "w")
     step, started, seen = 0, time.time(), 0
     history = []
-    for si, (steps, seq_len, batch, hay, multi, span, pose) in enumerate(stages):
+    for si, (steps, seq_len, batch, hay, multi, span, pose, copy, repeat) in enumerate(stages):
         for _ in range(steps):
-            rows = [pack(rng, episodes, seq_len + 1, hay, multi, span, pose) for _ in range(batch)]
+            rows = [pack(rng, episodes, seq_len + 1, hay, multi, span, pose, copy, repeat) for _ in range(batch)]
             b = tuple(torch.tensor([r[j] for r in rows]) for j in range(3))
             model.train()
             loss, l_ans, l_lm, tok_acc, exact = loss_on(model, b, 0.25, 0.3, gen)
@@ -436,6 +564,10 @@ def main(argv=None):
                 ck = os.path.join(work, "last")
                 model.save_pretrained(ck)
                 tok.save_pretrained(ck)
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
     model.eval()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -445,7 +577,7 @@ def main(argv=None):
     tok.save_pretrained(args.out)
     last = history[-20:]
     meta = dict(command="python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
-                seed=args.seed, steps=total, stages=[list(map(str, s)) for s in stages], parameters=n_params,
+                seed=args.seed, steps=step, schedule_steps=total, stages=[list(map(str, s)) for s in stages], parameters=n_params,
                 tokens_seen=seen, wall_seconds=round(time.time() - t0), torch=torch.__version__,
                 python=sys.version.split()[0], corpus_tokens=corpus.tokens, documents=len(docs),
                 final_ans_exact=round(sum(r["ans_exact"] for r in last) / len(last), 3),
