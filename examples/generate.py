@@ -5,7 +5,8 @@
     MODEL=Qwen/Qwen2.5-0.5B-Instruct torchrun --nproc_per_node 2 examples/generate.py
 
 The built-in trained model (needle-lm, shipped inside the package) reads about 8,000 tokens of
-English text with one fact hidden in the middle and answers a question about it. Every rank runs
+English text with one fact hidden in the middle and answers a question about it (the README says
+how often it gets such answers right). Every rank runs
 the same code with the same prompt; all get the same tokens, each caching only its share.
 """
 

@@ -1,6 +1,7 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on one CPU thread.
 
-    OMP_NUM_THREADS=1 python tools/train_needle_lm.py --out hf_contextpar/assets/needle-lm
+    OMP_NUM_THREADS=1 python tools/train_needle_lm.py --out hf_contextpar/assets/needle-lm \
+        --ckpt-every 50 --scale-steps 2.5 --max-steps 1250      # the shipped weights (see training.json)
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Llama (GQA,
 RoPE) that can find a fact planted thousands of tokens back and copy its answer, so that the
@@ -14,11 +15,12 @@ Why the recipe looks like this (plain language modelling on a small haystack onl
   random (invented names, numbers, phrases), so the answer can only come from the context.
 - The loss is on the answer tokens, plus a down-weighted LM loss on a random quarter of the
   other tokens (for perplexity on held-out text).
-- The copy mechanism first: layers 0-1 start as an induction circuit (`init_copy_circuit`), and the
-  run starts mostly on repeated spans (random tokens or text, loss on the repeat) and short
-  "repeat this stretch" episodes; tries that had to discover the circuit from scratch were still
-  guessing answers from priors after 120-370 steps. Then a curriculum: very short haystacks,
-  several episodes packed into one sequence and distractor needles, then longer haystacks.
+- The copy mechanism first: the run starts mostly on repeated spans (random tokens or text, loss
+  on the repeat) and short "repeat this stretch" episodes, the densest signal for induction
+  heads; a try with answer-token loss alone was still guessing answers from priors after 370
+  steps. Then a curriculum: very short haystacks, several episodes packed into one sequence and
+  distractor needles, then longer haystacks. (`--copy-init` starts layers 0-1 as a hand-set
+  induction circuit instead; tried for 600 steps, the optimiser washed it out: not used.)
 - Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
   the position ids jump forward at a few sentence boundaries so that a 1-2K-token training
   sequence spans up to `--max-span` positions; relative distances of 16K are seen in training
@@ -41,6 +43,7 @@ import random
 import re
 import sys
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -488,7 +491,7 @@ def loss_on(model, batch, lm_share: float, lm_weight: float, gen: torch.Generato
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="model directory to write (config, weights, tokenizer)")
-    p.add_argument("--work", default=None, help="checkpoints and log (default OUT.work)")
+    p.add_argument("--work", default=None, help="checkpoints and log (default: needle-lm-train in the temp directory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -501,7 +504,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    work = args.work or args.out.rstrip("/") + ".work"
+    work = args.work or os.path.join(tempfile.gettempdir(), "needle-lm-train")  # not next to OUT: package data
     os.makedirs(work, exist_ok=True)
     from transformers import AutoModelForCausalLM
 
