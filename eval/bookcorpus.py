@@ -20,13 +20,20 @@ _BUILDERS = {".txt": "text", ".parquet": "parquet", ".json": "json", ".jsonl": "
 
 
 def _local_files(path: str) -> tuple[str, list]:
-    files = [path] if os.path.isfile(path) else sorted(
-        f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.splitext(f)[1] in _BUILDERS)
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else sorted(
+            f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.splitext(f)[1] in _BUILDERS
+        )
+    )
     if not files:
         raise DataError(f"--data {path}: no .txt, .parquet, .json or .jsonl files found.")
     kinds = {_BUILDERS.get(os.path.splitext(f)[1]) for f in files}
     if None in kinds or len(kinds) != 1:
-        raise DataError(f"--data {path}: use files of one kind (.txt, .parquet or .json/.jsonl), got {sorted(map(str, kinds))}.")
+        raise DataError(
+            f"--data {path}: use files of one kind (.txt, .parquet or .json/.jsonl), got {sorted(map(str, kinds))}."
+        )
     return kinds.pop(), files
 
 
@@ -46,31 +53,48 @@ def _rows(source: str, data: str | None, dataset_id: str, revision: str | None, 
         where = f"{dataset_id}" + (f"@{revision}" if revision else "") + f" [{split}]"
     first = next(iter(ds), None)
     if first is None or column not in first:
-        raise DataError(f"{where} has no rows with a '{column}' column (columns: {sorted(first or {})}); set --text-column.")
+        raise DataError(
+            f"{where} has no rows with a '{column}' column (columns: {sorted(first or {})}); set --text-column."
+        )
     return (row[column] for row in ds), where
 
 
-def load_token_stream(tok, tokens: int, *, source="auto", data=None, dataset_id=HUB_ID, revision=HUB_REVISION,
-                      column="text", builtin_model=False) -> tuple[list, str, str | None]:
+def load_token_stream(
+    tok,
+    tokens: int,
+    *,
+    source="auto",
+    data=None,
+    dataset_id=HUB_ID,
+    revision=HUB_REVISION,
+    column="text",
+    builtin_model=False,
+) -> tuple[list, str, str | None]:
     """(at least `tokens` token ids of running text, where they came from, a fallback warning or None)."""
     warning = None
     if source == "builtin" or (source == "auto" and builtin_model and data is None):
-        rows, where = None, "builtin (pydoc_data topics)"
+        rows, where = None, "builtin (held-out pydoc_data topics)"
     else:
         try:
             rows, where = _rows(source, data, dataset_id, revision, column)
         except DataError:
             raise
         except Exception as e:
-            msg = (f"could not load BookCorpus from {'--data ' + data if data else dataset_id}: {type(e).__name__}: {e}. "
-                   "Give local files with --data, another copy with --dataset-id/--revision, or use --source builtin.")
+            msg = (
+                f"could not load BookCorpus from {'--data ' + data if data else dataset_id}: {type(e).__name__}: {e}. "
+                "Give local files with --data, another copy with --dataset-id/--revision, or use --source builtin."
+            )
             if source == "hub" or data is not None:
                 raise DataError(msg) from None
-            rows, where, warning = None, "builtin (pydoc_data topics)", msg + " Falling back to the built-in text."
+            rows, where, warning = (
+                None,
+                "builtin (held-out pydoc_data topics)",
+                msg + " Falling back to the built-in text.",
+            )
     if rows is None:
-        from hf_contextpar.models import sample_text
+        from hf_contextpar.models import heldout_text  # pydoc topics needle-lm never trained on
 
-        ids = tok(sample_text(), add_special_tokens=False).input_ids
+        ids = tok(heldout_text(), add_special_tokens=False).input_ids
     else:
         ids, chunk, chars = [], [], 0
         for row in rows:  # BookCorpus rows are sentences: one per line, as in its text files
@@ -84,8 +108,10 @@ def load_token_stream(tok, tokens: int, *, source="auto", data=None, dataset_id=
         if chunk and len(ids) < tokens:
             ids.extend(tok("\n".join(chunk), add_special_tokens=False).input_ids)
     if len(ids) < tokens:
-        raise DataError(f"{where} gives only {len(ids)} tokens, {tokens} are needed; lower --window or --num-windows, "
-                        "or give more text with --data.")
+        raise DataError(
+            f"{where} gives only {len(ids)} tokens, {tokens} are needed; lower --window or --num-windows, "
+            "or give more text with --data."
+        )
     return ids, where, warning
 
 
@@ -94,7 +120,7 @@ def windows(ids: list, window: int, count: int, bos: int | None) -> list[list]:
     body = window - (1 if bos is not None else 0)
     out = []
     for i in range(count):
-        piece = ids[i * body:(i + 1) * body]
+        piece = ids[i * body : (i + 1) * body]
         out.append(([bos] if bos is not None else []) + piece)
     return out
 

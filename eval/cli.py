@@ -20,14 +20,13 @@ import time
 import torch
 
 import hf_contextpar
-from hf_contextpar.cli import DTYPES, load
-from hf_contextpar.models import DEFAULT_MODEL
+from hf_contextpar.models import DEFAULT_MODEL, DTYPES, is_builtin, load
 
 from . import bookcorpus as bc
 from . import needlebench as nb
 from . import report
 from .compare import compare_generation, tolerance, window_metrics
-from .harness import (Dist, fingerprint, kernel_swap, load_reference, on_rank0, run_rounds, save_reference)
+from .harness import Dist, fingerprint, kernel_swap, load_reference, on_rank0, run_rounds, save_reference
 
 EXIT_NOT_EQUIVALENT, EXIT_ERROR = 1, 2
 
@@ -46,12 +45,16 @@ def _setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.reference and args.save_reference:
-        raise SystemExit("use either --reference FILE (read a saved single-process run) or --save-reference FILE (make one).")
+        raise SystemExit(
+            "use either --reference FILE (read a saved single-process run) or --save-reference FILE (make one)."
+        )
     cuda = torch.cuda.is_available() and not args.cpu
     d = Dist(args.timeout, cuda)
     if args.save_reference and d.world > 1:
-        raise SystemExit("--save-reference records the single-process run: start it as one process "
-                         "(python -m hf_contextpar.eval ...), then run the N-process job with --reference FILE.")
+        raise SystemExit(
+            "--save-reference records the single-process run: start it as one process "
+            "(python -m hf_contextpar.eval ...), then run the N-process job with --reference FILE."
+        )
     if d.rank != 0:
         import transformers
 
@@ -97,8 +100,17 @@ def _tolerance(args, d, model, first_ids):
 
 
 def _base(args, d, source, reference, rule, ks, warning) -> dict:
-    return dict(model=args.model, dtype=args.dtype, world=d.world, strategy=args.strategy, source=source,
-                reference=reference, tolerance_rule=rule, kernel_swap=ks, warning=warning)
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        world=d.world,
+        strategy=args.strategy,
+        source=source,
+        reference=reference,
+        tolerance_rule=rule,
+        kernel_swap=ks,
+        warning=warning,
+    )
 
 
 def _finish(args, d, kind, records, tol, base, started) -> int:
@@ -133,15 +145,20 @@ def _greedy(model, ids, max_new_tokens, tok):
     steps = []
     handle = model.register_forward_hook(lambda m, a, out: steps.append(out.logits[0, -1].detach().cpu()))
     gc = model.generation_config
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=gc.eos_token_id,
-                           bos_token_id=gc.bos_token_id,
-                           pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else tok.pad_token_id)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=gc.eos_token_id,
+        bos_token_id=gc.bos_token_id,
+        pad_token_id=gc.pad_token_id if gc.pad_token_id is not None else tok.pad_token_id,
+    )
     x = torch.tensor([ids], device=next(model.parameters()).device)
     try:
         out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)
     finally:
         handle.remove()
-    new = out[0, x.shape[1]:].cpu()
+    new = out[0, x.shape[1] :].cpu()
     return new, torch.stack(steps[: new.numel()])
 
 
@@ -156,21 +173,43 @@ def cmd_needlebench(args) -> int:
     d, model, tok = _setup(args)
     limit = _max_positions(model)
     if limit is not None and max(lengths) + args.max_new_tokens > limit:
-        raise SystemExit(f"length {max(lengths)} + {args.max_new_tokens} new tokens exceeds the model's context "
-                         f"(max_position_embeddings = {limit}); use --lengths up to {limit - args.max_new_tokens}.")
+        raise SystemExit(
+            f"length {max(lengths)} + {args.max_new_tokens} new tokens exceeds the model's context "
+            f"(max_position_embeddings = {limit}); use --lengths up to {limit - args.max_new_tokens}."
+        )
 
     def build():
-        data, warning = nb.load_data(args.source, args.data, args.model.startswith("tiny-"))
-        prompts = nb.build_cases(data, tok, tasks, lengths, depths, seed=args.seed, num_needles=args.num_needles,
-                                 reasoning_needles=args.reasoning_needles, spacing=args.spacing, chat=not args.no_chat_template)
-        return data.source, warning, [dict(task=p.task, length=p.length, depth=p.depth, ids=p.ids, keywords=p.keywords)
-                                      for p in prompts]
+        data, warning = nb.load_data(args.source, args.data, is_builtin(args.model))
+        prompts = nb.build_cases(
+            data,
+            tok,
+            tasks,
+            lengths,
+            depths,
+            seed=args.seed,
+            num_needles=args.num_needles,
+            reasoning_needles=args.reasoning_needles,
+            spacing=args.spacing,
+            chat=not args.no_chat_template,
+        )
+        return (
+            data.source,
+            warning,
+            [dict(task=p.task, length=p.length, depth=p.depth, ids=p.ids, keywords=p.keywords) for p in prompts],
+        )
 
     source, warning, prompts = on_rank0(d, build)
     if warning and d.rank == 0:
         print(f"warning: {warning}", file=sys.stderr)
-    cases = [dict(p, index=i, key=f"{p['task']}/{p['length']}/{p['depth']}",
-                  label=f"{p['task']} {p['length']} tokens depth {p['depth']}%") for i, p in enumerate(prompts)]
+    cases = [
+        dict(
+            p,
+            index=i,
+            key=f"{p['task']}/{p['length']}/{p['depth']}",
+            label=f"{p['task']} {p['length']} tokens depth {p['depth']}%",
+        )
+        for i, p in enumerate(prompts)
+    ]
     meta = dict(model=args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens, source=source)
 
     def ref_fn(model, case):
@@ -187,23 +226,46 @@ def cmd_needlebench(args) -> int:
         rec = compare_generation(ref["tokens"], ref["logits"], cp_tokens, cp_logits)
         ref_answer = tok.decode(ref["tokens"], skip_special_tokens=True)
         cp_answer = tok.decode(cp_tokens, skip_special_tokens=True)
-        rec.update(key=case["key"], task=case["task"], length=case["length"], depth=case["depth"],
-                   prompt_tokens=len(case["ids"]), keywords=case["keywords"], ref_answer=ref_answer, cp_answer=cp_answer,
-                   ref_score=nb.score(case["task"], ref_answer, case["keywords"]),
-                   cp_score=nb.score(case["task"], cp_answer, case["keywords"]),
-                   new_tokens=[int(ref["tokens"].numel()), int(cp_tokens.numel())])
+        rec.update(
+            key=case["key"],
+            task=case["task"],
+            length=case["length"],
+            depth=case["depth"],
+            prompt_tokens=len(case["ids"]),
+            keywords=case["keywords"],
+            ref_answer=ref_answer,
+            cp_answer=cp_answer,
+            ref_score=nb.score(case["task"], ref_answer, case["keywords"]),
+            cp_score=nb.score(case["task"], cp_answer, case["keywords"]),
+            new_tokens=[int(ref["tokens"].numel()), int(cp_tokens.numel())],
+        )
         rec["near_tie"] = rec["divergence_margin"] is not None and rec["divergence_margin"] <= 2 * tol
         identical = rec["tokens_identical"] or (args.allow_near_ties and rec["near_tie"])
         rec["equivalent"] = identical and rec["max_logit_diff"] <= tol
         return rec
 
-    records = run_rounds(d, model, cases, strategy=args.strategy, reference=reference, ref_fn=ref_fn,
-                         cp_fn=lambda m, c: _greedy(m, c["ids"], args.max_new_tokens, tok), compare_fn=compare_fn,
-                         desc=f"needlebench N={d.world}")
-    ref_desc = f"saved single-process run {args.reference}" if args.reference else "unpatched model on one process, same run"
+    records = run_rounds(
+        d,
+        model,
+        cases,
+        strategy=args.strategy,
+        reference=reference,
+        ref_fn=ref_fn,
+        cp_fn=lambda m, c: _greedy(m, c["ids"], args.max_new_tokens, tok),
+        compare_fn=compare_fn,
+        desc=f"needlebench N={d.world}",
+    )
+    ref_desc = (
+        f"saved single-process run {args.reference}" if args.reference else "unpatched model on one process, same run"
+    )
     base = _base(args, d, source, ref_desc, rule, ks, warning)
-    base.update(tasks=tasks, lengths=lengths, depths=depths, max_new_tokens=args.max_new_tokens,
-                allow_near_ties=args.allow_near_ties)
+    base.update(
+        tasks=tasks,
+        lengths=lengths,
+        depths=depths,
+        max_new_tokens=args.max_new_tokens,
+        allow_near_ties=args.allow_near_ties,
+    )
     return _finish(args, d, "needlebench", records, tol, base, started)
 
 
@@ -234,9 +296,16 @@ def cmd_bookcorpus(args) -> int:
     def build():
         bos = bc.uses_bos(tok)
         need = args.num_windows * (args.window - (bos is not None))
-        ids, where, warning = bc.load_token_stream(tok, need, source=args.source, data=args.data, dataset_id=args.dataset_id,
-                                                   revision=args.revision or None, column=args.text_column,
-                                                   builtin_model=args.model.startswith("tiny-"))
+        ids, where, warning = bc.load_token_stream(
+            tok,
+            need,
+            source=args.source,
+            data=args.data,
+            dataset_id=args.dataset_id,
+            revision=args.revision or None,
+            column=args.text_column,
+            builtin_model=is_builtin(args.model),
+        )
         return where, warning, bc.windows(ids, args.window, args.num_windows, bos)
 
     source, warning, wins = on_rank0(d, build)
@@ -251,8 +320,13 @@ def cmd_bookcorpus(args) -> int:
         return model(x, use_cache=False).logits[0]
 
     if args.save_reference:
-        return _save_reference(args, "bookcorpus", meta, cases,
-                               lambda c: dict(prompt_sha=fingerprint(c["ids"]), logits=forward(model, c).cpu()))
+        return _save_reference(
+            args,
+            "bookcorpus",
+            meta,
+            cases,
+            lambda c: dict(prompt_sha=fingerprint(c["ids"]), logits=forward(model, c).cpu()),
+        )
     reference = load_reference(args.reference, "bookcorpus", cases, meta) if args.reference else None
     tol, rule, ks = _tolerance(args, d, model, cases[0]["ids"])
 
@@ -263,9 +337,20 @@ def cmd_bookcorpus(args) -> int:
         rec["equivalent"] = rec["max_logit_diff"] <= tol
         return rec
 
-    records = run_rounds(d, model, cases, strategy=args.strategy, reference=reference, ref_fn=forward, cp_fn=forward,
-                         compare_fn=compare_fn, desc=f"bookcorpus N={d.world}")
-    ref_desc = f"saved single-process run {args.reference}" if args.reference else "unpatched model on one process, same run"
+    records = run_rounds(
+        d,
+        model,
+        cases,
+        strategy=args.strategy,
+        reference=reference,
+        ref_fn=forward,
+        cp_fn=forward,
+        compare_fn=compare_fn,
+        desc=f"bookcorpus N={d.world}",
+    )
+    ref_desc = (
+        f"saved single-process run {args.reference}" if args.reference else "unpatched model on one process, same run"
+    )
     base = _base(args, d, source, ref_desc, rule, ks, warning)
     base.update(window=args.window, num_windows=args.num_windows)
     return _finish(args, d, "bookcorpus", records, tol, base, started)
@@ -273,16 +358,30 @@ def cmd_bookcorpus(args) -> int:
 
 # -- arguments ---------------------------------------------------------------------------------
 def _common(p):
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in tiny-<family> (default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"hub id, local dir, or built-in needle-lm / tiny-<family> (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--strategy", choices=hf_contextpar.api.STRATEGIES, default="auto", help="prefill algorithm (default auto)")
+    p.add_argument(
+        "--strategy", choices=hf_contextpar.api.STRATEGIES, default="auto", help="prefill algorithm (default auto)"
+    )
     p.add_argument("--out", required=False, default="eval_out", help="report directory (default eval_out)")
-    p.add_argument("--source", choices=("auto", "hub", "builtin"), default="auto",
-                   help="data: hub (or its cache, or --data), builtin (offline text shipped with Python and "
-                        "hf-contextpar), or auto: builtin for tiny-* models, else hub with a fall-back to builtin")
+    p.add_argument(
+        "--source",
+        choices=("auto", "hub", "builtin"),
+        default="auto",
+        help="data: hub (or its cache, or --data), builtin (offline text shipped with Python and "
+        "hf-contextpar), or auto: builtin for the built-in models (needle-lm, tiny-*), else hub with a fall-back to builtin",
+    )
     p.add_argument("--data", help="a local copy of the dataset (directory or files) instead of the hub")
-    p.add_argument("--reference", metavar="FILE", help="compare against a saved single-process run instead of computing it")
-    p.add_argument("--save-reference", metavar="FILE", help="run the unpatched model on one process and save its outputs")
+    p.add_argument(
+        "--reference", metavar="FILE", help="compare against a saved single-process run instead of computing it"
+    )
+    p.add_argument(
+        "--save-reference", metavar="FILE", help="run the unpatched model on one process and save its outputs"
+    )
     p.add_argument("--tolerance", type=float, help="max |logit diff| allowed (default: by dtype, see --help epilog)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
@@ -290,16 +389,24 @@ def _common(p):
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
 
 
-TOLERANCE_HELP = ("tolerance on max |logit diff| (context-parallel vs one process): float64 1e-10 (Gemma2 1e-5), "
-                  "float32 1e-4, bfloat16/float16 max(the diff that switching the unpatched model between eager and "
-                  "SDPA attention causes on the first prompt, 1e-2). Generated tokens must be identical.")
+TOLERANCE_HELP = (
+    "tolerance on max |logit diff| (context-parallel vs one process): float64 1e-10 (Gemma2 1e-5), "
+    "float32 1e-4, bfloat16/float16 max(the diff that switching the unpatched model between eager and "
+    "SDPA attention causes on the first prompt, 1e-2). Generated tokens must be identical."
+)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hf_contextpar.eval", description=__doc__, epilog=TOLERANCE_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hf_contextpar.eval",
+        description=__doc__,
+        epilog=TOLERANCE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    n = sub.add_parser("needlebench", help="needle-in-a-haystack generation, length x depth grid", epilog=TOLERANCE_HELP)
+    n = sub.add_parser(
+        "needlebench", help="needle-in-a-haystack generation, length x depth grid", epilog=TOLERANCE_HELP
+    )
     _common(n)
     n.add_argument("--lengths", default="4096,16384", help="prompt lengths in the model's tokens (default 4096,16384)")
     n.add_argument("--depths", default="0,25,50,75,100", help="needle depths in %% of the haystack")
@@ -307,19 +414,32 @@ def main(argv=None) -> int:
     n.add_argument("--max-new-tokens", type=int, default=32)
     n.add_argument("--num-needles", type=int, default=3, help="needles in multi_retrieval (default 3)")
     n.add_argument("--reasoning-needles", type=int, default=2, help="facts in multi_reasoning (default 2)")
-    n.add_argument("--spacing", type=int, default=10, help="%% of the haystack between consecutive needles (default 10)")
-    n.add_argument("--allow-near-ties", action="store_true",
-                   help="accept a token divergence at a step where the reference's top choice beat the context-parallel "
-                        "one by at most twice the tolerance (low precision: a kernel swap flips such ties too); "
-                        "default: generated tokens must be identical")
-    n.add_argument("--no-chat-template", action="store_true", help="prompt with plain text even if the tokenizer has a chat template")
+    n.add_argument(
+        "--spacing", type=int, default=10, help="%% of the haystack between consecutive needles (default 10)"
+    )
+    n.add_argument(
+        "--allow-near-ties",
+        action="store_true",
+        help="accept a token divergence at a step where the reference's top choice beat the context-parallel "
+        "one by at most twice the tolerance (low precision: a kernel swap flips such ties too); "
+        "default: generated tokens must be identical",
+    )
+    n.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="prompt with plain text even if the tokenizer has a chat template",
+    )
     n.set_defaults(func=cmd_needlebench)
     b = sub.add_parser("bookcorpus", help="teacher-forced windows: full logits, NLL, perplexity", epilog=TOLERANCE_HELP)
     _common(b)
     b.add_argument("--window", type=int, default=8192, help="tokens per window (default 8192)")
     b.add_argument("--num-windows", type=int, default=4)
     b.add_argument("--dataset-id", default=bc.HUB_ID, help=f"hub dataset with a text column (default {bc.HUB_ID})")
-    b.add_argument("--revision", default=bc.HUB_REVISION, help=f"its revision (default {bc.HUB_REVISION}, the hub's parquet conversion)")
+    b.add_argument(
+        "--revision",
+        default=bc.HUB_REVISION,
+        help=f"its revision (default {bc.HUB_REVISION}, the hub's parquet conversion)",
+    )
     b.add_argument("--text-column", default="text")
     b.set_defaults(func=cmd_bookcorpus)
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Gate a deployment on exactness: NeedleBench, then BookCorpus, each on N processes.
 
-    python examples/eval_gate.py                                   # built-in tiny model, offline, 2 processes
+    python examples/eval_gate.py                                   # built-in needle-lm, offline, 2 processes
     python examples/eval_gate.py --nproc 4 --model meta-llama/Llama-3.1-8B-Instruct --dtype bfloat16 \\
         --lengths 4096,16384 --window 8192 --out gate/
 
@@ -21,8 +21,25 @@ import sys
 
 def run(kind: str, args, extra: list[str]) -> int:
     out = os.path.join(args.out, kind)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "-m", "hf_contextpar.eval",
-           kind, "--model", args.model, "--dtype", args.dtype, "--strategy", args.strategy, "--out", out, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(args.nproc),
+        "-m",
+        "hf_contextpar.eval",
+        kind,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--strategy",
+        args.strategy,
+        "--out",
+        out,
+        *extra,
+    ]
     print("$ " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd)
     try:
@@ -38,7 +55,7 @@ def run(kind: str, args, extra: list[str]) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model", default="needle-lm")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--lengths", default="1024,2048")
@@ -47,8 +64,10 @@ def main() -> int:
     p.add_argument("--num-windows", type=int, default=2)
     p.add_argument("--out", default="eval_gate")
     args = p.parse_args()
-    statuses = [run("needlebench", args, ["--lengths", args.lengths, "--depths", args.depths]),
-                run("bookcorpus", args, ["--window", str(args.window), "--num-windows", str(args.num_windows)])]
+    statuses = [
+        run("needlebench", args, ["--lengths", args.lengths, "--depths", args.depths]),
+        run("bookcorpus", args, ["--window", str(args.window), "--num-windows", str(args.num_windows)]),
+    ]
     return max(statuses)
 
 

@@ -1,11 +1,16 @@
 """`python -m hf_contextpar generate`: the main job, launched with torchrun or accelerate.
 
-    torchrun --nproc_per_node 2 -m hf_contextpar generate --max-new-tokens 32
+    torchrun --nproc_per_node 2 -m hf_contextpar generate
+    torchrun --nproc_per_node 2 -m hf_contextpar generate --prompt-tokens 16384 --depth 25 --needle 2
     torchrun --nproc_per_node 2 -m hf_contextpar generate --model meta-llama/Llama-3.2-1B --prompt-file book.txt
 
-Prints the generated text once (rank 0), time to first token, decode tokens/s and every rank's
-KV-cache size. `--baseline` first runs the unpatched model on rank 0 alone (the other ranks
-wait) and reports its TTFT and whether the tokens are identical.
+By default it runs the built-in trained model (needle-lm) on a NeedleBench prompt: a fact (a
+built-in needle) hidden at `--depth` % of `--prompt-tokens` tokens of English text shipped with
+Python, and a question about it at the end. Rank 0 prints the needle, the question, the model's
+answer and whether it is right, the time to first token, decode tokens/s and every rank's
+KV-cache size, then the unpatched model's run on one process (rank 0 alone, before the
+context-parallel run; `--no-baseline` skips it) and whether the tokens are identical.
+`--prompt-file` generates a plain continuation of a text file instead.
 """
 
 from __future__ import annotations
@@ -19,29 +24,24 @@ import torch
 import torch.distributed as dist
 
 from .api import DECODES, STRATEGIES
-from .models import DEFAULT_MODEL, TINY_CONFIGS, byte_tokenizer, sample_text, tiny_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+from .models import DEFAULT_MODEL, DTYPES, load
 
 
-def load(name: str, dtype: torch.dtype, device: torch.device):
-    """A built-in `tiny-<family>` (random weights, offline) or any hub id / local directory."""
-    if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
-        family = name[5:]
-        impl = "eager" if family == "gemma2" else "sdpa"
-        return tiny_model(family, dtype=dtype, attn_implementation=impl).to(device), byte_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):
+    """A NeedleBench single-needle prompt (the eval harness's builder and built-in needles), `tokens` long."""
+    from .eval import needlebench as nb
 
+    data = nb.builtin_data()
+    if not 0 <= needle < len(data.needles):
+        raise SystemExit(f"--needle must be 0..{len(data.needles) - 1}")
+    n = data.needles[needle]
+    _, hay = nb.haystack_ids(data, tok, tokens, seed)
     try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    except OSError as e:
-        raise SystemExit(
-            f"could not load '{name}' ({e}). Use a local directory, a hub id that is cached or reachable "
-            f"(HF_HUB_OFFLINE=1 uses the cache only), or a built-in model: "
-            + ", ".join(f"tiny-{f}" for f in TINY_CONFIGS)
-        ) from None
-    return model.to(device).eval(), tok
+        return nb.build_prompt(
+            "single_retrieval", tokens, depth, ([n["needle"]], n["retrieval_question"], [n["arg2"]]), hay, tok
+        )
+    except nb.DataError as e:
+        raise SystemExit(f"{e} (--prompt-tokens {tokens})") from None
 
 
 class _FirstToken:
@@ -67,15 +67,18 @@ def _warm_up(model, inputs):
 
 
 def _timed_generate(model, inputs, max_new_tokens):
+    """Greedy generate up to `max_new_tokens` (stops at EOS); (output, TTFT s, decode tokens/s)."""
     _warm_up(model, inputs)
     streamer = _FirstToken()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, streamer=streamer, return_dict_in_generate=True)
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer, return_dict_in_generate=True
+        )
     end = time.perf_counter()
-    ttft = streamer.first - start
-    tok_s = (max_new_tokens - 1) / (end - streamer.first) if max_new_tokens > 1 else float("nan")
+    new = out.sequences.shape[1] - inputs["input_ids"].shape[1]
+    ttft = (streamer.first or end) - start
+    tok_s = (new - 1) / (end - streamer.first) if new > 1 else float("nan")
     return out, ttft, tok_s
 
 
@@ -88,38 +91,64 @@ def cmd_generate(args):
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     model, tok = load(args.model, DTYPES[args.dtype], device)
-    text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else sample_text()
-    ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    task = None
+    if args.prompt_file:
+        text = open(args.prompt_file, encoding="utf-8").read()
+        ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    else:
+        task = needle_prompt(tok, args.prompt_tokens, args.depth, args.needle)
+        ids = torch.tensor([task.ids])
     inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
 
     baseline = None
     if args.baseline and rank == 0:
         out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
         baseline = (out.sequences, ttft, tok_s)
-    hf_contextpar.apply_context_parallel(model, strategy=args.strategy, decode=args.decode, timeout=args.timeout,
-                                         kvr_partitions=args.kvr_partitions)
+    hf_contextpar.apply_context_parallel(
+        model, strategy=args.strategy, decode=args.decode, timeout=args.timeout, kvr_partitions=args.kvr_partitions
+    )
     runtime = hf_contextpar.get_runtime(model)
     world = runtime.world if runtime else 1
     if dist.is_initialized():
         dist.barrier()  # ranks start together (and wait for the baseline)
     out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
     cache = out.past_key_values
-    local = torch.tensor([cache.local_length if runtime else cache.get_seq_length(),
-                          cache.local_nbytes() if runtime else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)])
-    per_rank = runtime.comm.all_gather(local.to(device if cuda else "cpu"), tag="control").cpu() if runtime else local[None]
+    local = torch.tensor(
+        [
+            cache.local_length if runtime else cache.get_seq_length(),
+            cache.local_nbytes() if runtime else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
+        ]
+    )
+    per_rank = (
+        runtime.comm.all_gather(local.to(device if cuda else "cpu"), tag="control").cpu() if runtime else local[None]
+    )
     if rank == 0:
-        new = out.sequences[0, ids.shape[1]:]
-        print(tok.decode(new, skip_special_tokens=True))
+        new = out.sequences[0, ids.shape[1] :]
+        answer = tok.decode(new, skip_special_tokens=True)
+        if task is None:
+            print(answer)
+        else:
+            needle = task.needles[0].strip()
+            at = len(tok(task.context[: task.needle_at[0]], add_special_tokens=False).input_ids)
+            found = task.keywords[0] in answer
+            print(f"needle   (depth {args.depth}%, about token {at} of {ids.shape[1]}): {needle}")
+            print(f"question: {task.question}")
+            print(f"answer:   {answer.strip()}")
+            print(f"expected: {task.keywords[0]!r} -> {'correct' if found else 'WRONG'}")
         print("-" * 60)
-        print(f"model {args.model}  dtype {args.dtype}  processes {world}  prompt {ids.shape[1]} tokens  "
-              f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}")
+        print(
+            f"model {args.model}  dtype {args.dtype}  processes {world}  prompt {ids.shape[1]} tokens  "
+            f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}"
+        )
         print(f"TTFT {ttft * 1000:.1f} ms   decode {tok_s:.1f} tokens/s")
         for r, (tokens, nbytes) in enumerate(per_rank.tolist()):
             print(f"  rank {r}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB")
         if baseline is not None:
             same = torch.equal(baseline[0].cpu(), out.sequences.cpu())
-            print(f"unpatched, 1 process: TTFT {baseline[1] * 1000:.1f} ms   decode {baseline[2]:.1f} tokens/s   "
-                  f"TTFT speed-up {baseline[1] / ttft:.2f}x   tokens identical: {same}")
+            print(
+                f"unpatched, 1 process: TTFT {baseline[1] * 1000:.1f} ms   decode {baseline[2]:.1f} tokens/s   "
+                f"TTFT speed-up {baseline[1] / ttft:.2f}x   tokens identical: {same}"
+            )
         sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier()  # nobody tears the group down while a peer still uses it
@@ -168,8 +197,10 @@ def cmd_sweep(args):
     rows, coeffs = miss_rate_sweep(model, runtime, args.total, rates, repeats=args.repeats, device=device)
     if runtime.rank == 0:
         cal = runtime.calibration
-        print(f"model {args.model}  N={runtime.world}  total context {args.total}  threads/rank {torch.get_num_threads()}  "
-              f"C={cal.attn_flops / 1e9:.2f} GFLOP/s  BW={cal.bandwidth / 1e9:.3f} GB/s ({cal.source})")
+        print(
+            f"model {args.model}  N={runtime.world}  total context {args.total}  threads/rank {torch.get_num_threads()}  "
+            f"C={cal.attn_flops / 1e9:.2f} GFLOP/s  BW={cal.bandwidth / 1e9:.3f} GB/s ({cal.source})"
+        )
         print(format_sweep(rows, coeffs))
         if args.out:
             with open(args.out, "w") as f:
@@ -187,28 +218,50 @@ def cmd_kvr_table(args):
     table = kvr_table(model, runtime, lengths, points=args.points, repeats=args.repeats, device=device, log=log)
     if runtime.rank == 0:
         table.details.update(model=args.model, dtype=args.dtype)
-        print(f"saved to {table.save(args.out)}; use apply_context_parallel(model, strategy='kv_runahead', "
-              f"kvr_partitions='{args.out}')")
+        print(
+            f"saved to {table.save(args.out)}; use apply_context_parallel(model, strategy='kv_runahead', "
+            f"kvr_partitions='{args.out}')"
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hf_contextpar", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hf_contextpar", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="context-parallel generate() on one prompt")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"hub id, local dir, or built-in tiny-<family> (default {DEFAULT_MODEL})")
-    g.add_argument("--prompt-file", help="UTF-8 text file (default: English text shipped with Python)")
-    g.add_argument("--prompt-tokens", type=int, default=4096, help="truncate the prompt to this many tokens")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"hub id, local dir, or built-in needle-lm / tiny-<family> (default {DEFAULT_MODEL})",
+    )
+    g.add_argument(
+        "--prompt-file", help="generate a continuation of this UTF-8 text file instead of answering a needle question"
+    )
+    g.add_argument(
+        "--prompt-tokens", type=int, default=8192, help="prompt length in tokens (a file is truncated to it)"
+    )
+    g.add_argument("--depth", type=int, default=50, help="where the needle sits, %% of the haystack (default 50)")
+    g.add_argument(
+        "--needle", type=int, default=0, help="which built-in needle (hf_contextpar.eval.needles.NEEDLES) to hide"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=32, help="at most this many new tokens (stops at EOS)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
-    g.add_argument("--decode", default="auto", choices=DECODES, help="decode algorithm (default: batched pass-Q when B >= N)")
+    g.add_argument(
+        "--decode", default="auto", choices=DECODES, help="decode algorithm (default: batched pass-Q when B >= N)"
+    )
     g.add_argument("--kvr-partitions", help="KV-Runahead partition table from `kvr-table` (default: even partitions)")
     g.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
-    g.add_argument("--baseline", action="store_true", help="also time the unpatched model on rank 0 alone")
+    g.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the unpatched model on rank 0 alone and compare (default on)",
+    )
     g.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     g.set_defaults(func=cmd_generate)
 
@@ -231,7 +284,9 @@ def main(argv=None):
     w.add_argument("--calibration", help="calibration JSON (default: the saved one, else defaults)")
     w.add_argument("--out", help="write the table as JSON")
     w.set_defaults(func=cmd_sweep)
-    k = sub.add_parser("kvr-table", help="search KV-Runahead partitions (KVR-S) at several lengths; save the table (KVR-P)")
+    k = sub.add_parser(
+        "kvr-table", help="search KV-Runahead partitions (KVR-S) at several lengths; save the table (KVR-P)"
+    )
     common(k)
     k.add_argument("--lengths", default="1024,2048,4096", help="context lengths to search")
     k.add_argument("--points", type=int, default=5, help="grid points per boundary and level")
@@ -239,7 +294,8 @@ def main(argv=None):
     k.add_argument("--out", default="kvr_partitions.json")
     k.set_defaults(func=cmd_kvr_table)
     r = sub.add_parser("predict", help="predicted TTFT, TTIT, KV and traffic per strategy from the cost model (no run)")
-    from .predict import add_arguments, run as predict
+    from .predict import add_arguments
+    from .predict import run as predict
 
     add_arguments(r)
     r.set_defaults(func=predict)

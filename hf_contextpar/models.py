@@ -1,8 +1,11 @@
-"""Built-in random-initialised models and a byte-level tokenizer: everything works offline.
+"""Built-in models: everything works offline.
 
-`tiny-<family>` names build a small config of that family (seeded, so every rank builds the
-same weights). They exist for the default demo and the test suite; any hub id or local
-directory works in their place.
+`needle-lm` is a real, trained model shipped inside the package (a 1.3M-parameter Llama with a
+BPE tokenizer, trained by tools/train_needle_lm.py to retrieve facts from long documents): the
+default for the main job, the eval harness, the benchmark and the examples, so that their scores
+mean something. `tiny-<family>` names build a small random-initialised config of that family
+(seeded, so every rank builds the same weights) with a byte-level tokenizer, for the family test
+matrix. Any hub id or local directory works in their place.
 """
 
 from __future__ import annotations
@@ -12,22 +15,61 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from hf_contextpar.patches import REGISTRY
 
-_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               max_position_embeddings=65536, initializer_range=0.2, tie_word_embeddings=False,
-               bos_token_id=256, eos_token_id=257, pad_token_id=258)
+_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+)
 
 # one tiny config per registered family (patches/), plus the benchmark's attention-dominated models
 TINY_CONFIGS: dict[str, dict] = {
     **{mt: dict(model_type=mt, **p.tiny) for mt, p in REGISTRY.items() if p.tiny is not None},
     # benchmark model: attention-dominated, 8 query heads per KV head (Llama-3-70B's ratio)
-    "llama_gqa8": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=32),
+    "llama_gqa8": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=32,
+    ),
     # the same with 2 KV heads (Llama-3-8B's ratio 4:1), so Ulysses can split heads over N=2
-    "llama_gqa4": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                       num_key_value_heads=2, head_dim=32),
+    "llama_gqa4": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
 }
-DEFAULT_MODEL = "tiny-llama"
+DEFAULT_MODEL = "needle-lm"
+# built-in trained models: name -> directory under hf_contextpar/assets (package data)
+BUILTIN_MODELS = {"needle-lm": "needle-lm"}
+
+
+def builtin_model_path(name: str) -> str | None:
+    """The directory of a built-in trained model (a standard HF model directory), or None."""
+    if name not in BUILTIN_MODELS:
+        return None
+    from importlib.resources import files
+
+    return str(files("hf_contextpar") / "assets" / BUILTIN_MODELS[name])
+
+
+def is_builtin(name: str) -> bool:
+    """A model that ships with hf-contextpar (trained or tiny random): its data default to offline text."""
+    return name in BUILTIN_MODELS or (name.startswith("tiny-") and name[5:] in TINY_CONFIGS)
 
 
 def tiny_config(family: str, **overrides):
@@ -59,7 +101,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def _byte_of(ch: str) -> int:
     # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+k in byte order.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     if ord(ch) in printable:
         return ord(ch)
     rest = [b for b in range(256) if b not in printable]
@@ -72,3 +116,47 @@ def sample_text(num_chars: int | None = None) -> str:
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
     return text if num_chars is None else text[:num_chars]
+
+
+def heldout_topic_keys() -> list[str]:
+    """The pydoc topics kept out of the built-in model's training (every 4th, by sorted name).
+
+    `needle-lm` (tools/train_needle_lm.py) never sees them, so teacher-forced perplexity on
+    `heldout_text()` measures language modelling on unseen text.
+    """
+    from pydoc_data.topics import topics
+
+    return [k for i, k in enumerate(sorted(topics)) if i % 4 == 1]
+
+
+def heldout_text() -> str:
+    """The held-out pydoc topics, joined like `sample_text`."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in heldout_topic_keys())
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def load(name: str, dtype: torch.dtype, device: torch.device):
+    """(model, tokenizer): a built-in model (`needle-lm`, or `tiny-<family>` with random weights and
+    the family's reference attention), or any hub id / local directory. For the tools (CLI, eval,
+    bench), so none of them imports another."""
+    if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
+        family = name[5:]
+        impl = REGISTRY[family].reference_attn if family in REGISTRY else "sdpa"
+        return tiny_model(family, dtype=dtype, attn_implementation=impl).to(device), byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = builtin_model_path(name) or name
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(
+            f"could not load '{name}' ({e}). Use a local directory, a hub id that is cached or reachable "
+            f"(HF_HUB_OFFLINE=1 uses the cache only), or a built-in model: "
+            + ", ".join(list(BUILTIN_MODELS) + [f"tiny-{f}" for f in TINY_CONFIGS])
+        ) from None
+    return model.to(device).eval(), tok

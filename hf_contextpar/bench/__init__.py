@@ -20,7 +20,7 @@ import argparse
 
 import torch.distributed as dist
 
-from ..cli import DTYPES
+from ..models import DTYPES
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 
 

@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from .. import costmodel
 from ..calibrate import measure, small_collective_s
-from ..cli import DTYPES, load
 from ..distributed import resolve_group
+from ..models import DTYPES, load
 from .measure import Samples, _cores, small_collective_after_compute_s
 from .report import check_targets, format_report, plot
 
-DEFAULT_MODEL = "tiny-llama_gqa8"
+DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
 KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
 

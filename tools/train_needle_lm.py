@@ -1,0 +1,735 @@
+"""Train hf-contextpar's built-in real model, `needle-lm`, from scratch on one CPU thread.
+
+    OMP_NUM_THREADS=1 python tools/train_needle_lm.py --out hf_contextpar/assets/needle-lm \
+        --ckpt-every 50 --scale-steps 2.5 --max-steps 1250      # the shipped weights (see training.json)
+
+What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Llama (GQA,
+RoPE) that can find a fact planted thousands of tokens back and copy its answer, so that the
+NeedleBench and BookCorpus harnesses measure something real. No hub is needed: the text is what
+ships with Python (pydoc topics, stdlib docstrings) and Debian (license texts).
+
+Why the recipe looks like this (plain language modelling on a small haystack only memorises it):
+- The needle tasks are built with the eval harness's own prompt template (`eval.needlebench._template`),
+  needles go in at sentence boundaries wrapped in newlines, the question asks for an answer "in
+  the format 'The X is ______.'", exactly as the built-in NeedleBench cases do. The facts are
+  random (invented names, numbers, phrases), so the answer can only come from the context.
+- The loss is on the answer tokens, plus a down-weighted LM loss on a random quarter of the
+  other tokens (for perplexity on held-out text).
+- The copy mechanism first: the run starts mostly on repeated spans (random tokens or text, loss
+  on the repeat) and short "repeat this stretch" episodes, the densest signal for induction
+  heads; a try with answer-token loss alone was still guessing answers from priors after 370
+  steps. Then a curriculum: very short haystacks, several episodes packed into one sequence and
+  distractor needles, then longer haystacks. (`--copy-init` starts layers 0-1 as a hand-set
+  induction circuit instead; tried for 600 steps, the optimiser washed it out: not used.)
+- Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
+  the position ids jump forward at a few sentence boundaries so that a 1-2K-token training
+  sequence spans up to `--max-span` positions; relative distances of 16K are seen in training
+  while the local structure stays contiguous. transformers 5 needs an explicit all-ones
+  attention mask with such position ids (else it reads every jump as a new packed sequence).
+
+Deterministic: the data come from seeded `random.Random`s and the run is single-threaded, so
+the same torch / tokenizers / Python versions and the same text files give the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import math
+import os
+import random
+import re
+import sys
+import sysconfig
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_contextpar.eval.needlebench import _template  # noqa: E402  (the harness's own prompt)
+
+from hf_contextpar.models import heldout_topic_keys  # noqa: E402
+
+_BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?=\n\n)")
+
+# ---------------------------------------------------------------------------------------------
+# text
+# ---------------------------------------------------------------------------------------------
+
+
+def training_documents() -> list[str]:
+    """pydoc topics (minus the held-out ones), stdlib docstrings, Debian license texts; fixed order."""
+    from pydoc_data.topics import topics
+
+    held = set(heldout_topic_keys())
+    docs = [topics[k] for k in sorted(topics) if k not in held]
+    root = sysconfig.get_paths()["stdlib"]
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(path, root)
+        if rel.startswith(("site-packages", "test", "idlelib", "lib2to3")) or "/test" in rel:
+            continue
+        try:
+            tree = ast.parse(open(path, encoding="utf-8").read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                d = ast.get_docstring(node)
+                if d and len(d) >= 300:
+                    docs.append(d)
+    seen = set()
+    for path in sorted(glob.glob("/usr/share/common-licenses/*")):
+        real = os.path.realpath(path)
+        if real in seen or not os.path.isfile(real):
+            continue
+        seen.add(real)
+        docs.append(open(real, encoding="utf-8", errors="replace").read())
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(docs: list[str], vocab_size: int):
+    """Byte-level BPE; digits are split one per token so numbers are copied digit by digit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=32768
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# invented facts in NeedleBench's form
+# ---------------------------------------------------------------------------------------------
+
+SYLLABLES = (
+    "ba be bi bo bra bri ca ce co cor da de di dor el en fa fe fen fi ga gar ha hal he ka ke ki "
+    "la le li lo lun ma me mi mo mor na ne ni no nor o pa pe pi po qua ra re ri ro ros sa se "
+    "sel si so ta te ti to tor u va ve vi vo wen wi ya yo za ze zo"
+).split()
+PLACE_SUFFIX = (
+    "Point Hollow Bay College Street Harbor Valley Ridge Market Abbey Crossing Green Mill Station "
+    "Heights Creek Forest Island Square Castle Fields Manor Wharf Gate"
+).split()
+TITLES = "Professor Captain Doctor Mrs. Mr. Grandmother Uncle Aunt Sister Brother Judge Mayor Lady Sir".split()
+THINGS = (
+    "ledger bicycle telescope kettle violin bakery clock tower library orchard museum bridge notebook carpet "
+    "window choir garden boat barn cellar attic workshop piano lamp mirror fountain wagon theatre school "
+    "kitchen chapel radio compass map trunk cabinet quilt drum flute tent canoe sled"
+).split()
+ADJECTIVES = (
+    "red blue green yellow amber silver golden crimson scarlet ivory black white grey purple orange "
+    "emerald bronze iron wooden glass marble velvet woollen tiny giant ancient frozen burnt salted "
+    "sweet bitter hollow broken painted striped spotted quiet sleepy brave clever"
+).split()
+NOUNS = (
+    "falcon otter badger walrus pelican lynx salmon beetle tortoise sparrow camel donkey rabbit "
+    "lantern anchor compass teapot kite harp trumpet banner crown feather pebble acorn thistle tulip "
+    "orchid lily maple cedar willow saffron nutmeg ginger basil clove fennel pepper walnut almond "
+    "balloon carriage submarine airship tram rocket"
+).split()
+NUMBER_WORDS = "one two three four five six seven eight nine ten eleven twelve twenty thirty fifty ninety".split()
+ORDINALS = ("first second third fourth fifth sixth seventh eighth tenth twelfth fifteenth twentieth").split()
+
+# (needle, question, answer prefix, answer kind); {S} subject, {T} a thing, {A} the answer
+RELATIONS = [
+    (
+        "{S} writes the number {A} on every {T} in the house.",
+        "What number does {S} write on every {T} in the house?",
+        "The number is",
+        "num",
+    ),
+    ("The pass key of {S} is {A}.", "What is the pass key of {S}?", "The pass key is", "num"),
+    ("{S} lives at house number {A}.", "At which house number does {S} live?", "The house number is", "num"),
+    (
+        "The {T} from {S} always leaves from platform {A}.",
+        "From which platform does the {T} from {S} leave?",
+        "It leaves from platform",
+        "num",
+    ),
+    (
+        "{S} counted exactly {A} birds on the roof of the {T}.",
+        "How many birds did {S} count on the roof of the {T}?",
+        "The count is",
+        "num",
+    ),
+    ("The lucky number of {S} is {A}.", "What is the lucky number of {S}?", "The lucky number is", "num"),
+    ("{S} opened the {T} with the code {A}.", "What code did {S} use to open the {T}?", "The code is", "num"),
+    (
+        "The year carved above the door of the {T} in {S} is {A}.",
+        "What year is carved above the door of the {T} in {S}?",
+        "The year is",
+        "num",
+    ),
+    (
+        "The secret ingredient in the soup of {S} is {A}.",
+        "What is the secret ingredient in the soup of {S}?",
+        "The secret ingredient is",
+        "phrase",
+    ),
+    (
+        "{S} picked {A} as the emblem of the {T}.",
+        "What did {S} pick as the emblem of the {T}?",
+        "The emblem is",
+        "phrase",
+    ),
+    ("{S} hides the {T} inside {A}.", "Where does {S} hide the {T}?", "The {T} is inside", "place"),
+    ("The password for the {T} of {S} is {A}.", "What is the password for the {T} of {S}?", "The password is", "word"),
+    (
+        "The old painting in the {T} of {S} shows {A}.",
+        "What does the old painting in the {T} of {S} show?",
+        "It shows",
+        "phrase",
+    ),
+    ("The {T} fair in {S} is always held on {A}.", "On which day is the {T} fair in {S} held?", "It is held on", "day"),
+    (
+        "The favourite animal of {S} is {A}.",
+        "What is the favourite animal of {S}?",
+        "The favourite animal is",
+        "phrase",
+    ),
+    ("{S} named the new {T} {A}.", "What did {S} name the new {T}?", "The name is", "name"),
+    ("The {T} of {S} is made of {A}.", "What is the {T} of {S} made of?", "It is made of", "phrase"),
+    (
+        "Every morning {S} feeds {A} to the goats.",
+        "What does {S} feed to the goats every morning?",
+        "The food is",
+        "phrase",
+    ),
+    ("The {T} of {S} is kept in the town of {A}.", "In which town is the {T} of {S} kept?", "The town is", "name"),
+    (
+        "The mascot of the {T} club in {S} is {A}.",
+        "What is the mascot of the {T} club in {S}?",
+        "The mascot is",
+        "phrase",
+    ),
+]
+PASSKEY = ("The pass key is {A}. Remember it. {A} is the pass key.", "What is the pass key?", "The pass key is", "num")
+
+
+def invented_name(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def subject(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.35:
+        return f"{invented_name(rng)} {rng.choice(PLACE_SUFFIX)}"
+    if r < 0.7:
+        return f"{rng.choice(TITLES)} {invented_name(rng)}"
+    return f"{invented_name(rng)} {invented_name(rng)}"
+
+
+def answer(kind: str, rng: random.Random) -> str:
+    if kind == "num":
+        digits = rng.randint(1, 6)
+        return str(rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1))
+    if kind == "word":
+        return f"{rng.choice(NOUNS + ADJECTIVES)}-{rng.choice(NUMBER_WORDS)}"
+    if kind == "name":
+        return invented_name(rng)
+    if kind == "day":
+        return f"the {rng.choice(ORDINALS)} of {invented_name(rng)}"
+    if kind == "place":
+        return f"a {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+    return (
+        f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+        if rng.random() < 0.8
+        else f"{invented_name(rng).lower()} {rng.choice(NOUNS)}"
+    )
+
+
+def fact(rng: random.Random, passkey: bool = False) -> dict:
+    needle, question, prefix, kind = PASSKEY if passkey else rng.choice(RELATIONS)
+    slots = dict(S=subject(rng), T=rng.choice(THINGS))
+    slots["A"] = answer(kind, rng)
+    fill = lambda s: s.format(**slots)  # noqa: E731
+    return dict(needle=fill(needle), question=fill(question), prefix=fill(prefix), answer=slots["A"])
+
+
+# ---------------------------------------------------------------------------------------------
+# episodes and packed sequences
+# ---------------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """The training text pre-tokenised as sentence pieces, so haystacks are cut at sentence boundaries."""
+
+    def __init__(self, docs, tok):
+        pieces = []
+        for d in docs:
+            pieces.extend(p for p in _BOUNDARY.split(d) if p)
+            pieces.append("\n\n")
+        self.pieces = tok(pieces, add_special_tokens=False).input_ids
+        self.tokens = sum(len(p) for p in self.pieces)
+        self.newline = tok("\n", add_special_tokens=False).input_ids
+
+    def haystack(self, rng: random.Random, n_tokens: int) -> list[list[int]]:
+        i, out, have = rng.randrange(len(self.pieces)), [], 0
+        while have < n_tokens:
+            p = self.pieces[i % len(self.pieces)]
+            out.append(p)
+            have += len(p)
+            i += 1
+        return out
+
+
+class Episodes:
+    """One NeedleBench-style prompt + answer as token ids, with a loss mask on the answer."""
+
+    def __init__(self, corpus: Corpus, tok):
+        self.corpus, self.tok = corpus, tok
+        head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
+        self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
+        self.eos = tok.eos_token_id
+        self.enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+
+    def make(self, rng: random.Random, hay_tokens: int, multi_prob: float):
+        n = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
+        facts, subjects = [], set()
+        if rng.random() < 0.1:
+            facts.append(fact(rng, passkey=True))
+        while len(facts) < n:
+            f = fact(rng)
+            if f["needle"].split(" ")[0:3] != [] and f["answer"] not in {g["answer"] for g in facts}:
+                key = f["question"]
+                if key not in subjects:
+                    subjects.add(key)
+                    facts.append(f)
+        if n >= 2 and rng.random() < multi_prob:
+            asked = rng.sample(facts, rng.randint(2, n))
+            task = "multi_retrieval"
+            question = "、".join(f["question"].split("?")[0] + "?" for f in asked)
+            question += " Please answer in the format of '" + "、".join(f["prefix"] + " ______" for f in asked) + "'"
+            reply = "、".join(f"{f['prefix']} {f['answer']}" for f in asked) + "."
+        else:
+            f = rng.choice(facts)
+            task = "single_retrieval"
+            question = f"{f['question']} Please answer in the format '{f['prefix']} ______.'"
+            reply = f"{f['prefix']} {f['answer']}."
+        pieces = self.corpus.haystack(rng, hay_tokens)
+        spots = sorted(rng.randint(0, len(pieces)) for _ in facts)
+        ids, cut_ok = list(self.head), [False] * len(self.head)
+        order = rng.sample(facts, len(facts))
+        k = 0
+        for i in range(len(pieces) + 1):
+            while k < len(spots) and spots[k] == i:
+                needle = self.enc("\n" + order[k]["needle"] + "\n")
+                ids += needle
+                cut_ok += [False] * len(needle)
+                k += 1
+            if i < len(pieces):
+                cut_ok += [True] + [False] * (len(pieces[i]) - 1)
+                ids += pieces[i]
+        tail = _template("\x00", question, task).split("\x00")[1]
+        tail_ids = self.enc(tail)
+        ids += tail_ids
+        cut_ok += [False] * len(tail_ids)
+        ans = self.enc(reply) + [self.eos]
+        is_answer = [False] * len(ids) + [True] * len(ans)
+        ids += ans
+        cut_ok += [False] * len(ans)
+        return ids, is_answer, cut_ok
+
+
+def copy_episode(rng, corpus: Corpus, hay_tokens: int):
+    """Dense induction signal: a stretch of text, then a span of it repeated; loss on the repeat after a 3-token cue.
+
+    The needle answers are copied the same way (find where the cue occurred, copy what followed);
+    answer tokens alone are too sparse a signal for the copy heads to form in a short run.
+    """
+    flat = [t for p in corpus.haystack(rng, hay_tokens) for t in p][:hay_tokens]
+    n = rng.randint(8, 24)
+    start = rng.randint(0, max(0, len(flat) - n))
+    span = flat[start : start + n]
+    ids = flat + corpus.newline + span
+    is_copy = [False] * (len(flat) + len(corpus.newline) + 3) + [True] * (len(span) - 3)
+    cut_ok = [False] * len(ids)
+    return ids, is_copy, cut_ok
+
+
+def repeat_sequence(rng, corpus: Corpus, seq_len: int, vocab: int):
+    """The densest copy signal: a span (random tokens or text) and the span again, loss on the whole repeat.
+
+    Induction heads form much faster on this than on sparse answer tokens; the run starts with it.
+    """
+    n = seq_len // 2
+    if rng.random() < 0.5:
+        span = [rng.randrange(3, vocab) for _ in range(n)]
+    else:
+        span = [t for p in corpus.haystack(rng, n) for t in p][:n]
+    ids = (span + span + span)[:seq_len]
+    return ids, [False] * (n + 1) + [True] * (seq_len - n - 1), list(range(seq_len))
+
+
+def pack(
+    rng,
+    episodes: Episodes,
+    seq_len: int,
+    hay_range,
+    multi_prob: float,
+    max_span: int,
+    pose_prob: float,
+    copy_prob: float = 0.0,
+    repeat_prob: float = 0.0,
+):
+    """seq_len tokens of episodes (the last topped up with plain text), position ids with PoSE skips."""
+    if rng.random() < repeat_prob:
+        return repeat_sequence(rng, episodes.corpus, seq_len, len(episodes.tok))
+    ids, ans, cut = [], [], []
+    while seq_len - len(ids) > 160:
+        room = seq_len - len(ids)
+        hay = rng.randint(hay_range[0], hay_range[1])
+        hay = min(hay, max(16, room - 200))
+        if rng.random() < copy_prob:
+            e_ids, e_ans, e_cut = copy_episode(rng, episodes.corpus, min(hay, room - 30))
+        else:
+            e_ids, e_ans, e_cut = episodes.make(rng, hay, multi_prob)
+        if len(e_ids) > room:
+            if ids:
+                break
+            e_ids, e_ans, e_cut = e_ids[-room:], e_ans[-room:], e_cut[-room:]
+        ids += e_ids
+        ans += e_ans
+        cut += e_cut
+    while len(ids) < seq_len:
+        p = episodes.corpus.haystack(rng, seq_len - len(ids))
+        flat = [t for piece in p for t in piece][: seq_len - len(ids)]
+        cut += [True] + [False] * (len(flat) - 1)
+        ids += flat
+        ans += [False] * len(flat)
+    pos = list(range(seq_len))
+    if rng.random() < pose_prob and max_span > seq_len:
+        candidates = [i for i, c in enumerate(cut) if c and i > 0]
+        if candidates:
+            cuts = sorted(rng.sample(candidates, min(len(candidates), rng.randint(1, 3))))
+            extra = rng.randint(0, max_span - seq_len)
+            shares = sorted(rng.randint(0, extra) for _ in range(len(cuts) - 1)) + [extra]
+            skips = [b - a for a, b in zip([0] + shares[:-1], shares)]
+            offset, j = 0, 0
+            for i in range(seq_len):
+                while j < len(cuts) and cuts[j] == i:
+                    offset += skips[j]
+                    j += 1
+                pos[i] = i + offset
+    return ids, ans, pos
+
+
+# ---------------------------------------------------------------------------------------------
+# model and training
+# ---------------------------------------------------------------------------------------------
+
+
+def make_config(vocab_size: int, tok):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+# (steps, seq_len, batch, haystack tokens min/max per episode, multi-question share, PoSE span, PoSE share,
+#  share of copy episodes, share of repeat sequences)
+STAGES = [
+    (60, 512, 4, (16, 160), 0.1, 512, 0.0, 0.3, 0.6),
+    (150, 512, 8, (16, 240), 0.2, 2048, 0.3, 0.3, 0.15),
+    (150, 512, 8, (32, 400), 0.25, 8192, 0.5, 0.2, 0.05),
+    (140, 1024, 4, (64, 900), 0.25, 16384, 0.6, 0.15, 0.0),
+    (100, 2048, 2, (256, 1900), 0.25, 20000, 0.7, 0.1, 0.0),
+]
+
+
+@torch.no_grad()
+def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
+    """Start layers 0-1 as an induction circuit (previous-token head + induction head); training refines it.
+
+    Copying (find where the current token occurred before, copy what followed) is how every needle
+    answer is produced, and learning that circuit from scratch is the long plateau of a short CPU
+    run: three tries (answer-token loss; plus copy episodes; plus repeated random spans) stayed at
+    chance on the copies for 120-370 steps. So:
+    - one embedding dimension is a constant (0.05 for every token); layer 0's first query head and
+      its KV head read it into the fastest RoPE pairs, the key rotated by one position, so the
+      score is sum_j cos((t - s - 1) * theta_j): largest for the previous token. Its value copies
+      the token's content dims 1..32 into a "previous token" slot (dims 96..127).
+    - layer 1's first head matches the current token's dims 1..16 against that slot on the slowest
+      RoPE pairs (the match barely depends on distance) and writes the matched position's token
+      back onto the content dims, where the tied unembedding reads it.
+    - the rest of layers 0-1 starts with zero output projections, so the circuit is not buried in
+      random-init noise.
+    The constant column and layer 0's positional query/key rows are kept fixed (gradients zeroed:
+    a try without that lost the previous-token pattern within 100 steps); everything else trains.
+    The architecture stays a stock Llama.
+    """
+    cfg = model.config
+    d = cfg.head_dim
+    theta = cfg.rope_parameters["rope_theta"]
+    model.model.embed_tokens.weight[:, 0] = 0.05
+    attn = model.model.layers[0].self_attn
+    for j in range(pairs):
+        angle = theta ** (-2 * j / d)
+        attn.q_proj.weight[j, :] = 0.0
+        attn.q_proj.weight[j + d // 2, :] = 0.0
+        attn.k_proj.weight[j, :] = 0.0
+        attn.k_proj.weight[j + d // 2, :] = 0.0
+        attn.q_proj.weight[j, 0] = gain
+        attn.k_proj.weight[j, 0] = gain * math.cos(angle)
+        attn.k_proj.weight[j + d // 2, 0] = gain * math.sin(angle)
+    # layer 0 head 0 also copies the token's content dims 1..32 into a "previous token" slot (dims 96..127)
+    attn.v_proj.weight[:d] = 0.0
+    attn.o_proj.weight[:, :d] = 0.0
+    for k in range(d):
+        attn.v_proj.weight[k, 1 + k] = 1.0
+        attn.o_proj.weight[96 + k, k] = 0.03
+    # layer 1 head 0: an induction head. Query = current token's dims 1..16, key = the previous-token
+    # slot, on the slowest RoPE pairs (j = 8..15) so the match barely depends on distance; value =
+    # the key token's content, written back onto the content dims, where the tied unembedding reads it.
+    ind = model.model.layers[1].self_attn
+    slow = list(range(d // 4, d // 2)) + list(range(d // 2 + d // 4, d))
+    ind.q_proj.weight[:d] = 0.0
+    ind.k_proj.weight[:d] = 0.0
+    ind.v_proj.weight[:d] = 0.0
+    ind.o_proj.weight[:, :d] = 0.0
+    for m, qd in enumerate(slow):
+        ind.q_proj.weight[qd, 1 + m] = 3.5
+        ind.k_proj.weight[qd, 96 + m] = 3.5
+    for k in range(d):
+        ind.v_proj.weight[k, 1 + k] = 1.0
+        ind.o_proj.weight[1 + k, k] = 0.3
+    # the rest of layers 0-1 writes nothing at first (zero output projections, learned from there),
+    # so the circuit's signals are not buried under random-init noise
+    for layer in model.model.layers[:2]:
+        layer.self_attn.o_proj.weight[:, d:] = 0.0
+        layer.mlp.down_proj.weight.zero_()
+    rows = [j for j in range(pairs)] + [j + d // 2 for j in range(pairs)]
+
+    def keep_rows(grad):
+        grad = grad.clone()
+        grad[rows] = 0
+        return grad
+
+    def keep_column(grad):
+        grad = grad.clone()
+        grad[:, 0] = 0
+        return grad
+
+    attn.q_proj.weight.register_hook(keep_rows)
+    attn.k_proj.weight.register_hook(keep_rows)
+    model.model.embed_tokens.weight.register_hook(keep_column)
+
+
+def loss_on(model, batch, lm_share: float, lm_weight: float, gen: torch.Generator):
+    ids, ans, pos = batch
+    hidden = model.model(
+        input_ids=ids[:, :-1], position_ids=pos[:, :-1], attention_mask=torch.ones_like(ids[:, :-1])
+    ).last_hidden_state
+    target = ids[:, 1:]
+    is_ans = ans[:, 1:]
+    lm = (~is_ans) & (torch.rand(target.shape, generator=gen) < lm_share)
+    h_ans, h_lm = hidden[is_ans], hidden[lm]
+    logits_ans = model.lm_head(h_ans)
+    l_ans = F.cross_entropy(logits_ans, target[is_ans])
+    l_lm = F.cross_entropy(model.lm_head(h_lm), target[lm])
+    with torch.no_grad():
+        hit = (logits_ans.argmax(-1) == target[is_ans]).float()
+        # an episode's answer is right when every answer token is: count via runs of answer positions
+        flat_ans = is_ans.flatten().tolist()
+        correct, total, cur, k = 0, 0, True, 0
+        for i, a in enumerate(flat_ans):
+            if a:
+                cur = cur and bool(hit[k])
+                k += 1
+            if a and (i + 1 == len(flat_ans) or not flat_ans[i + 1]):
+                correct += cur
+                total += 1
+                cur = True
+    return l_ans + lm_weight * l_lm, l_ans.item(), l_lm.item(), hit.mean().item(), correct / max(total, 1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="model directory to write (config, weights, tokenizer)")
+    p.add_argument("--work", default=None, help="checkpoints and log (default: needle-lm-train in the temp directory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--scale-steps", type=float, default=1.0, help="multiply every stage's steps (a quick trial: 0.02)")
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument(
+        "--copy-init",
+        action="store_true",
+        help="start layers 0-1 as an induction circuit (init_copy_circuit; tried, see its docstring)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this many steps of the same schedule (the learning rate still follows the full one)",
+    )
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    work = args.work or os.path.join(tempfile.gettempdir(), "needle-lm-train")  # not next to OUT: package data
+    os.makedirs(work, exist_ok=True)
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.time()
+    docs = training_documents()
+    tok = train_tokenizer(docs, args.vocab)
+    corpus = Corpus(docs, tok)
+    print(
+        f"{len(docs)} documents, {sum(map(len, docs)) / 1e6:.2f} M chars, {corpus.tokens / 1e6:.2f} M tokens, "
+        f"tokenizer {time.time() - t0:.0f}s",
+        flush=True,
+    )
+    episodes = Episodes(corpus, tok)
+    config = make_config(len(tok), tok)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if args.copy_init:
+        init_copy_circuit(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
+    stages = [(max(1, round(st[0] * args.scale_steps)),) + tuple(st[1:]) for st in STAGES]
+    total = sum(s[0] for s in stages)
+    decay, no_decay = [], []
+    for name, prm in model.named_parameters():
+        fixed_parts = name in (
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+        )
+        (no_decay if prm.ndim < 2 or fixed_parts else decay).append(prm)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    warm = max(1, min(60, total // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    )
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    log = open(os.path.join(work, "train_log.jsonl"), "w")
+    step, started, seen = 0, time.time(), 0
+    history = []
+    for si, (steps, seq_len, batch, hay, multi, span, pose, copy, repeat) in enumerate(stages):
+        for _ in range(steps):
+            rows = [pack(rng, episodes, seq_len + 1, hay, multi, span, pose, copy, repeat) for _ in range(batch)]
+            b = tuple(torch.tensor([r[j] for r in rows]) for j in range(3))
+            model.train()
+            loss, l_ans, l_lm, tok_acc, exact = loss_on(model, b, 0.25, 0.3, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            seen += batch * seq_len
+            rec = dict(
+                step=step,
+                stage=si,
+                ans_loss=round(l_ans, 4),
+                lm_loss=round(l_lm, 4),
+                ans_tok_acc=round(tok_acc, 3),
+                ans_exact=round(exact, 3),
+                lr=round(sched.get_last_lr()[0], 6),
+                tokens=seen,
+                elapsed=round(time.time() - started, 1),
+            )
+            history.append(rec)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if step % 10 == 0 or step == 1:
+                recent = history[-10:]
+                avg = lambda k: sum(r[k] for r in recent) / len(recent)  # noqa: E731
+                print(
+                    f"step {step}/{total} stage {si} L={seq_len} ans_loss {avg('ans_loss'):.3f} lm_loss {avg('lm_loss'):.3f} "
+                    f"ans_tok_acc {avg('ans_tok_acc'):.3f} exact {avg('ans_exact'):.3f} "
+                    f"{seen / (time.time() - started):.0f} tok/s {time.time() - started:.0f}s",
+                    flush=True,
+                )
+            if step % args.ckpt_every == 0 or step == total:
+                ck = os.path.join(work, "last")
+                model.save_pretrained(ck)
+                tok.save_pretrained(ck)
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
+    model.eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    last = history[-20:]
+    meta = dict(
+        command="python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        seed=args.seed,
+        steps=step,
+        schedule_steps=total,
+        stages=[list(map(str, s)) for s in stages],
+        parameters=n_params,
+        tokens_seen=seen,
+        wall_seconds=round(time.time() - t0),
+        torch=torch.__version__,
+        python=sys.version.split()[0],
+        corpus_tokens=corpus.tokens,
+        documents=len(docs),
+        final_ans_exact=round(sum(r["ans_exact"] for r in last) / len(last), 3),
+        final_lm_loss=round(sum(r["lm_loss"] for r in last) / len(last), 3),
+    )
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(json.dumps(meta), flush=True)
+
+
+if __name__ == "__main__":
+    main()
