@@ -22,7 +22,7 @@ KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-part
 
 
 def _strategies(requested: str | None) -> list[str]:
-    from .api import STRATEGIES
+    from ..api import STRATEGIES
 
     if not requested:
         return [s for s in STRATEGIES if s != "auto"]
