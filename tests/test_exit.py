@@ -44,7 +44,7 @@ def test_cli_exits_zero_every_time():
                 "hf_contextpar",
                 "generate",
                 "--prompt-tokens",
-                "64",
+                "512",
                 "--max-new-tokens",
                 "2",
                 "--baseline",
