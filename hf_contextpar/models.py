@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from hf_contextpar.patches import REGISTRY
 
-_COMMON = dict(
+TINY_BASE = dict(  # what every tiny config shares; TINY_CONFIGS add the family's own
     vocab_size=384,
     hidden_size=64,
     intermediate_size=128,
@@ -73,7 +73,7 @@ def is_builtin(name: str) -> bool:
 
 
 def tiny_config(family: str, **overrides):
-    spec = {**_COMMON, **TINY_CONFIGS[family], **overrides}
+    spec = {**TINY_BASE, **TINY_CONFIGS[family], **overrides}
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 

@@ -71,24 +71,10 @@ from geometries import GEOMETRIES, geometry_config  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.models import tiny_config  # noqa: E402
+from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 
-REGISTERED = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"]
-_BASE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=65536,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    bos_token_id=256,
-    eos_token_id=257,
-    pad_token_id=258,
-)
+REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
+_BASE = TINY_BASE
 # Families outside the registry that a user could opt in (plain causal softmax attention), each
 # with what sets it apart: Granite's attention/logit multipliers, StarCoder2's biases, LayerNorm
 # and sliding window, SmolLM3's NoPE layers, StableLM's partial rotary and per-head LayerNorm.
