@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import ContextParallelError
-from .plan import sequence_counts
+from .plan import rank_counts, sequence_counts
 
 
 class ShardLayout:
@@ -45,7 +45,7 @@ class ShardLayout:
 
     def counts(self) -> list[int]:
         """Tokens per rank (the most any one sequence holds there)."""
-        return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in self.cols]
+        return rank_counts(self.cols)
 
     def map_rows(self, fn):
         """Apply a batch reordering (beam search, batch selection) to per-sequence column tables."""

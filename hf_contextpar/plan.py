@@ -151,7 +151,7 @@ def build_plan(
         )
 
     if uses_cache:  # replicated: every rank runs every new token, each is stored on the least-loaded rank
-        owned = least_loaded_owners(num_new, _counts(cols))
+        owned = least_loaded_owners(num_new, rank_counts(cols))
         return ForwardPlan(
             algorithm="decode",
             token_rows=None,
@@ -190,10 +190,10 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
         algorithm = "ring_pass_kv"  # the chain needs every earlier token on an earlier rank: fresh prompts only
     if algorithm == "ulysses" and any(c.dim() == 2 for c in cols):
         algorithm = "allgather_kv"  # after batched decode no single column order exists to sort keys into
-    return algorithm, head_tail_plan(num_new, policy.world, _counts(cols))
+    return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
 
 
-def _counts(cols) -> list[int]:
+def rank_counts(cols) -> list[int]:
     """Tokens per rank (the most any one sequence holds there)."""
     return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in cols]
 

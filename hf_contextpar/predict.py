@@ -83,18 +83,13 @@ def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
 def _config(model: str):
     from transformers import AutoConfig
 
-    from .models import TINY_CONFIGS, tiny_config
+    from .models import TINY_CONFIGS, builtin_model_path, tiny_config
 
     if model.startswith("tiny-") and model[5:] in TINY_CONFIGS:
         return tiny_config(model[5:])
     if model.endswith(".json") and os.path.isfile(model):
         return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)) or ".")
-    try:
-        from .models import builtin_model_path  # the shipped trained model, where this build has one
-
-        model = builtin_model_path(model) or model
-    except ImportError:
-        pass
+    model = builtin_model_path(model) or model
     try:
         return AutoConfig.from_pretrained(model)
     except OSError as e:
