@@ -70,6 +70,7 @@ def apply_context_parallel(
     planner_rule: str = "cost",
     decode: str = "auto",
     kvr_partitions=None,
+    kv_interleave: int = 1,
 ):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
@@ -89,6 +90,9 @@ def apply_context_parallel(
     decode: "replicated" (every rank computes each new token, sharded-KV attention), "ring_pass_q"
         (batched ring pass-Q decode, Meta Alg. 4: each rank runs ~B/N sequences), or "auto": batched
         pass-Q when the batch has at least one sequence per rank, replicated otherwise.
+    kv_interleave: decode tokens whose K/V one rank stores before the next rank takes over (vLLM's
+        cp_kv_cache_interleave_size): runs of k tokens, each started on the least-loaded rank, so
+        shards stay within k tokens of each other. 1 (default): token by token.
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
     On a single process this validates the model and changes nothing.
     """
@@ -96,6 +100,11 @@ def apply_context_parallel(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}.")
+    if isinstance(kv_interleave, bool) or not isinstance(kv_interleave, int) or kv_interleave < 1:
+        raise ValueError(
+            f"kv_interleave must be a positive int (decode tokens stored per rank before the next rank takes "
+            f"over; 1 = token by token), got {kv_interleave!r}."
+        )
     if getattr(model, _ATTR, None) is not None:
         raise ContextParallelError("context parallelism is already applied to this model.")
     family = _check_model(model)
@@ -117,6 +126,7 @@ def apply_context_parallel(
             planner_rule=planner_rule,
             decode=decode,
             kvr_partitions=kvr_partitions,
+            kv_interleave=kv_interleave,
         )
         _agree(runtime, group)
     except BaseException:
@@ -144,6 +154,7 @@ def _agree(runtime, group):
         decode=runtime.decode,
         planner_rule=runtime.planner_rule,
         check_inputs=runtime.check_inputs,
+        kv_interleave=runtime.kv_interleave,
         model=_model_signature(runtime.model),
     )
     everyone = [None] * runtime.world

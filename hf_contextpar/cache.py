@@ -31,10 +31,16 @@ class ShardLayout:
         self.cols: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(world)]
         self.seq_length = 0  # committed global length (tokens of finished forwards)
         self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
+        self.run = None  # the decode run left open (plan.ForwardPlan.run), continued by the next decode step
         self.store = None  # the running forward's plan.Store for this rank; None between forwards
 
     def commit(self, plan):
-        self.cols, self.seq_length, self.rotation = list(plan.kv_cols), plan.seq_length, plan.rotation
+        self.cols, self.seq_length, self.rotation, self.run = (
+            list(plan.kv_cols),
+            plan.seq_length,
+            plan.rotation,
+            plan.run,
+        )
 
     def slots(self, rank: int) -> int:
         return self.cols[rank].shape[-1]
@@ -213,6 +219,7 @@ class ShardedCache(Cache):
         # 1D columns are ascending, so a prefix survives; per-sequence tables just empty the slots
         self.layout.cols = [c[c < keep] if c.dim() == 1 else c.masked_fill(c >= keep, -1) for c in self.layout.cols]
         self.layout.seq_length = keep
+        self.layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
         for layer in self.layers:
             layer._keep(self.layout.slots(self.layout.rank))
 

@@ -14,7 +14,10 @@ Three shapes of forward:
 - One new token per sequence, B >= N sequences, a non-empty cache (batched decode, Meta Alg. 4):
   sequence b runs on rank (b + offset) mod N, which stores its K/V.
 - Otherwise (B < N decode, prompts shorter than N): every rank runs all T tokens; each token's
-  K/V is stored on the least-loaded rank ("decode"), or nowhere without a cache ("local").
+  K/V is stored on one rank ("decode"), or nowhere without a cache ("local").
+Decode placement goes in runs of `Policy.interleave` tokens per rank (vLLM's
+cp_kv_cache_interleave_size; 1 by default): the run a decode forward leaves open is part of the
+layout (`ForwardPlan.run`), so the next forward, one token later, continues it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from .errors import ContextParallelError
 from .partitions import even
-from .sharding import contiguous_plan, head_tail_plan, least_loaded_owners
+from .sharding import contiguous_plan, decode_owners, head_tail_plan
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Policy:
     decode: str = "auto"  # "auto", "replicated" or "ring_pass_q"
     prefill: Callable[[int, int], str] = lambda num_new, past: "ring_pass_kv"  # (T, P) -> strategy
     kvr_sizes: Callable[[int], list] | None = None  # T -> KV-Runahead partition sizes (None: even)
+    interleave: int = 1  # decode tokens stored per rank before the next rank takes over
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class ForwardPlan:
     gather: Gather | None  # logits; None: every rank computed every row
     hidden: Gather | None  # hidden states (every row)
     rotation: int  # the layout's batched-decode offset after this forward
+    run: tuple | None  # the decode run left open: (algorithm, rank or offset, tokens placed); None: none
     rope_length: int  # max position + 1 over the whole forward: what position-dependent RoPE sees
     padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
     uses_cache: bool
@@ -101,6 +106,7 @@ def build_plan(
     past = layout.seq_length if uses_cache else 0
     cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world
     rotation = layout.rotation if uses_cache else -1
+    open_run = layout.run if uses_cache else None
     new_cols = torch.arange(past, past + num_new)
     common = dict(
         world=world,
@@ -127,10 +133,13 @@ def build_plan(
             gather=gather,
             hidden=Gather(list(rows), num_new),
             rotation=rotation,
+            run=None,
             **common,
         )
 
-    offset = _rotation(policy, cols, rotation, batch) if uses_cache and num_new == 1 and past > 0 else None
+    offset, run = (
+        _rotation(policy, cols, rotation, batch, open_run) if uses_cache and num_new == 1 and past > 0 else (None, None)
+    )
     if offset is not None:  # batched ring pass-Q decode
         seq_rows = [slice((r - offset) % world, None, world) for r in range(world)]
         kv_cols, store = _place_per_sequence(cols, past, seq_rows, batch)
@@ -147,11 +156,13 @@ def build_plan(
             gather=gather,
             hidden=gather,
             rotation=offset,
+            run=run,
             **common,
         )
 
-    if uses_cache:  # replicated: every rank runs every new token, each is stored on the least-loaded rank
-        owned = least_loaded_owners(num_new, rank_counts(cols))
+    if uses_cache:  # replicated: every rank runs every new token, each is stored on one rank
+        continuing = open_run[1:] if open_run is not None and open_run[0] == "decode" else None
+        owned, run = decode_owners(num_new, sequence_counts(cols, batch), policy.interleave, continuing)
         return ForwardPlan(
             algorithm="decode",
             token_rows=None,
@@ -163,6 +174,7 @@ def build_plan(
             gather=None,
             hidden=None,
             rotation=rotation,
+            run=("decode", *run) if run is not None else None,
             **common,
         )
     return ForwardPlan(
@@ -176,6 +188,7 @@ def build_plan(
         gather=None,
         hidden=None,
         rotation=rotation,
+        run=None,
         **common,
     )
 
@@ -211,30 +224,36 @@ def _append(cols, new_cols):
     ]
 
 
-def _rotation(policy: Policy, cols, rotation: int, batch: int) -> int | None:
-    """The offset o of a batched decode step (sequence b on rank (b + o) mod N), or None for a
-    replicated step. Alg. 4 advances o by one per step; a step runs batched only if every
-    sequence's token then lands on one of the ranks holding the fewest of that sequence's tokens,
-    so every sequence's shards stay within one token. Right after an uneven prefill the few
-    replicated steps that level the shards come first."""
+def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tuple:
+    """(offset o, open run) of a batched decode step (sequence b on rank (b + o) mod N), or (None,
+    None) for a replicated step. Alg. 4 advances o by one per step (every `policy.interleave` steps:
+    an open run keeps its offset while no sequence's rank would get more than `interleave` tokens
+    ahead of that sequence's smallest shard). A new offset is taken only if every sequence's token
+    then lands on one of the ranks holding the fewest of that sequence's tokens, so every sequence's
+    shards stay within `interleave` tokens. Right after an uneven prefill the few replicated steps
+    that level the shards come first."""
     world = policy.world
     if policy.decode == "replicated":
-        return None
+        return None, None
     if batch < world:
         if policy.decode == "ring_pass_q":
             raise ContextParallelError(
                 f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {world} ranks); "
                 "use decode='auto', which falls back to replicated sharded-KV decode."
             )
-        return None
+        return None, None
     counts = sequence_counts(cols, batch)
-    least = counts == counts.min(dim=1, keepdim=True).values
+    low = counts.min(dim=1).values
     b = torch.arange(batch)
+    if open_run is not None and open_run[0] == "ring_pass_q_decode" and open_run[2] < policy.interleave:
+        offset = open_run[1]
+        if bool((counts[b, (b + offset) % world] - low < policy.interleave).all()):
+            return offset, (open_run[0], offset, open_run[2] + 1)
     for step in range(1, world + 1):
         offset = (rotation + step) % world
-        if bool(least[b, (b + offset) % world].all()):
-            return offset
-    return None
+        if bool((counts[b, (b + offset) % world] == low).all()):
+            return offset, ("ring_pass_q_decode", offset, 1)
+    return None, None
 
 
 def _place_per_sequence(cols, col: int, seq_rows, batch: int):

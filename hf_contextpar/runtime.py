@@ -93,9 +93,11 @@ class ContextParallelRuntime:
         planner_rule: str = "cost",
         decode: str = "auto",
         kvr_partitions=None,
+        kv_interleave: int = 1,
     ):
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
+        self.kv_interleave = kv_interleave
         self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
@@ -223,7 +225,7 @@ class ContextParallelRuntime:
 
     def _policy(self) -> Policy:
         sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
-        return Policy(self.world, self.decode, self._choose, sizes)
+        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave)
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":

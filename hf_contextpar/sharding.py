@@ -3,8 +3,9 @@
 Prefill uses Meta's load-balanced head-tail split (CP paper 3.5.1, vLLM PCP): the T new tokens
 are cut into 2N near-equal chunks and rank i takes chunks i and 2N-1-i, so every rank gets the
 same share of the causal triangle. Tokens that arrive while prompts are shorter than N (and
-every decode token) are replicated on all ranks and *stored* on the least-loaded rank, so the
-shards never differ by more than one token.
+every decode token) are replicated on all ranks and *stored* on one rank, in runs of
+`interleave` tokens starting on the least-loaded rank, so the shards never differ by more than
+`interleave` tokens (one by default).
 """
 
 from __future__ import annotations
@@ -51,19 +52,30 @@ def head_tail_plan(num_tokens: int, world_size: int, counts: list[int] | None = 
     return plan
 
 
-def least_loaded_owners(num_tokens: int, counts: list[int]) -> list[torch.Tensor]:
-    """Place `num_tokens` new tokens one at a time on the rank holding the fewest (lowest rank on ties).
+def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
+    """Place `num_tokens` new tokens (replicated decode) in runs of `interleave` tokens per rank
+    (vLLM's cp_kv_cache_interleave_size). A run starts on the rank holding the fewest tokens
+    (lowest rank on ties) and takes the following tokens until it holds `interleave` of them, or
+    until one more would put its rank more than `interleave` tokens ahead of a sequence's smallest
+    shard.
 
-    Returns, per rank, the indices of the new tokens it stores. `counts` is not modified.
-    This is round-robin once the shards are level, and it levels them after an uneven prefill.
+    counts: tokens per rank, or (batch, world) per sequence (after batched decode). `run` is the
+    (rank, tokens placed) of the run the previous decode forward left open, or None. Returns (per
+    rank, the indices of the new tokens it stores; the open run after them). With interleave 1
+    every token goes to the least-loaded rank: round-robin once the shards are level, levelling
+    them after an uneven prefill. Shards within `interleave` tokens of each other stay so.
     """
-    counts = list(counts)
-    owned: list[list[int]] = [[] for _ in counts]
+    counts = torch.atleast_2d(torch.as_tensor(counts)).clone()
+    owned: list[list[int]] = [[] for _ in range(counts.shape[1])]
     for t in range(num_tokens):
-        r = min(range(len(counts)), key=counts.__getitem__)
-        owned[r].append(t)
-        counts[r] += 1
-    return [torch.tensor(o, dtype=torch.long) for o in owned]
+        ahead = counts - counts.min(dim=1, keepdim=True).values
+        if run is not None and run[1] < interleave and int(ahead[:, run[0]].max()) < interleave:
+            run = (run[0], run[1] + 1)
+        else:
+            run = (int(counts.max(dim=0).values.argmin()), 1)  # argmin: the first of equal minima
+        owned[run[0]].append(t)
+        counts[:, run[0]] += 1
+    return [torch.tensor(o, dtype=torch.long) for o in owned], run
 
 
 def partition_sizes(num_tokens: int, ratios) -> list[int]:

@@ -156,3 +156,63 @@ def test_random_forward_sequences_store_each_token_once(seed):
         assert stored_columns(layout, batch) == [list(range(layout.seq_length))] * batch
         counts = layout.sequence_counts(batch)
         assert int((counts.max(1).values - counts.min(1).values).max()) <= 2
+
+
+def _spread(layout, batch):
+    counts = layout.sequence_counts(batch)
+    return int((counts.max(1).values - counts.min(1).values).max())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 16])
+@pytest.mark.parametrize(
+    "world,batch,decode", [(2, 1, "auto"), (3, 2, "auto"), (2, 2, "auto"), (3, 4, "auto"), (3, 4, "replicated")]
+)
+def test_kv_interleave_places_runs_of_k_and_keeps_shards_within_k(k, world, batch, decode):
+    """Decode K/V goes to one rank k tokens at a time (vLLM's cp_kv_cache_interleave_size), each run
+    starting on the least-loaded rank; shards stay within k tokens over decode, partial prefill after
+    decode and T < N forwards."""
+    policy = Policy(world, decode=decode, interleave=k)
+    layout = ShardLayout(0, world)
+    layout.commit(plan_for(layout, 11, batch=batch, policy=policy))
+    owners = []  # per decode step, the rank that stored sequence 0's token
+    for num_new in [1] * (3 * k * world + 2) + [9, 1, 1, world - 1, 1, 1]:
+        before = layout.sequence_counts(batch)
+        plan = plan_for(layout, num_new, batch=batch, policy=policy)
+        layout.commit(plan)
+        if num_new == 1:
+            owners.append(int((layout.sequence_counts(batch) - before)[0].argmax()))
+        # a partial prefill levels the ranks' largest shards, so over per-sequence tables (after
+        # batched decode) one sequence can end a token further apart, as with k = 1
+        per_sequence = any(c.dim() == 2 for c in layout.cols)
+        assert _spread(layout, batch) <= k + per_sequence
+        assert stored_columns(layout, batch) == [list(range(layout.seq_length))] * batch
+    # once level, runs of exactly k: the owner changes only every k steps
+    steady = owners[world : world + 2 * k * world]
+    changes = [i for i in range(1, len(steady)) if steady[i] != steady[i - 1]]
+    assert all((b - a) == k for a, b in zip(changes, changes[1:])), (k, steady)
+
+
+def test_kv_interleave_crop_ends_the_open_run():
+    """crop (assisted decoding's rejected drafts) may remove the open run's tokens: the next decode
+    step starts a new run on the least-loaded rank instead of continuing a run that is gone."""
+    from hf_contextpar.cache import ShardedCache
+
+    policy = Policy(2, interleave=4)
+    cache = ShardedCache(1, 0, 2)
+    cache.layout.commit(plan_for(cache.layout, 10, policy=policy))
+    for _ in range(3):
+        cache.layout.commit(plan_for(cache.layout, 1, policy=policy))
+    assert cache.layout.run == ("decode", 0, 3) and cache.layout.counts() == [8, 5]
+    cache.crop(-3)
+    assert cache.layout.run is None and cache.layout.counts() == [5, 5]
+    plan = plan_for(cache.layout, 1, policy=policy)
+    assert plan.run == ("decode", 0, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])
+def test_kv_interleave_must_be_a_positive_int(bad):
+    import hf_contextpar
+    from hf_contextpar.models import tiny_model
+
+    with pytest.raises(ValueError, match="kv_interleave must be a positive int"):
+        hf_contextpar.apply_context_parallel(tiny_model("llama"), kv_interleave=bad)
