@@ -68,7 +68,22 @@ class Comm:
         self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
         self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
+        self._gate = None  # a check to settle before the next message (see `hold`)
         _live.add(self)
+
+    def hold(self, check) -> None:
+        """Run `check` (once) right before the next message is posted, or at `settle()`.
+
+        The runtime holds each forward's input check here: ranks whose inputs differ would run
+        mismatched collectives, so it must pass before the first message; holding it until then,
+        rather than settling it before the forward's first attention layer, lets the compute up
+        to that message (decode: the first layer's local attention) hide its latency."""
+        self._gate = check
+
+    def settle(self) -> None:
+        if self._gate is not None:
+            check, self._gate = self._gate, None
+            check()
 
     def _record(self, tag: str, op: str, sent: int, received: int):
         self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)
@@ -110,6 +125,7 @@ class Comm:
         return self._post("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
 
     def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> Pending:
+        self.settle()
         ops = []
         if send is not None and send.numel() > 0:
             ops.append(dist.P2POp(dist.isend, send, self._next, self.group))
@@ -124,6 +140,7 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
+        self.settle()
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
         with self._guard("all_gather", "all_gather", tag):
@@ -139,6 +156,7 @@ class Comm:
         adding one collective per decode step. Collectives on one group run in posting order on
         every rank, so later collectives of the forward queue behind it safely.
         """
+        self.settle()
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
         with self._guard("all_gather", "all_gather", tag):
@@ -154,6 +172,7 @@ class Comm:
         so a caller can work on the blocks that have landed while the rest are in flight.
         shapes[r]: rank r's block shape, known to every rank.
         """
+        self.settle()
         mine = mine.contiguous()
         out = []
         for r, shape in enumerate(shapes):
@@ -174,6 +193,7 @@ class Comm:
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
         """send[j] goes to rank j; returns what every rank sent to this one (shapes known in advance)."""
+        self.settle()
         flat = torch.cat([t.reshape(-1) for t in send])
         out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         out = torch.empty(sum(out_sizes), dtype=flat.dtype, device=flat.device)

@@ -32,6 +32,14 @@ _MIN_WINDOW_ROWS = 64  # with a tiny window, tiles of fewer rows would only add 
 _cuda_ok: dict[torch.dtype, bool] = {}
 
 
+def unpack_kv(kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v), each (B, Hkv, T, D), from a block as sent, (T, 2, B, Hkv, D), or from a (k, v) pair
+    (a rank's own cache, whose K/V never leave it)."""
+    if isinstance(kv, tuple):
+        return kv
+    return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

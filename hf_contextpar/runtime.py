@@ -165,17 +165,16 @@ class ContextParallelRuntime:
             logits_to_keep=kwargs.get("logits_to_keep", 0),
             uses_cache=cache is not None,
         )
-        check = None
         if self.check_inputs:
             pending = self._post_input_check(batch, num_new, past, ids, embeds, mask, position_ids)
-            check = lambda: self._verify_same(pending.wait(), "inputs")  # noqa: E731
+            self.comm.hold(lambda: self._verify_same(pending.wait(), "inputs"))
 
         self._shard_inputs(kwargs, plan, position_ids)
         if cache is not None:
             cache.begin(plan)
         kwargs["past_key_values"] = cache
         kwargs["use_cache"] = cache is not None
-        step = Step(plan, self.comm, cache, self.num_layers, check=check)
+        step = Step(plan, self.comm, cache, self.num_layers)
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
         self.last_forward = dict(
@@ -201,7 +200,7 @@ class ContextParallelRuntime:
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
             if ok:
-                step.settle_check()  # a forward with no attention collective (none ran) still checks
+                self.comm.settle()  # a forward with no attention collective (none ran) still checks
             self.last_forward["bytes_sent"] += self._attention.bytes_sent
             self.last_forward["bytes_received"] += self._attention.bytes_received
             if plan.gather is not None and ok:
@@ -213,6 +212,7 @@ class ContextParallelRuntime:
             ok = False
             raise
         finally:
+            self.comm.hold(None)  # a forward that raised drops its check (its collective is in flight)
             if step.cache is not None:
                 step.cache.end(plan, ok)
             torch.set_grad_enabled(grad)

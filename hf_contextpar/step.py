@@ -26,7 +26,6 @@ class Step:
     comm: Comm
     cache: ShardedCache | None
     num_layers: int
-    check: object = None  # the input check in flight, settled before the first collective
     layer: int = 0  # index of the attention layer running now
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
 
@@ -69,10 +68,3 @@ class Step:
         if cols.dim() == 2:
             return pad.gather(1, cols[rows].clamp(min=0).to(pad.device))
         return pad[:, cols.to(pad.device)]
-
-    def settle_check(self):
-        """Settle the input check (posted with the forward) before the first message of the forward:
-        ranks whose inputs differ would otherwise run mismatched collectives."""
-        if self.check is not None:
-            check, self.check = self.check, None
-            check()

@@ -8,8 +8,8 @@ reproduces it, e.g.
 Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, so it is the same
 case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
 few opted in through `hf_contextpar.patches.register`, and the real-checkpoint geometries of
-tests/geometries.py), dtype, RoPE type, strategy, decode mode, batch size, padding, prompt
-lengths, 1 to 3 turns and a generation mode per turn. Rank 0 runs the unpatched model (the
+tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
+padding, prompt lengths, 1 to 3 turns and a generation mode per turn. Rank 0 runs the unpatched model (the
 single-process reference: nothing distributed touches it) and broadcasts its results; every
 rank then runs the patched model and compares each turn (logits within tolerance, tokens
 identical), and digests of every rank's outputs are compared (identical on every rank).
@@ -98,6 +98,7 @@ OPTED_IN = {
 }
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses", "auto"]
 DECODES = ["auto", "replicated", "ring_pass_q"]
+KV_INTERLEAVES = [1, 1, 2, 3, 16]  # decode tokens per rank in a run (apply_context_parallel(kv_interleave=k))
 ROPES = ["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 PADDINGS = ["none", "left", "right", "holes", "all_pad_row", "packed"]
 PAD_ID = 258
@@ -229,6 +230,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         cache=cache,
         mask_given=padding != "packed" and (padding != "none" or r.random() < 0.5),
     )
+    case["kv_interleave"] = r.choice(KV_INTERLEAVES)  # drawn last: the other draws of a seed stay as they were
     return case
 
 
@@ -246,7 +248,7 @@ def describe(case: dict) -> str:
     )
     return (
         f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
-        f"decode={case['decode']} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
+        f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]"
     )
 
@@ -540,7 +542,11 @@ def run_patched(case: dict, ref_turns: list) -> dict:
     try:
         cp = build_model(case, dtype)
         hf_contextpar.apply_context_parallel(
-            cp, strategy=case["strategy"], decode=case["decode"], timeout=CASE_TIMEOUT_S
+            cp,
+            strategy=case["strategy"],
+            decode=case["decode"],
+            kv_interleave=case.get("kv_interleave", 1),
+            timeout=CASE_TIMEOUT_S,
         )
         if case["strategy"] == "ulysses" and not ulysses_fits(case):
             rec.update(outcome="fail", detail="expected UnsupportedModelError for Ulysses, got none")

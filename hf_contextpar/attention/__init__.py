@@ -36,6 +36,8 @@ PREFILL = {
     "ulysses": ulysses,
 }
 ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": local}
+# algorithms whose K/V never leave the rank: they read the cache's (k, v) in place, not a packed copy
+STAY_LOCAL = {"ring_pass_q", "decode", "ring_pass_q_decode", "local"}
 
 
 def context_parallel_attention(
@@ -50,13 +52,15 @@ def context_parallel_attention(
         )
     if kwargs.get("s_aux") is not None:
         raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
-    if step.cache is not None:
-        kv_local = step.cache.layers[module.layer_idx].packed()
+    layer = step.cache.layers[module.layer_idx] if step.cache is not None else None
+    if step.algorithm in STAY_LOCAL:
+        kv_local = (layer.keys, layer.values) if layer is not None else (key, value)
+    elif layer is not None:
+        kv_local = layer.packed()
     else:  # no cache: this forward's own K/V are the block
         kv_local = torch.stack([key, value]).permute(3, 0, 1, 2, 4).contiguous()
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     step.layer = module.layer_idx
-    step.settle_check()  # ranks must agree on their inputs before any message of this forward
     out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = query.new_zeros(query.shape)

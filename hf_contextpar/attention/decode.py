@@ -7,13 +7,13 @@ in rank order give every rank bit-identical attention outputs, hence identical l
 
 from __future__ import annotations
 
-from ..kernels import acc_dtype, attend
+from ..kernels import acc_dtype, attend, unpack_kv
 from ..merge import merge_packed, pack_partial
 
 
 def sharded_kv_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    k, v = unpack_kv(kv_local)
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
     packed = pack_partial(res, q.shape, acc_dtype(q.dtype), q.device)
     return merge_packed(step.comm.all_gather(packed))

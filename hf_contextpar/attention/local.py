@@ -3,10 +3,10 @@ which every rank runs whole), so no message is needed."""
 
 from __future__ import annotations
 
-from ..kernels import attend
+from ..kernels import attend, unpack_kv
 
 
 def local(step, q, kv_local, **attn):
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    k, v = unpack_kv(kv_local)
     res = attend(q, k, v, step.q_cols, step.q_cols, key_valid=step.key_valid(None), **attn)
     return res if res is not None else (None, None)

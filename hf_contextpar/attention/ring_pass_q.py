@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import acc_dtype, attend
+from ..kernels import acc_dtype, attend, unpack_kv
 from ..merge import merge_packed, pack_partial
 
 
@@ -37,7 +37,7 @@ def pass_q(step, q, block_shape, attend_block):
 
 def ring_pass_q(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    k, v = unpack_kv(kv_local)
     b, h, _, d = q.shape
     key_valid = step.key_valid(rank)
     return pass_q(

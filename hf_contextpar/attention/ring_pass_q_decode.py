@@ -10,13 +10,13 @@ slice start::N, so selecting them from the cache is a view, not a copy.
 
 from __future__ import annotations
 
-from ..kernels import attend
+from ..kernels import attend, unpack_kv
 from .ring_pass_q import pass_q
 
 
 def ring_pass_q_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = kv_local[:, 0].permute(1, 2, 0, 3), kv_local[:, 1].permute(1, 2, 0, 3)
+    k, v = unpack_kv(kv_local)
     cols = step.kv_cols[rank]
     _, h, t, d = q.shape
 
