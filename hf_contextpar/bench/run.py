@@ -15,6 +15,7 @@ from ..distributed import resolve_group
 from ..models import DTYPES, load
 from .measure import PeerSamples, Samples, _cores, small_collective_after_compute_s
 from .report import check_targets, format_report, plot
+from .torch_ring import PEERS, TorchRing
 
 DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
@@ -46,7 +47,7 @@ def _gather(obj, world):
 
 def _peers(requested: str | None, world: int) -> tuple[list[str], list[dict]]:
     """The peer rows to run (PyTorch's ring, one per rotate method) and the notes of those skipped."""
-    from .torch_ring import PEERS, unavailable
+    from .torch_ring import unavailable
 
     names = list(PEERS) if requested is None else [s.strip() for s in requested.split(",") if s.strip() != "none"]
     bad = [s for s in names if s not in PEERS]
@@ -179,10 +180,8 @@ def run(args) -> dict | None:
         log(f"  {s['strategy']}: skipped ({s['reason']})")
     peers = {}
     for name in peer_names:
-        from .torch_ring import PEERS, TorchRing
-
         try:
-            peer = TorchRing(model, PEERS[name], device)
+            peer = TorchRing(model, PEERS[name], device)  # imports torch's CP module: only where available
             PeerSamples().measure(peer, warm[:, : warm.shape[1] // (2 * world) * 2 * world], last=True, device=device)
             peers[name] = peer
         except (ValueError, NotImplementedError, RuntimeError) as e:
