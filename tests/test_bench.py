@@ -271,3 +271,36 @@ def test_comm_wait_accounting():
         assert r["async_ok"], r
         assert r["async_stats"] == [16, 16, 1]  # two int64 each way, one call
         assert r["async_wait"] < 0.15 and r["async_wait_call_s"] < 0.15, r
+
+
+def test_torch_ring_peer_wrong_logits_fail_loudly(tmp_path, monkeypatch, capsys):
+    """A peer row beyond tolerance is marked FAILED in the written report and the run exits non-zero
+    (here on one process, with a tolerance no logits can meet)."""
+    import importlib
+
+    import torch
+
+    from hf_contextpar.bench import main
+
+    monkeypatch.setattr(importlib.import_module("hf_contextpar.bench.run"), "PEER_TOLERANCE", {torch.float32: -1.0})
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    args = ["--model", "tiny-llama", "--lengths", "32", "--repeats", "1", "--new-tokens", "2", "--threads", "1"]
+    with pytest.raises(SystemExit, match="computed logits beyond tolerance"):
+        main(
+            [
+                *args,
+                "--strategies",
+                "ring_pass_kv",
+                "--peers",
+                "torch_ring_allgather",
+                "--no-plots",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    report = json.load(open(tmp_path / "bench.json"))
+    (row,) = [r for r in report["rows"] if r["kind"] == "peer"]
+    assert row["strategy"] == "torch_ring_allgather" and not row["logits_ok"] and row["logits_max_abs_diff"] == 0.0
+    assert "**FAILED**" in capsys.readouterr().out
+    assert not next(t for t in report["targets"] if "logits within" in t["target"])["met"]
