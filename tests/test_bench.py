@@ -100,7 +100,7 @@ def test_bench_end_to_end(tmp_path):
     ran = [s for s in STRATEGIES if s != "auto" and s not in skipped]
     assert "ring_pass_kv" in ran
     rows = report["rows"]
-    for r in rows:
+    for r in (r for r in rows if r["kind"] != "peer"):
         missing = [k for k in ROW_FIELDS if k not in r]
         assert not missing, (r["strategy"], missing)
     cp = [r for r in rows if r["kind"] == "cp"]
@@ -124,6 +124,7 @@ def test_bench_end_to_end(tmp_path):
     assert open(tmp_path / "ttft.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert "| ring_pass_kv | 2 |" in stdout and "## Targets" in stdout
     assert any("exposed communication ring_pass_kv N=2" in t["target"] for t in report["targets"])
+    _check_peer_rows(report, stdout, 2)
 
     # an N=1 run into the same directory adds its rows and keeps the N=2 ones
     _, merged = _bench(tmp_path, 1)
@@ -133,6 +134,72 @@ def test_bench_end_to_end(tmp_path):
     one = [r for r in merged["rows"] if r["run_N"] == 1 and r["kind"] == "cp"]
     assert one and all(r["bytes_sent_per_rank"] == [0] and r["tokens_match_unpatched"] for r in one)
     assert any(t["target"].startswith("N=1 patched") for t in merged["targets"])
+    _check_peer_rows(merged, "", 1)
+
+
+def _check_peer_rows(report, stdout, n):
+    """PyTorch's ring as peer rows: both rotate methods at every length, logits checked, ours/peer ratio."""
+    from hf_contextpar.bench.torch_ring import PEERS
+
+    peers = [r for r in report["rows"] if r["kind"] == "peer" and r["run_N"] == n]
+    assert sorted((r["strategy"], r["length"]) for r in peers) == sorted((p, t) for p in PEERS for t in (64, 128))
+    for r in peers:
+        assert r["N"] == n and len(r["bytes_sent_per_rank"]) == n and r["ttit_s"] is None
+        assert r["logits_ok"] and 0 <= r["logits_max_abs_diff"] <= r["logits_tolerance"] == 1e-4
+        assert r["tokens_match_unpatched"] and len(r["tokens"]) == 1
+        assert r["rival"] == "ring_pass_kv" and r["ttft_ratio_ours_over_peer"] > 0
+        # the ring's K/V payload: unrepeated KV heads, (N-1) blocks of T/N tokens per layer
+        kv_block = LAYERS * (r["length"] // n) * 2 * KV_HEADS * HEAD_DIM * 4
+        assert r["bytes_sent_per_rank"] == [(n - 1) * kv_block] * n
+        target = next(t for t in report["targets"] if t["target"].startswith(f"peer {r['strategy']} N={n}: logits"))
+        assert target["met"]
+    if n > 1:
+        assert "## Peer: PyTorch's ring attention" in stdout and "| torch_ring_alltoall | 2 | 128 |" in stdout
+        assert any(
+            t["target"].startswith("ring_pass_kv no slower than torch_ring_allgather") for t in report["targets"]
+        )
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_ring_peer_exact(n):
+    """The peer computes what the unpatched model computes (N=3: the load balancer takes any N with 2N | T),
+    so its row cannot time a wrong computation; it sends unrepeated KV heads and restores the model."""
+    results = launch(n, [os.path.join(os.path.dirname(__file__), "torch_ring_worker.py")], timeout=300)
+    for rank, (rc, _, err) in enumerate(results):
+        assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
+    for _, out, _ in results:
+        records = json.loads(out.strip().splitlines()[-1])
+        *cases, refused = records
+        assert len(cases) == 4 and "multiple of 2N" in refused["error"]
+        for c in cases:
+            assert c["shape"] == [1, c["T"], VOCAB] and c["max_abs_diff"] < 1e-4, c
+            assert c["token"] == c["ref_token"] and c["attn"] == "sdpa", c
+            assert c["bytes_sent"] == (n - 1) * LAYERS * (c["T"] // n) * 2 * KV_HEADS * HEAD_DIM * 4, c
+
+
+@pytest.mark.parametrize("broken", ["symbol", "module"])
+def test_torch_ring_peer_skipped_with_note(broken, tmp_path, monkeypatch, capsys):
+    """A torch without PyTorch's ring (a symbol gone, or the module) skips the peer rows with the reason."""
+    from hf_contextpar.bench import main, torch_ring
+
+    if broken == "symbol":
+        mod = torch_ring._torch_cp()
+        monkeypatch.delattr(mod, "_templated_ring_attention")
+        reason = "lacks _templated_ring_attention"
+    else:
+        monkeypatch.setitem(sys.modules, torch_ring._MODULE, None)  # import raises ImportError
+        reason = "unavailable"
+    assert reason in torch_ring.unavailable()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    args = ["--model", "tiny-llama", "--lengths", "32", "--repeats", "1", "--new-tokens", "2"]
+    main([*args, "--strategies", "ring_pass_kv", "--threads", "1", "--no-plots", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
+    report = json.load(open(tmp_path / "bench.json"))
+    notes = {s["strategy"]: s["reason"] for s in report["runs"]["1"]["skipped"]}
+    assert set(notes) == set(torch_ring.PEERS) and all(reason in r for r in notes.values())
+    assert "skipped torch_ring_allgather: PyTorch ring attention unavailable" in stdout
+    assert not [r for r in report["rows"] if r["kind"] == "peer"]
 
 
 # -- cost model: hand-computed cases ---------------------------------------------------------------
@@ -204,3 +271,36 @@ def test_comm_wait_accounting():
         assert r["async_ok"], r
         assert r["async_stats"] == [16, 16, 1]  # two int64 each way, one call
         assert r["async_wait"] < 0.15 and r["async_wait_call_s"] < 0.15, r
+
+
+def test_torch_ring_peer_wrong_logits_fail_loudly(tmp_path, monkeypatch, capsys):
+    """A peer row beyond tolerance is marked FAILED in the written report and the run exits non-zero
+    (here on one process, with a tolerance no logits can meet)."""
+    import importlib
+
+    import torch
+
+    from hf_contextpar.bench import main
+
+    monkeypatch.setattr(importlib.import_module("hf_contextpar.bench.run"), "PEER_TOLERANCE", {torch.float32: -1.0})
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    args = ["--model", "tiny-llama", "--lengths", "32", "--repeats", "1", "--new-tokens", "2", "--threads", "1"]
+    with pytest.raises(SystemExit, match="computed logits beyond tolerance"):
+        main(
+            [
+                *args,
+                "--strategies",
+                "ring_pass_kv",
+                "--peers",
+                "torch_ring_allgather",
+                "--no-plots",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    report = json.load(open(tmp_path / "bench.json"))
+    (row,) = [r for r in report["rows"] if r["kind"] == "peer"]
+    assert row["strategy"] == "torch_ring_allgather" and not row["logits_ok"] and row["logits_max_abs_diff"] == 0.0
+    assert "**FAILED**" in capsys.readouterr().out
+    assert not next(t for t in report["targets"] if "logits within" in t["target"])["met"]

@@ -10,8 +10,11 @@ KV-cache bytes, peak RSS, bytes sent/received and the time blocked in communicat
 unpatched model with the same threads per process and with all cores (the others wait), and the
 greedy tokens of every strategy are checked against it. A small all-gather is timed to give the
 decode floor (one per layer), and C, BW and the collective latency feed the roofline cost model
-(`costmodel`), printed next to the measurement. Rows for other world sizes already in
-DIR/bench.json are kept, so an N=1 and an N=2 run fill one table and one set of plots.
+(`costmodel`), printed next to the measurement. PyTorch's own ring attention
+(`torch.distributed.tensor.experimental`, allgather and alltoall rotation) runs as peer rows in the
+same rounds: prefill only, its logits checked against the unpatched model, ring_pass_kv / peer TTFT.
+Rows for other world sizes already in DIR/bench.json are kept, so an N=1 and an N=2 run fill one
+table and one set of plots.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ def main(argv=None):
         "--kvr-partitions",
         help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
         f"adds a row '{KVR_TABLE}' next to kv_runahead's even partitions",
+    )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="peer rows: PyTorch's ring attention, prefill only, logits checked against the unpatched model "
+        "(default: torch_ring_allgather,torch_ring_alltoall where this torch has them; 'none' to skip)",
     )
     p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
     p.add_argument("--no-plots", action="store_true")

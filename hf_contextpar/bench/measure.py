@@ -148,6 +148,58 @@ class Samples:
         )
 
 
+class PeerSamples:
+    """Repeated prefills of a peer (PyTorch's ring: no KV cache, no decode): TTFT, its CPU time and traffic."""
+
+    def __init__(self):
+        self.prefills, self.final = [], {}
+
+    @torch.no_grad()
+    def measure(self, peer, ids, *, last: bool, barrier=None, device):
+        rss0 = _rss()[0]
+        if last:
+            _reset_peak(device)
+        if barrier:
+            barrier()
+        peer.stats.reset()
+        c0, t0 = time.process_time(), time.perf_counter()
+        token = peer.first_token(ids)
+        sync(device)
+        self.prefills.append(
+            dict(
+                ttft_s=time.perf_counter() - t0,
+                ttft_cpu_s=time.process_time() - c0,
+                comm_wait_s=peer.stats.wait_s,
+                comm_wait_by_op_s=dict(peer.stats.waits),
+                bytes_sent=peer.stats.bytes_sent,
+                bytes_received=peer.stats.bytes_received,
+            )
+        )
+        if last:
+            peak = _peak(device)
+            self.final = dict(
+                tokens=[int(token[0, 0])],
+                kv_bytes=0,
+                peak_bytes=peak,
+                peak_delta_bytes=max(0, peak - rss0) if device.type == "cpu" else peak,
+            )
+
+    def summary(self) -> dict:
+        med = {k: _median([p[k] for p in self.prefills]) for k in ("ttft_s", "ttft_cpu_s", "comm_wait_s")}
+        ops = {op for p in self.prefills for op in p["comm_wait_by_op_s"]}
+        return dict(
+            **self.final,
+            **med,
+            ttit_s=None,
+            ttit_all_s=[],
+            decode_comm_wait_s=None,
+            ttft_all_s=[p["ttft_s"] for p in self.prefills],
+            comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
+            bytes_sent=self.prefills[-1]["bytes_sent"],
+            bytes_received=self.prefills[-1]["bytes_received"],
+        )
+
+
 def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:
     """The same all-gather when each one follows ~1 ms of compute, as in decode: the peers' gloo
     threads have gone to sleep and must be woken, which back-to-back calls never pay."""

@@ -16,6 +16,7 @@ def check_targets(report) -> list[dict]:
         T = max(r["length"] for r in rows)
         at = {r["strategy"]: r for r in rows if r["length"] == T}
         cps = [r for r in rows if r["kind"] == "cp" and r["length"] == T]
+        out += _peer_targets(rows, N)
         if N == 1:
             for r in cps:
                 dt, di = r.get("speedup_vs_unpatched"), r.get("ttit_ratio_vs_unpatched")
@@ -85,6 +86,34 @@ def check_targets(report) -> list[dict]:
     return out
 
 
+def _peer_targets(rows, N) -> list[dict]:
+    """Per peer: logits within tolerance at every length; on N > 1, ring_pass_kv no slower at any length."""
+    out = []
+    for name in sorted({r["strategy"] for r in rows if r["kind"] == "peer" and r["run_N"] == N}):
+        rs = sorted((r for r in rows if r["strategy"] == name and r["run_N"] == N), key=lambda r: r["length"])
+        out.append(
+            dict(
+                target=f"peer {name} N={N}: logits within {rs[0]['logits_tolerance']:g} of the unpatched model",
+                met=all(r["logits_ok"] for r in rs),
+                figure=", ".join(f"T={r['length']} {r['logits_max_abs_diff']:.1e}" for r in rs),
+            )
+        )
+        ratios = [r for r in rs if r.get("ttft_ratio_ours_over_peer") is not None]
+        if N > 1 and ratios:
+            out.append(
+                dict(
+                    target=f"{ratios[0]['rival']} no slower than {name} at every length (N={N})",
+                    met=all(r["ttft_ratio_ours_over_peer"] <= 1.0 for r in ratios),
+                    figure="ours/peer TTFT "
+                    + ", ".join(
+                        f"T={r['length']} {r['ttft_ratio_ours_over_peer']:.2f} (CPU {r['cpu_ratio_ours_over_peer']:.2f})"
+                        for r in ratios
+                    ),
+                )
+            )
+    return out
+
+
 def _ops(per_rank: list[dict]) -> str:
     """'ring_shift 1.2, all_gather 0.4': each operation's wait, the largest over ranks, in ms."""
     ops = sorted({op for d in per_rank for op in d})
@@ -121,7 +150,9 @@ def format_report(report) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in report["rows"]:
-        name = r["strategy"] if r["kind"] == "cp" else f"*{r['strategy']}* (run N={r['run_N']})"
+        name = {"cp": r["strategy"], "peer": f"peer: {r['strategy']}"}.get(
+            r["kind"], f"*{r['strategy']}* (run N={r['run_N']})"
+        )
         pred = r.get("predicted_ttft_s")
         lines.append(
             f"| {name} | {r['N']} | {r['threads_per_rank']} | {r['length']} | {r['ttft_s'] * 1e3:.1f} | "
@@ -130,7 +161,7 @@ def format_report(report) -> str:
             f"{f(r.get('cpu_speedup_vs_unpatched'), '.2f')} | "
             f"{f(r.get('speedup_vs_unpatched_all_cores'), '.2f')} | {r['comm_wait_frac'] * 100:.1f}% | "
             f"{_ops(r['comm_wait_by_op_s_per_rank'])} | "
-            f"{r['ttit_s'] * 1e3:.2f} | {f(r.get('ttit_ratio_vs_unpatched'), '.2f')} | "
+            f"{f(r['ttit_s'] and r['ttit_s'] * 1e3, '.2f')} | {f(r.get('ttit_ratio_vs_unpatched'), '.2f')} | "
             f"{_mib(max(r['kv_bytes_per_rank'])):.2f} | {_mib(max(r['peak_delta_bytes_per_rank'])):.0f} | "
             f"{_mib(max(r['bytes_sent_per_rank'])):.2f} | {_mib(max(r['bytes_received_per_rank'])):.2f} | "
             f"{f(r.get('tokens_match_unpatched'), '')} |"
@@ -144,12 +175,52 @@ def format_report(report) -> str:
         "blocked in communication during prefill, share of TTFT. peak: RSS growth over the config (CPU) or "
         "CUDA peak. tokens =: greedy tokens identical to the unpatched run.",
         "",
+    ]
+    lines += _peer_table(report["rows"])
+    lines += [
         "## Targets",
         "",
     ]
     for t in report.get("targets", []):
         lines.append(f"- {'met' if t['met'] else 'MISSED'}: {t['target']}: {t['figure']}")
     return "\n".join(lines) + "\n"
+
+
+def _peer_table(rows) -> list[str]:
+    peers = [r for r in rows if r["kind"] == "peer"]
+    if not peers:
+        return []
+    lines = [
+        "## Peer: PyTorch's ring attention (prefill only)",
+        "",
+        "| peer | N | T | peer TTFT ms | ours | ours TTFT ms | ours/peer TTFT | ours/peer CPU | peer comm wait | "
+        "peer sent MiB/rank | peer peak MiB/rank | max abs logit diff | logits |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in peers:
+        has = r.get("ttft_ratio_ours_over_peer") is not None
+        lines.append(
+            f"| {r['strategy']} | {r['N']} | {r['length']} | {r['ttft_s'] * 1e3:.1f} | {r.get('rival', '-')} | "
+            + (
+                f"{r['rival_ttft_s'] * 1e3:.1f} | {r['ttft_ratio_ours_over_peer']:.2f} | "
+                f"{r['cpu_ratio_ours_over_peer']:.2f} | "
+                if has
+                else "- | - | - | "
+            )
+            + f"{r['comm_wait_frac'] * 100:.1f}% | {_mib(max(r['bytes_sent_per_rank'])):.2f} | "
+            f"{_mib(max(r['peak_delta_bytes_per_rank'])):.0f} | {r['logits_max_abs_diff']:.1e} | "
+            f"{'ok' if r['logits_ok'] else '**FAILED**'} |"
+        )
+    lines += [
+        "",
+        "PyTorch's `_templated_ring_attention` (torch.distributed.tensor.experimental) on PyTorch's head-tail "
+        "load balancer, run the way its `context_parallel` runs it (KV heads unrepeated, as transformers' SDPA path "
+        "passes enable_gqa), prefill only: TTFT is its forward plus the argmax of the last position on the rank "
+        "holding it, broadcast. ours/peer: ring_pass_kv's TTFT (CPU time) over the peer's, same run and rounds "
+        "(< 1: ours faster). logits: every position against the unpatched model (context_parallel_unshard).",
+        "",
+    ]
+    return lines
 
 
 def plot(report, out_dir) -> list[str]:
@@ -185,7 +256,7 @@ def plot(report, out_dir) -> list[str]:
             "kv_memory.png",
             "KV cache per rank (MiB, largest rank)",
             lambda r: _mib(max(r["kv_bytes_per_rank"])),
-            lambda r: r["strategy"] != "unpatched_all_cores",
+            lambda r: r["strategy"] != "unpatched_all_cores" and r["kind"] != "peer",  # peers keep no cache
             True,
         ),
     ):

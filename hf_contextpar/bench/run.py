@@ -13,12 +13,16 @@ from .. import costmodel
 from ..calibrate import measure, small_collective_s
 from ..distributed import resolve_group
 from ..models import DTYPES, load
-from .measure import Samples, _cores, small_collective_after_compute_s
+from .measure import PeerSamples, Samples, _cores, small_collective_after_compute_s
 from .report import check_targets, format_report, plot
+from .torch_ring import PEERS, TorchRing
 
 DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
 KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
+PEER_RIVAL = "ring_pass_kv"  # the strategy each peer row is compared with (ours/peer)
+PEER_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}  # PyTorch's ring merges in fp32 (convert_to_f32)
+PEER_TOLERANCE_HALF = 1e-2
 
 
 def _strategies(requested: str | None) -> list[str]:
@@ -41,9 +45,24 @@ def _gather(obj, world):
     return out
 
 
+def _peers(requested: str | None, world: int) -> tuple[list[str], list[dict]]:
+    """The peer rows to run (PyTorch's ring, one per rotate method) and the notes of those skipped."""
+    from .torch_ring import unavailable
+
+    names = list(PEERS) if requested is None else [s.strip() for s in requested.split(",") if s.strip() != "none"]
+    bad = [s for s in names if s not in PEERS]
+    if bad:
+        raise SystemExit(f"unknown peers {bad}; known: {list(PEERS)} (or none)")
+    reason = unavailable() if names else None
+    if reason:
+        return [], [dict(strategy=s, N=world, reason=reason) for s in names]
+    return names, []
+
+
 def _row(kind, strategy, world, length, threads, per_rank: list[dict]):
     """One table row: scalar timings from rank 0 (identical work on every rank), per-rank lists for the rest."""
     r0 = per_rank[0]
+    ttit = [p["ttit_s"] for p in per_rank]  # None for a peer (prefill only)
     row = dict(
         kind=kind,
         strategy=strategy,
@@ -52,7 +71,7 @@ def _row(kind, strategy, world, length, threads, per_rank: list[dict]):
         threads_per_rank=threads,
         ttft_s=max(p["ttft_s"] for p in per_rank),
         ttft_all_s=r0["ttft_all_s"],
-        ttit_s=max(p["ttit_s"] for p in per_rank),
+        ttit_s=None if None in ttit else max(ttit),
         ttit_all_s=r0["ttit_all_s"],
     )
     for key in (
@@ -154,10 +173,35 @@ def run(args) -> dict | None:
             if barrier:
                 barrier()
 
+    # PyTorch's ring attention as peer rows (prefill only), warmed up like the strategies.
+    peer_names, peer_skips = _peers(args.peers, world)
+    for s in peer_skips:
+        skipped.append(s)
+        log(f"  {s['strategy']}: skipped ({s['reason']})")
+    peers = {}
+    for name in peer_names:
+        try:
+            peer = TorchRing(model, PEERS[name], device)  # imports torch's CP module: only where available
+            PeerSamples().measure(peer, warm[:, : warm.shape[1] // (2 * world) * 2 * world], last=True, device=device)
+            peers[name] = peer
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            skipped.append(dict(strategy=name, N=world, reason=f"{type(e).__name__}: {e}"))
+            log(f"  {name}: skipped ({type(e).__name__}: {e})")
+            if barrier:
+                barrier()
+    peer_diffs = {}  # (peer, length) -> max |logit diff| against the unpatched model
+
     # Side by side: every configuration once per round, so slow drifts in machine load hit all of them alike.
     for length in lengths:
         x = ids[:, :length]
         samples = {c: Samples() for c in [b[0] for b in baselines] + active}
+        length_peers = [p for p in peers if length % (2 * world) == 0]
+        for name in set(peers) - set(length_peers):
+            skipped.append(
+                dict(strategy=name, N=world, reason=f"T={length}: PyTorch's load balancer needs a multiple of 2N")
+            )
+        peer_diffs.update(_check_peers({p: peers[p] for p in length_peers}, model, x, rank, barrier, log))
+        samples.update({p: PeerSamples() for p in length_peers})
         for rep in range(args.repeats):
             last = rep == args.repeats - 1
             for kind, n_threads in baselines:
@@ -172,20 +216,32 @@ def run(args) -> dict | None:
                         model, x, last=last, new_tokens=args.new_tokens, stats=st, barrier=barrier, device=device
                     ),
                 )
+            for name in length_peers:
+                samples[name].measure(peers[name], x, last=last, barrier=barrier, device=device)
         for kind, n_threads in baselines:
             if rank == 0:
                 rows.append(_row("baseline", kind, 1, length, n_threads, [samples[kind].summary()]))
         for strategy in active:
             rows.append(_row("cp", strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
+        for name in length_peers:
+            row = _row("peer", name, world, length, threads, _gather(samples[name].summary(), world))
+            row["logits_max_abs_diff"] = peer_diffs[name, length]
+            row["logits_tolerance"] = _peer_tolerance(dtype)
+            row["logits_ok"] = peer_diffs[name, length] <= row["logits_tolerance"]
+            rows.append(row)
         for r in rows:
             if r["length"] == length:
+                ttit = "-" if r["ttit_s"] is None else f"{r['ttit_s'] * 1e3:7.2f}"
                 log(
                     f"  {r['strategy']:22s} N={r['N']} threads {r['threads_per_rank']}  T={length:6d}  "
-                    f"TTFT {r['ttft_s'] * 1e3:9.1f} ms  TTIT {r['ttit_s'] * 1e3:7.2f} ms  comm wait "
+                    f"TTFT {r['ttft_s'] * 1e3:9.1f} ms  TTIT {ttit:>7s} ms  comm wait "
                     f"{r['comm_wait_frac'] * 100:5.1f}%"
                 )
 
+    failed = sorted({p for (p, _), d in peer_diffs.items() if not d <= _peer_tolerance(dtype)})
     if rank != 0:
+        if failed:
+            raise SystemExit(f"PyTorch ring peer rows {failed} computed wrong logits (see rank 0)")
         return None
     run_info = dict(
         N=world,
@@ -221,7 +277,37 @@ def run(args) -> dict | None:
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(report, f, indent=1)
     print(md, flush=True)
+    if failed:
+        raise SystemExit(
+            f"PyTorch ring peer rows {failed} computed logits beyond tolerance {_peer_tolerance(dtype):g} of the "
+            "unpatched model: their timings measure a wrong computation (report written, marked FAILED)"
+        )
     return report
+
+
+def _peer_tolerance(dtype) -> float:
+    return PEER_TOLERANCE.get(dtype, PEER_TOLERANCE_HALF)
+
+
+@torch.no_grad()
+def _check_peers(peers: dict, model, x, rank, barrier, log) -> dict:
+    """Every peer's logits (all positions, `context_parallel_unshard`) against the unpatched model on
+    rank 0; {(peer, length): max |diff|}, the same on every rank. Not timed."""
+    if not peers:
+        return {}
+    ref = model(input_ids=x, use_cache=False).logits if rank == 0 else None
+    if barrier:
+        barrier()
+    out = {}
+    for name, peer in peers.items():
+        got = peer.logits(x)
+        diff = torch.tensor([(got - ref).abs().max().item() if rank == 0 else 0.0], dtype=torch.float64)
+        if barrier:
+            dist.broadcast(diff, src=0)
+        out[name, x.shape[1]] = diff.item()
+        log(f"  {name:22s} T={x.shape[1]:6d}  max |logit diff| vs unpatched {diff.item():.2e}")
+        del got
+    return out
 
 
 def _windowed(config) -> bool:
@@ -235,6 +321,7 @@ def _windowed(config) -> bool:
 def _annotate(rows, run_info, shape, machine):
     """Predictions, speed-ups against this run's baselines, token agreement, KV bound."""
     base = {(r["strategy"], r["length"]): r for r in rows if r["kind"] == "baseline"}
+    ours = {r["length"]: r for r in rows if r["kind"] == "cp" and r["strategy"] == PEER_RIVAL}
     token_bytes = 2 * shape.kv_heads * shape.head_dim * shape.elem_bytes * shape.layers  # one token, every layer
     for r in rows:
         r["run_N"] = run_info["N"]
@@ -250,6 +337,9 @@ def _annotate(rows, run_info, shape, machine):
             r["speedup_vs_unpatched"] = one["ttft_s"] / r["ttft_s"]
             # CPU time is what contention from other processes does not inflate: the efficiency of the work itself
             r["cpu_speedup_vs_unpatched"] = one["ttft_cpu_s_per_rank"][0] / max(r["ttft_cpu_s_per_rank"])
+        if r["kind"] == "peer":
+            _annotate_peer(r, one, ours.get(r["length"]))
+        elif one is not None:
             r["ttit_ratio_vs_unpatched"] = r["ttit_s"] / one["ttit_s"]
             r["decode_overhead_s"] = r["ttit_s"] - one["ttit_s"]
             r["tokens_match_unpatched"] = r["tokens"] == one["tokens"]
@@ -258,6 +348,18 @@ def _annotate(rows, run_info, shape, machine):
             r["peak_vs_unpatched"] = max(r["peak_delta_bytes_per_rank"]) / max(1, one["peak_delta_bytes_per_rank"][0])
         if allc is not None:
             r["speedup_vs_unpatched_all_cores"] = allc["ttft_s"] / r["ttft_s"]
+
+
+def _annotate_peer(r, one, ours):
+    """A peer row: its first token against the unpatched one, and ours/peer (TTFT and CPU time) at its length."""
+    if one is not None:
+        r["tokens_match_unpatched"] = r["tokens"] == one["tokens"][:1]
+        r["peak_vs_unpatched"] = max(r["peak_delta_bytes_per_rank"]) / max(1, one["peak_delta_bytes_per_rank"][0])
+    if ours is not None:
+        r["rival"] = PEER_RIVAL
+        r["rival_ttft_s"] = ours["ttft_s"]
+        r["ttft_ratio_ours_over_peer"] = ours["ttft_s"] / r["ttft_s"]
+        r["cpu_ratio_ours_over_peer"] = max(ours["ttft_cpu_s_per_rank"]) / max(r["ttft_cpu_s_per_rank"])
 
 
 def _merge(path, run_info, rows):
