@@ -286,8 +286,8 @@ def merge_outcomes(case: Case, outcomes: list[dict], tol: float) -> dict:
     rec["refused"] = all(o.get("refused") for o in outcomes)
     bad = [(r, o) for r, o in enumerate(outcomes) if o["status"] != "pass"]
     if bad:
-        r, o = bad[0]
-        rec.update(status=o["status"], detail=f"rank {r}: {o['detail']}")
+        status = "error" if any(o["status"] == "error" for _, o in bad) else "fail"
+        rec.update(status=status, detail="; ".join(f"rank {r}: {o['detail'][:400]}" for r, o in bad))
     elif len({o["digest"] for o in outcomes}) > 1:
         rec.update(status="fail", detail="ranks returned different results")
     else:
