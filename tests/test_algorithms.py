@@ -6,11 +6,11 @@ plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.simulated`
 rank), and every rank's (out, LSE) must equal plain whole-sequence attention and its traffic the
 analytical bytes. This file runs it as a CPU matrix.
 
-A test id reads `<case>-N<ranks>-T<length>-<heads>-<mask>-<dtype>[-cuda]`. T is the number of new
+A test id reads `<case>-N<ranks>-T<length>-<heads>-<mask>-<dtype>`. T is the number of new
 tokens of a prefill, or the prompt length before the decode steps of a decode case. Seeded random
 sequences of forwards cover the combinations the matrix does not list. Issue 13's single-GPU
-check is the same matrix on CUDA in bf16/fp16/fp32, run when a GPU is present (and by
-tests/test_cuda.py through the selftest). The last tests break an algorithm or its messages on
+check runs the same specification on CUDA in bf16/fp16/fp32 (`selftest --simulated`, run by
+tests/test_cuda.py where a GPU is present). The last tests break an algorithm or its messages on
 purpose and check that this file notices.
 """
 

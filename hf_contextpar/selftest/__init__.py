@@ -186,11 +186,14 @@ def _run_distributed(args, dtypes, cuda) -> int:
         if in_step and not args.no_bench:
             length = args.bench_length or (16384 if cuda else 2048)
             dtype = torch.bfloat16 if cuda else torch.float32
-            bench = run_benchmark(
-                args.model, dtype, device, rank, world, length=length, new_tokens=8, repeats=args.bench_repeats
-            )
-            if rank == 0:
-                log(_bench_line(bench, world))
+            try:
+                bench = run_benchmark(
+                    args.model, dtype, device, rank, world, length=length, new_tokens=8, repeats=args.bench_repeats
+                )
+                log(_bench_line(bench, world) if rank == 0 else "")
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - informative only: not part of the verdict
+                bench = dict(error=f"{type(e).__name__}: {e}")
+                print(f"rank {rank}: benchmark failed: {bench['error']}", file=sys.stderr)
         line, failed = _verdict(
             "", records, f"cases, {where}, {args.model}, {','.join(dtypes)}", time.perf_counter() - t0
         )
@@ -215,7 +218,7 @@ def _run_distributed(args, dtypes, cuda) -> int:
                     inject_fault=args.inject_fault,
                 ),
             )
-        status = 0 if not failed else 1
+        status = 0 if not failed else 2 if all(r["status"] == "not_run" for r in records) else 1
     except SystemExit as e:
         print(f"rank {rank}: {e}", file=sys.stderr)
         status = 2

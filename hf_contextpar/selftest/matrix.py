@@ -117,7 +117,7 @@ def run_workload(model, kind: str, inputs: dict) -> dict:
         follow = inputs["follow_up"]
         ids2 = torch.cat([out.sequences, follow], 1)
         mask2 = torch.cat(
-            [mask, torch.ones(ids2.shape[0], ids2.shape[1] - mask.shape[1], dtype=mask.dtype).to(mask)], 1
+            [mask, torch.ones(ids2.shape[0], ids2.shape[1] - mask.shape[1], dtype=mask.dtype, device=mask.device)], 1
         )
         out2, steps2 = generate(ids2, mask2, past_key_values=out.past_key_values)
         res["tokens"].append(out2.sequences)
@@ -310,7 +310,14 @@ def run_matrix(model_name, dtypes, rank, world, device, timeout, inject, log) ->
             records += [_not_run(c, "ranks out of step after an earlier case") for c in mine]
             continue
         dtype = DTYPES[dname]
-        model, _ = load(model_name, dtype, device)
+        try:
+            model, loaded = load(model_name, dtype, device)[0], ""
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the ranks agree on it next
+            model, loaded = None, f"{type(e).__name__}: {e}"
+        failures = [f for f in _gather(loaded, world) if f]
+        if failures:  # every rank skips the dtype, so none waits for a peer that has no model
+            records += [_not_run(c, f"loading {model_name} in {dname} failed: {failures[0]}") for c in mine]
+            continue
         vocab = model.config.get_text_config(decoder=True).vocab_size
         payload = None
         if rank == 0:
