@@ -43,19 +43,19 @@ def test_selftest_under_torchrun_on_cpu(tmp_path):
     )
     assert verdicts == [("PASS", "36", "36")], why  # one verdict line, on rank 0 only
     r = json.loads(report.read_text())
-    assert r["passed"] and r["failed"] == [] and r["world"] == 2 and r["backend"] == "gloo"
+    assert r["passed"] and r["failed"] == [] and r["world"] == 2 and r["backend"] == "gloo", why
     names = {c["name"] for c in r["cases"]}
     for dtype in ("float32", "bfloat16", "float16"):
         assert {f"{dtype}/greedy/{s}" for s in STRATEGIES} <= names
         assert {f"{dtype}/padded/{d}" for d in DECODES} <= names
         assert f"{dtype}/second_turn/auto" in names
     for c in r["cases"]:
-        assert c["status"] == "pass" and c["max_diff"] <= c["tolerance"], c
+        assert c["status"] == "pass" and c["max_diff"] <= c["tolerance"], (c, why)
         if c["dtype"] == "float32":  # the strict column: fp32 logits within 1e-4, tokens identical throughout
-            assert c["tolerance"] == 1e-4 and "near-tie" not in c["detail"], c
+            assert c["tolerance"] == 1e-4 and "near-tie" not in c["detail"], (c, why)
     bench = r["benchmark"]
-    assert bench["length"] == 512 and bench["cp"]["ttft_s"] > 0 and bench["one_process"]["ttit_s"] > 0
-    assert sum(bench["algorithms"].values()) > 0  # the patched model ran
+    assert bench["length"] == 512 and bench["cp"]["ttft_s"] > 0 and bench["one_process"]["ttit_s"] > 0, (bench, why)
+    assert sum(bench["algorithms"].values()) > 0, (bench, why)  # the patched model ran
 
 
 def test_a_broken_case_turns_the_verdict_to_fail(tmp_path):

@@ -190,7 +190,8 @@ def _run_distributed(args, dtypes, cuda) -> int:
                 bench = run_benchmark(
                     args.model, dtype, device, rank, world, length=length, new_tokens=8, repeats=args.bench_repeats
                 )
-                log(_bench_line(bench, world) if rank == 0 else "")
+                if rank == 0:
+                    log(_bench_line(bench, world))
             except (Exception, SystemExit) as e:  # noqa: BLE001 - informative only: not part of the verdict
                 bench = dict(error=f"{type(e).__name__}: {e}")
                 print(f"rank {rank}: benchmark failed: {bench['error']}", file=sys.stderr)
