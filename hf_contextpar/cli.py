@@ -299,5 +299,11 @@ def main(argv=None):
 
     add_arguments(r)
     r.set_defaults(func=predict)
+    t = sub.add_parser("selftest", help="exactness matrix + short benchmark on this machine (or --simulated)")
+    from .selftest import add_arguments as selftest_arguments
+    from .selftest import run as selftest
+
+    selftest_arguments(t)
+    t.set_defaults(func=selftest)
     args = p.parse_args(argv)
     args.func(args)

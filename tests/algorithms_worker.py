@@ -1,4 +1,4 @@
-"""One rank of the simulator's fidelity check: the plans of tests/test_algorithms.py run with the real
+"""One rank of the simulator's fidelity check: the specification's plans (hf_contextpar.selftest.spec) run with the real
 `Comm` over gloo and on simulated ranks in this process; (out, LSE) must be bit-identical and the
 byte and call counts equal. Writes OUT/rank{r}.json."""
 
@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import write_records  # noqa: E402
-from test_algorithms import CASES, SCALE, _same, layers_for, lengths, prepare  # noqa: E402
 
 from hf_contextpar.attention import ALGORITHMS  # noqa: E402
 from hf_contextpar.comm import Comm  # noqa: E402
+from hf_contextpar.selftest.spec import CASES, SCALE, layers_for, lengths, prepare, same  # noqa: E402
 from hf_contextpar.simulated import run_algorithm, shard_inputs  # noqa: E402
 from hf_contextpar.step import Step  # noqa: E402
 
@@ -49,7 +49,7 @@ def main():
                 for layer in range(layers_for(plan)):
                     step.layer = layer
                     real.append(ALGORITHMS[plan.algorithm](step, qs[rank], kvs[rank], **attn))
-                identical = all(_same(a[0], b[0]) and _same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
+                identical = all(same(a[0], b[0]) and same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
                 records.append(
                     dict(
                         case=case.name,
