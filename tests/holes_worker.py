@@ -7,14 +7,11 @@ Writes OUT/rank{r}.json: one record per case with ok=True/False and details."""
 
 from __future__ import annotations
 
-import sys
-import traceback
-
 import torch
 import torch.distributed as dist
 from cp_worker import gathered_equal, impl_for, left_padded, prompt
 from hf_contextpar.eval import logits_diff
-from launch import tolerance, write_records
+from launch import run_cases, tolerance
 from transformers import DynamicCache
 
 import hf_contextpar
@@ -290,21 +287,5 @@ def cases(n):
     yield "calibration_from_rank0", differing_calibration
 
 
-def main():
-    out_dir = sys.argv[1]
-    torch.set_num_threads(1)
-    hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
-    n = dist.get_world_size()
-    records = []
-    for name, check in cases(n):
-        try:
-            records.append(dict(case=name, **check()))
-        except Exception as e:  # recorded; the other ranks raise the same way (same plan, same inputs)
-            records.append(
-                dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
-            )
-    write_records(out_dir, records)
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(cases)

@@ -80,6 +80,33 @@ def write_records(out_dir, records: list[dict]):
         dist.destroy_process_group()
 
 
+def run_cases(cases):
+    """A case-matrix worker's main: every (name, check) of cases(N) in order on every rank, then write_records.
+
+    A check that raises is recorded, not fatal: the other ranks raise the same way (same plan, same inputs).
+    """
+    import sys
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    import hf_contextpar
+    from hf_contextpar.models import tiny_model
+
+    torch.set_num_threads(1)
+    hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
+    records = []
+    for name, check in cases(dist.get_world_size()):
+        try:
+            records.append(dict(case=name, **check()))
+        except Exception as e:
+            records.append(
+                dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+            )
+    write_records(sys.argv[1], records)
+
+
 def run_matrix(n: int, worker: str, out_dir) -> list[list[dict]]:
     """Launch `worker OUT` on n ranks and return every rank's OUT/rank{r}.json records."""
     import json
