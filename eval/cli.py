@@ -162,6 +162,13 @@ def _greedy(model, ids, max_new_tokens, tok):
     return new, torch.stack(steps[: new.numel()])
 
 
+def _needle_spec(text: str | None):
+    """--needles: None (one seeded needle per run, NeedleBench's way), "all", or a list of indices."""
+    if text is None or text.strip() == "all":
+        return text and "all"
+    return _ints(text, "needles")
+
+
 def cmd_needlebench(args) -> int:
     started = time.perf_counter()
     lengths, depths = _ints(args.lengths, "lengths"), _ints(args.depths, "depths")
@@ -170,6 +177,7 @@ def cmd_needlebench(args) -> int:
         raise SystemExit(f"unknown task(s) {bad}; choose from {', '.join(nb.TASKS)}.")
     if bad := [x for x in depths if not 0 <= x <= 100]:
         raise SystemExit(f"depths are percentages of the haystack, 0..100; got {bad}.")
+    needles = _needle_spec(args.needles)
     d, model, tok = _setup(args)
     limit = _max_positions(model)
     if limit is not None and max(lengths) + args.max_new_tokens > limit:
@@ -191,11 +199,15 @@ def cmd_needlebench(args) -> int:
             reasoning_needles=args.reasoning_needles,
             spacing=args.spacing,
             chat=not args.no_chat_template,
+            needles=list(range(len(data.needles))) if needles == "all" else needles,
         )
         return (
             data.source,
             warning,
-            [dict(task=p.task, length=p.length, depth=p.depth, ids=p.ids, keywords=p.keywords) for p in prompts],
+            [
+                dict(task=p.task, length=p.length, depth=p.depth, needle=p.needle, ids=p.ids, keywords=p.keywords)
+                for p in prompts
+            ],
         )
 
     source, warning, prompts = on_rank0(d, build)
@@ -205,8 +217,9 @@ def cmd_needlebench(args) -> int:
         dict(
             p,
             index=i,
-            key=f"{p['task']}/{p['length']}/{p['depth']}",
-            label=f"{p['task']} {p['length']} tokens depth {p['depth']}%",
+            key=f"{p['task']}/{p['length']}/{p['depth']}" + ("" if p["needle"] is None else f"/needle{p['needle']}"),
+            label=f"{p['task']} {p['length']} tokens depth {p['depth']}%"
+            + ("" if p["needle"] is None else f" needle {p['needle']}"),
         )
         for i, p in enumerate(prompts)
     ]
@@ -231,6 +244,7 @@ def cmd_needlebench(args) -> int:
             task=case["task"],
             length=case["length"],
             depth=case["depth"],
+            needle=case["needle"],
             prompt_tokens=len(case["ids"]),
             keywords=case["keywords"],
             ref_answer=ref_answer,
@@ -412,6 +426,11 @@ def main(argv=None) -> int:
     n.add_argument("--depths", default="0,25,50,75,100", help="needle depths in %% of the haystack")
     n.add_argument("--tasks", default=",".join(nb.TASKS), help=f"comma-separated subset of {', '.join(nb.TASKS)}")
     n.add_argument("--max-new-tokens", type=int, default=32)
+    n.add_argument(
+        "--needles",
+        help="single_retrieval over these needles ('all' or indices, e.g. 0,2): one prompt per needle in every "
+        "cell, scores averaged per cell (default: one needle chosen by --seed, as NeedleBench does)",
+    )
     n.add_argument("--num-needles", type=int, default=3, help="needles in multi_retrieval (default 3)")
     n.add_argument("--reasoning-needles", type=int, default=2, help="facts in multi_reasoning (default 2)")
     n.add_argument(

@@ -59,6 +59,7 @@ class NeedlePrompt:
     needles: list = field(default_factory=list)  # as inserted ("\n" + needle + "\n"), in order of position
     needle_at: list = field(default_factory=list)  # char offsets of the needles in `context`
     target_at: list = field(default_factory=list)  # char offsets in the haystack (without needles) the depths ask for
+    needle: int | None = None  # single_retrieval over several needles: which one (index into the data's needles)
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -272,14 +273,39 @@ def score(task: str, answer: str, keywords: list) -> float:
 
 
 def build_cases(
-    data: NeedleData, tok, tasks, lengths, depths, *, seed=0, num_needles=3, reasoning_needles=2, spacing=10, chat=True
+    data: NeedleData,
+    tok,
+    tasks,
+    lengths,
+    depths,
+    *,
+    seed=0,
+    num_needles=3,
+    reasoning_needles=2,
+    spacing=10,
+    chat=True,
+    needles=None,
 ) -> list[NeedlePrompt]:
+    """One prompt per task x length x depth; with `needles` (indices into the data's needles),
+    single_retrieval gets one prompt per listed needle in every cell instead of one seeded choice,
+    so a cell's score is an accuracy over needles rather than a single 0 or 100."""
     rng = random.Random(seed)
     contents = {t: _task_content(t, data, rng, num_needles, reasoning_needles) for t in tasks}
+    if needles is not None:
+        if bad := [i for i in needles if not 0 <= i < len(data.needles)]:
+            raise DataError(f"needle indices {bad} out of range: the data has {len(data.needles)} needles.")
+    variants = {t: [None] for t in tasks}
+    if needles is not None and "single_retrieval" in tasks:
+        variants["single_retrieval"] = list(needles)
     _, hay = haystack_ids(data, tok, max(lengths), seed)
-    return [
-        build_prompt(t, L, d, contents[t], hay, tok, spacing=spacing, chat=chat)
-        for t in tasks
-        for L in lengths
-        for d in depths
-    ]
+    out = []
+    for t in tasks:
+        for L in lengths:
+            for d in depths:
+                for i in variants[t]:
+                    n = data.needles[i] if i is not None else None
+                    content = contents[t] if n is None else ([n["needle"]], n["retrieval_question"], [n["arg2"]])
+                    prompt = build_prompt(t, L, d, content, hay, tok, spacing=spacing, chat=chat)
+                    prompt.needle = i
+                    out.append(prompt)
+    return out

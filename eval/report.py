@@ -51,6 +51,16 @@ def summarize(records: list, base: dict, tol: float) -> dict:
             )
             for t in dict.fromkeys(r["task"] for r in records)
         }
+        s["scores_by_length"] = {
+            t: {
+                str(L): dict(
+                    reference=_mean([r["ref_score"] for r in records if (r["task"], r["length"]) == (t, L)]),
+                    context_parallel=_mean([r["cp_score"] for r in records if (r["task"], r["length"]) == (t, L)]),
+                )
+                for L in sorted({r["length"] for r in records if r["task"] == t})
+            }
+            for t in dict.fromkeys(r["task"] for r in records)
+        }
     if records and "max_nll_diff" in records[0]:
         s["worst_nll_diff"] = max(r["max_nll_diff"] for r in records)
         s["min_argmax_agreement"] = min(r["argmax_agreement"] for r in records)
@@ -59,6 +69,26 @@ def summarize(records: list, base: dict, tol: float) -> dict:
 
 def _mean(xs):
     return sum(xs) / len(xs) if xs else None
+
+
+def _cells(records: list) -> dict:
+    """(task, length, depth) -> one record; cells holding several needles average their scores and are
+    identical / equivalent only if every needle's run is."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["task"], r["length"], r["depth"]), []).append(r)
+    cells = {}
+    for key, rs in groups.items():
+        diverged = [r["first_divergence"] for r in rs if r["first_divergence"] is not None]
+        cells[key] = dict(
+            cp_score=_mean([r["cp_score"] for r in rs]),
+            ref_score=_mean([r["ref_score"] for r in rs]),
+            equivalent=all(r["equivalent"] for r in rs),
+            tokens_identical=all(r["tokens_identical"] for r in rs),
+            first_divergence=min(diverged) if diverged else None,
+            max_logit_diff=max(r["max_logit_diff"] for r in rs),
+        )
+    return cells
 
 
 def summary_lines(s: dict) -> list[str]:
@@ -84,6 +114,12 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(
             f"  {task}: mean score reference {sc['reference']:.1f}  context-parallel {sc['context_parallel']:.1f}"
         )
+        by_length = s.get("scores_by_length", {}).get(task, {})
+        if len(by_length) > 1:
+            lines.append(
+                "    by length (reference / context-parallel): "
+                + ", ".join(f"{L}: {v['reference']:.0f} / {v['context_parallel']:.0f}" for L, v in by_length.items())
+            )
     if s.get("near_tie_divergences"):
         lines.append(
             f"  divergences at near-ties (reference margin <= 2 x tolerance): {len(s['near_tie_divergences'])}"
@@ -134,13 +170,13 @@ def _markdown(s: dict, records: list) -> str:
             "reference preferred its token over the context-parallel one at the first divergent step (a near-tie when "
             "at most twice the tolerance). Scores are NeedleBench's keyword scores in %.",
             "",
-            "| task | length | depth % | prompt tokens | identical | first divergence (margin) | max \\|Δlogit\\| | equivalent "
+            "| task | length | depth % | needle | prompt tokens | identical | first divergence (margin) | max \\|Δlogit\\| | equivalent "
             "| score ref | score CP | answer (reference) | answer (context-parallel) |",
-            "|---|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|---|---|",
+            "|---|---:|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|---|---|",
         ]
         for r in records:
             out.append(
-                f"| {r['task']} | {r['length']} | {r['depth']} | {r['prompt_tokens']} | {'yes' if r['tokens_identical'] else '**no**'} "
+                f"| {r['task']} | {r['length']} | {r['depth']} | {_fmt(r.get('needle'))} | {r['prompt_tokens']} | {'yes' if r['tokens_identical'] else '**no**'} "
                 f"| {_fmt(r['first_divergence'])}{'' if r.get('divergence_margin') is None else ' (' + _fmt(r['divergence_margin']) + ')'} "
                 f"| {_fmt(r['max_logit_diff'])} | {'yes' if r['equivalent'] else '**no**'} "
                 f"| {r['ref_score']:.0f} | {r['cp_score']:.0f} | {_cell(r['ref_answer'])} | {_cell(r['cp_answer'])} |"
@@ -181,7 +217,7 @@ def _plots(out_dir: str, s: dict, records: list) -> list[str]:
         tasks = list(dict.fromkeys(r["task"] for r in records))
         lengths = sorted({r["length"] for r in records})
         depths = sorted({r["depth"] for r in records})
-        by = {(r["task"], r["length"], r["depth"]): r for r in records}
+        by = _cells(records)
         score_cmap = LinearSegmentedColormap.from_list("needlebench", ["#F0496E", "#EBB839", "#0CD79F"])
         fig, axes = plt.subplots(
             2,

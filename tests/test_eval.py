@@ -119,6 +119,8 @@ def test_needlebench_equivalent_n2(tmp_path):
             "0,50,100",
             "--max-new-tokens",
             "6",
+            "--needles",
+            "0,3",
             "--out",
             str(out),
         ],
@@ -128,13 +130,43 @@ def test_needlebench_equivalent_n2(tmp_path):
     assert "needlebench: EQUIVALENT" in procs[0][1] and procs[1][1] == ""  # rank 0 reports, the others stay quiet
     rep = _report(out)
     s = rep["summary"]
-    assert s["verdict"] == "equivalent" and s["world"] == 2 and s["cases"] == 9 and s["tolerance"] == 1e-4
-    assert {(c["task"], c["depth"]) for c in rep["cases"]} == {(t, d) for t in nb.TASKS for d in (0, 50, 100)}
+    # single_retrieval: one prompt per listed needle in every cell; the other tasks one each
+    assert s["verdict"] == "equivalent" and s["world"] == 2 and s["cases"] == 12 and s["tolerance"] == 1e-4
+    assert sorted((c["task"], c["depth"], c["needle"]) for c in rep["cases"]) == sorted(
+        [("single_retrieval", d, i) for d in (0, 50, 100) for i in (0, 3)]
+        + [(t, d, None) for t in nb.TASKS[1:] for d in (0, 50, 100)]
+    )
+    assert len({c["key"] for c in rep["cases"]}) == 12
     for c in rep["cases"]:
         assert c["tokens_identical"] and c["first_divergence"] is None and c["max_logit_diff"] <= 1e-4
         assert c["ref_answer"] == c["cp_answer"] and c["new_tokens"] == [6, 6] and c["prompt_tokens"] <= 1024
     md = open(out / "report.md").read()
-    assert "**Verdict: equivalent**" in md and md.count("| single_retrieval |") == 3
+    assert "**Verdict: equivalent**" in md and md.count("| single_retrieval |") == 6
+
+
+def test_several_needles_per_cell(tok, data):
+    cases = nb.build_cases(data, tok, ["single_retrieval", "multi_retrieval"], [1024], [10, 90], needles=[1, 4])
+    single = [p for p in cases if p.task == "single_retrieval"]
+    assert [(p.depth, p.needle) for p in single] == [(10, 1), (10, 4), (90, 1), (90, 4)]
+    for p in single:
+        n = data.needles[p.needle]
+        assert p.needles == ["\n" + n["needle"] + "\n"] and p.keywords == [n["arg2"]]
+        assert p.question == n["retrieval_question"]
+    assert [p.needle for p in cases if p.task == "multi_retrieval"] == [None, None]
+    with pytest.raises(nb.DataError, match="out of range"):
+        nb.build_cases(data, tok, ["single_retrieval"], [1024], [50], needles=[len(data.needles)])
+    from hf_contextpar.eval.report import _cells
+
+    rec = dict(task="t", length=1, depth=0, equivalent=True, tokens_identical=True, first_divergence=None)
+    cells = _cells(
+        [
+            dict(rec, cp_score=100.0, ref_score=100.0, max_logit_diff=1e-6),
+            dict(rec, cp_score=0.0, ref_score=0.0, max_logit_diff=2e-6, tokens_identical=False, first_divergence=3),
+        ]
+    )
+    assert cells[("t", 1, 0)] == dict(
+        cp_score=50.0, ref_score=50.0, equivalent=True, tokens_identical=False, first_divergence=3, max_logit_diff=2e-6
+    )
 
 
 def test_needlebench_broken_ring_is_not_equivalent(tmp_path):
