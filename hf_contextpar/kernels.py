@@ -131,13 +131,14 @@ def _cuda_kernel_ok(dtype, device) -> bool:
     return _cuda_ok[dtype]
 
 
-def _block(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False):
+def _block(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False, kind=None):
     """One block with an arbitrary mask, its (out, lse) merged into acc's rows from r0 (nothing if no key is visible).
 
     A trivially masked block goes to the fused kernel in one call. Any other is done in row tiles
     (`_tiled`), or, when it already is one tile (`tile=True`), under its explicit (rows, keys) mask.
+    kind: the block's `masks.classify`, where the caller has it already.
     """
-    kind = classify(q_cols, k_cols, window)
+    kind = kind or classify(q_cols, k_cols, window)
     if kind == "none":
         return
     if key_valid is not None and bool(key_valid.all()):
@@ -250,8 +251,9 @@ def _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     if k_cols.dim() == 2:
         _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
         return
-    if classify(q_cols, k_cols, window) != "mask":
-        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+    kind = classify(q_cols, k_cols, window)
+    if kind != "mask":
+        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, kind=kind)
         return
     q_runs, k_runs = runs(q_cols), runs(k_cols)
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:

@@ -32,10 +32,19 @@ def merge_into(out_a, lse_a, out_b, lse_b) -> None:
 
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor):
-    """Merge partials stacked on dim 0 (outs: (S, ..., T, D), lses: (S, ..., T)) in one fixed order."""
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - _safe(lse).unsqueeze(0))
-    return (outs * weights.unsqueeze(-1)).sum(dim=0), lse
+    """Merge partials stacked on dim 0 (outs: (S, ..., T, D), lses: (S, ..., T)) in one fixed order.
+
+    Relative to the largest LSE m: weights w_s = exp(L_s - m), O = sum_s w_s O_s / sum_s w_s,
+    L = m + log sum_s w_s. Decode merges a few one-token partials per layer, where each op's
+    overhead is the cost, so this takes as few ops as it can (no logsumexp, whose own steps redo the
+    max). The largest partial's weight is 1, so the sum is >= 1 unless no partial saw a key (every
+    L_s = -inf): then m counts as 0, every weight is 0, and the row stays (0, -inf)."""
+    top = lses.amax(dim=0)
+    top = top.masked_fill(torch.isneginf(top), 0.0)
+    weights = torch.exp(lses - top)
+    total = weights.sum(dim=0)
+    out = (outs * weights.unsqueeze(-1)).sum(dim=0) / total.clamp_min(1.0).unsqueeze(-1)
+    return out, top + torch.log(total)
 
 
 class Accumulator:
