@@ -4,8 +4,8 @@ Each rank stores the K/V of the tokens it owns in one buffer per layer of shape 
 kv_heads, capacity, head_dim): every head's keys are contiguous rows, which is what the
 attention kernels stream fastest (decode at 8K keys with head_dim 32: about twice as fast as
 reading them out of a token-major buffer), and decode appends without re-concatenating. The
-algorithms that send a shard get it token-major and contiguous, (tokens, 2, batch, kv_heads,
-head_dim), one copy per layer and forward (`packed`). The global columns of
+algorithms that send a shard send this layout too (`block`): straight from the buffer after a
+first prefill, which sizes it exactly, else one contiguous copy per layer. The global columns of
 every rank's tokens are replicated metadata (a few integers per token), so any rank can build
 the mask for any other rank's block without asking for it. `get_seq_length()` reports the
 *global* length, so `generate()` keeps its bookkeeping unchanged.
@@ -114,9 +114,10 @@ class ShardedLayer(CacheLayerMixin):
         self._keep(self.n + m)
         return self.keys, self.values
 
-    def packed(self) -> torch.Tensor:
-        """This rank's K/V for the layer as one contiguous (tokens, 2, B, Hkv, D) tensor, to send (a copy)."""
-        return self.kv[:, :, :, : self.n].permute(3, 0, 1, 2, 4).contiguous()
+    def block(self) -> torch.Tensor:
+        """This rank's K/V for the layer, (2, B, Hkv, tokens, D): a view of the buffer, contiguous (so it
+        can be sent as it is) while the buffer holds exactly these tokens, as after a first prefill."""
+        return self.kv[:, :, :, : self.n]
 
     def get_seq_length(self) -> int:
         return self.layout.seq_length

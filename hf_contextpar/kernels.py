@@ -32,12 +32,15 @@ _MIN_WINDOW_ROWS = 64  # with a tiny window, tiles of fewer rows would only add 
 _cuda_ok: dict[torch.dtype, bool] = {}
 
 
-def unpack_kv(kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v), each (B, Hkv, T, D), from a block as sent, (T, 2, B, Hkv, D), or from a (k, v) pair
-    (a rank's own cache, whose K/V never leave it)."""
-    if isinstance(kv, tuple):
-        return kv
-    return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+def unpack_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v), each (B, Hkv, T, D), from a K/V block (2, B, Hkv, T, D): head-major, as the cache
+    stores it and as it is sent, so every head's keys are contiguous rows for the kernels."""
+    return kv[0], kv[1]
+
+
+def block_shape(like: torch.Tensor, tokens: int) -> tuple:
+    """The shape of a K/V block like `like` holding `tokens` tokens (a message of another rank's size)."""
+    return (*like.shape[:3], tokens, like.shape[4])
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -128,28 +131,31 @@ def _cuda_kernel_ok(dtype, device) -> bool:
     return _cuda_ok[dtype]
 
 
-def _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False):
-    """One block with an arbitrary mask. Returns (out, lse) in the accumulation dtype, or None.
+def _block(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False, kind=None):
+    """One block with an arbitrary mask, its (out, lse) merged into acc's rows from r0 (nothing if no key is visible).
 
     A trivially masked block goes to the fused kernel in one call. Any other is done in row tiles
     (`_tiled`), or, when it already is one tile (`tile=True`), under its explicit (rows, keys) mask.
+    kind: the block's `masks.classify`, where the caller has it already.
     """
-    kind = classify(q_cols, k_cols, window)
+    kind = kind or classify(q_cols, k_cols, window)
     if kind == "none":
-        return None
+        return
     if key_valid is not None and bool(key_valid.all()):
         key_valid = None
     if softcap is None and key_valid is None and kind in ("all", "causal"):
         res = _fused(q, k, v, None, kind == "causal", scale)
         if res is not None:
-            acc = acc_dtype(q.dtype)
-            return res[0].to(acc), res[1].to(acc)
+            t = acc_dtype(q.dtype)
+            acc.add(res[0].to(t), res[1].to(t), r0)
+            return
     if not tile:
-        return _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        return
     vis = visible(q_cols, k_cols, window, q.device)[None, None]  # (1, 1, rows, keys)
     if key_valid is not None:
         vis = vis & key_valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
-    return _masked(q, k, v, vis, scale, softcap)
+    acc.add(*_masked(q, k, v, vis, scale, softcap), r0)
 
 
 def _rows_per_tile(q, n_keys, window, softcap):
@@ -166,36 +172,35 @@ def _rows_per_tile(q, n_keys, window, softcap):
     return rows
 
 
-def _tiled(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+def _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     """An irregular block in tiles of query rows (cut at breaks in q_cols, so a tile's columns are
     usually contiguous), each against only the keys it can see, segment by segment
     (`masks.key_segments`): the segments every row sees and the square diagonal run fused and
-    unmasked; the rest gets a mask of one tile's size. Partials merge by LSE, as ring blocks do."""
-    acc_t = acc_dtype(q.dtype)
+    unmasked; the rest gets a mask of one tile's size. Partials merge into acc by LSE, as ring blocks do."""
     rows = _rows_per_tile(q, k_cols.numel(), window, softcap)
     spans = runs(q_cols)
     if len(spans) > _MAX_RUNS:  # scattered rows: tiles need not be contiguous, only small
         spans = [(0, q.shape[2])]
-    outs, lses = [], []
     for qa, qb in spans:
-        for r0 in range(qa, qb, rows):
-            r1 = min(r0 + rows, qb)
-            qt, qc = q[:, :, r0:r1], q_cols[r0:r1]
-            acc = Accumulator()
+        for t0 in range(qa, qb, rows):
+            t1 = min(t0 + rows, qb)
+            qt, qc = q[:, :, t0:t1], q_cols[t0:t1]
             for ka, kb in key_segments(qc, k_cols, window):
                 valid = key_valid[:, ka:kb] if key_valid is not None else None
-                res = _block(
-                    qt, k[:, :, ka:kb], v[:, :, ka:kb], qc, k_cols[ka:kb], valid, window, scale, softcap, tile=True
+                _block(
+                    acc,
+                    r0 + t0,
+                    qt,
+                    k[:, :, ka:kb],
+                    v[:, :, ka:kb],
+                    qc,
+                    k_cols[ka:kb],
+                    valid,
+                    window,
+                    scale,
+                    softcap,
+                    tile=True,
                 )
-                if res is not None:
-                    acc.add(*res)
-            if acc.out is None:  # no visible key for these rows
-                shape = (q.shape[0], q.shape[1], r1 - r0)
-                acc.out = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t)
-                acc.lse = q.new_full(shape, -math.inf, dtype=acc_t)
-            outs.append(acc.out)
-            lses.append(acc.lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _masked(q, k, v, vis, scale, softcap):
@@ -210,12 +215,10 @@ def _masked(q, k, v, vis, scale, softcap):
     return _math(q, k, v, vis, scale, softcap)
 
 
-def _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+def _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     """Keys whose columns differ per sequence: k_cols (B, Tk), -1 marking an empty slot. In row tiles."""
-    acc_t = acc_dtype(q.dtype)
     rows = _rows_per_tile(q, k_cols.shape[1], None, softcap)
     kc = k_cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
-    outs, lses, any_seen = [], [], False
     for r0 in range(0, q.shape[2], rows):
         qt = q[:, :, r0 : r0 + rows]
         qc = q_cols[r0 : r0 + rows].to(q.device).view(1, -1, 1)
@@ -225,41 +228,44 @@ def _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
         if key_valid is not None:
             vis &= key_valid.unsqueeze(1)
         if bool(vis.any()):
-            any_seen = True
-            out, lse = _masked(qt, k, v, vis.unsqueeze(1), scale, softcap)
-        else:
-            shape = (q.shape[0], q.shape[1], qt.shape[2])
-            out, lse = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t), q.new_full(shape, -math.inf, dtype=acc_t)
-        outs.append(out)
-        lses.append(lse)
-    return (torch.cat(outs, dim=2), torch.cat(lses, dim=2)) if any_seen else None
+            acc.add(*_masked(qt, k, v, vis.unsqueeze(1), scale, softcap), r0)
 
 
-def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None):
+def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, into=None):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
     holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
     pass-Q decode. Returns (out, lse) with out (B, H, Tq, D) and lse (B, H, Tq) in the
-    accumulation dtype, or None if no key is visible.
+    accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
+    rows) the partials are merged into it instead, only into the rows that see a key, and
+    nothing is returned: how a ring accumulates its blocks without merging empty partials.
     """
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return None
+    acc = into if into is not None else Accumulator(q.shape[2])
+    if q.shape[2] > 0 and k.shape[2] > 0:
+        _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+    return acc.result() if into is None else None
+
+
+def _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
     if k_cols.dim() == 2:
-        return _attend_rows(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
-    if classify(q_cols, k_cols, window) != "mask":
-        return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        return
+    kind = classify(q_cols, k_cols, window)
+    if kind != "mask":
+        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, kind=kind)
+        return
     q_runs, k_runs = runs(q_cols), runs(k_cols)
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:
-        return _block(q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        return
     # Split into contiguous sub-blocks: with head-tail shards most are trivially masked.
-    acc_t = acc_dtype(q.dtype)
-    outs, lses = [], []
     for qa, qb in q_runs:
-        acc = Accumulator()
         for ka, kb in k_runs:
             kv_valid = key_valid[:, ka:kb] if key_valid is not None else None
-            res = _block(
+            _block(
+                acc,
+                qa,
                 q[:, :, qa:qb],
                 k[:, :, ka:kb],
                 v[:, :, ka:kb],
@@ -270,12 +276,3 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
                 scale,
                 softcap,
             )
-            if res is not None:
-                acc.add(*res)
-        if acc.out is None:  # no visible key for these rows
-            shape = (q.shape[0], q.shape[1], qb - qa)
-            acc.out = q.new_zeros((*shape, v.shape[-1]), dtype=acc_t)
-            acc.lse = q.new_full(shape, -math.inf, dtype=acc_t)
-        outs.append(acc.out)
-        lses.append(acc.lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

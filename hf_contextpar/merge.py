@@ -22,27 +22,118 @@ def merge_pair(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
+def merge_into(out_a, lse_a, out_b, lse_b) -> None:
+    """`merge_pair` written into (out_a, lse_a) in place: the same arithmetic, no new (T, D) tensor."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = _safe(lse)
+    out_a.mul_(torch.exp(lse_a - ref).unsqueeze(-1))
+    out_a.add_(out_b * torch.exp(lse_b - ref).unsqueeze(-1))
+    lse_a.copy_(lse)
+
+
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor):
-    """Merge partials stacked on dim 0 (outs: (S, ..., T, D), lses: (S, ..., T)) in one fixed order."""
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - _safe(lse).unsqueeze(0))
-    return (outs * weights.unsqueeze(-1)).sum(dim=0), lse
+    """Merge partials stacked on dim 0 (outs: (S, ..., T, D), lses: (S, ..., T)) in one fixed order.
+
+    Relative to the largest LSE m: weights w_s = exp(L_s - m), O = sum_s w_s O_s / sum_s w_s,
+    L = m + log sum_s w_s. Decode merges a few one-token partials per layer, where each op's
+    overhead is the cost, so this takes as few ops as it can (no logsumexp, whose own steps redo the
+    max). The largest partial's weight is 1, so the sum is >= 1 unless no partial saw a key (every
+    L_s = -inf): then m counts as 0, every weight is 0, and the row stays (0, -inf)."""
+    top = lses.amax(dim=0)
+    top = top.masked_fill(torch.isneginf(top), 0.0)
+    weights = torch.exp(lses - top)
+    total = weights.sum(dim=0)
+    out = (outs * weights.unsqueeze(-1)).sum(dim=0) / total.clamp_min(1.0).unsqueeze(-1)
+    return out, top + torch.log(total)
 
 
 class Accumulator:
-    """Running merge of partials for one set of query rows (the ring's inner loop)."""
+    """Running merge of partials into the rows of one query block (the ring's inner loop).
 
-    def __init__(self):
+    A partial may cover only some of the rows (`add(out, lse, start)`): with head-tail shards a key
+    block is often visible to one of a rank's two query chunks only. Rows a partial reaches first
+    take it as it is, rows that already hold one merge with it in place, and rows no partial
+    reached read (0, -inf) only at the end; so a merge touches just the rows a block contributes
+    to, and a block that contributes nothing costs nothing. Merging a row with (0, -inf) would
+    leave it unchanged, so the result is the same as merging whole blocks.
+
+    `rows`: the block's row count (None: taken from the first partial, which must then cover every
+    row). `out` and `lse` hold the merged result once every row has been reached (`result()`
+    finishes the rest).
+    """
+
+    def __init__(self, rows: int | None = None):
+        self.rows = rows
         self.out = None
         self.lse = None
+        self._reached: list[tuple[int, int]] = []  # sorted disjoint [a, b) row ranges holding a partial
+        self._owned = False  # out/lse are our own buffers (else the first partial's tensors: never written)
 
-    def add(self, out, lse):
+    def add(self, out, lse, start: int = 0):
         if out is None:
             return
+        end = start + out.shape[-2]
+        if self.rows is None:
+            self.rows = end
+        if self.out is None and (start, end) == (0, self.rows):  # the usual first partial: keep it, no copy
+            self.out, self.lse, self._reached = out, lse, [(0, end)]
+            return
         if self.out is None:
-            self.out, self.lse = out, lse
+            self.out = out.new_empty((*out.shape[:-2], self.rows, out.shape[-1]))
+            self.lse = lse.new_empty((*lse.shape[:-1], self.rows))
+            self._owned = True
+        for a, b, seen in self._split(start, end):
+            o, lse_b = out[..., a - start : b - start, :], lse[..., a - start : b - start]
+            if not seen:
+                self.out[..., a:b, :], self.lse[..., a:b] = o, lse_b
+            elif (a, b) == (0, self.rows) and not self._owned:  # a whole-block merge: a new result
+                self.out, self.lse = merge_pair(self.out, self.lse, o, lse_b)
+                self._owned = True
+            else:
+                self._own()
+                merge_into(self.out[..., a:b, :], self.lse[..., a:b], o, lse_b)
+        self._reached = _union(self._reached, start, end)
+
+    def result(self):
+        """(out, lse) over every row, (0, -inf) where no partial reached; None if none did."""
+        if self.out is None:
+            return None
+        edges = [0, *(x for r in self._reached for x in r), self.rows]
+        for a, b in zip(edges[::2], edges[1::2]):
+            if b > a:
+                self.out[..., a:b, :], self.lse[..., a:b] = 0.0, -float("inf")
+        self._reached = [(0, self.rows)]
+        return self.out, self.lse
+
+    def _own(self):
+        if not self._owned:
+            self.out, self.lse, self._owned = self.out.clone(), self.lse.clone(), True
+
+    def _split(self, start, end):
+        """[start, end) cut into pieces (a, b, already reached?)."""
+        pieces, at = [], start
+        for a, b in self._reached:
+            a, b = max(a, start), min(b, end)
+            if a >= b:
+                continue
+            if a > at:
+                pieces.append((at, a, False))
+            pieces.append((a, b, True))
+            at = b
+        if at < end:
+            pieces.append((at, end, False))
+        return pieces
+
+
+def _union(ranges, start, end):
+    """Sorted disjoint ranges with [start, end) added (adjacent ones joined)."""
+    out = []
+    for a, b in sorted([*ranges, (start, end)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
-            self.out, self.lse = merge_pair(self.out, self.lse, out, lse)
+            out.append((a, b))
+    return out
 
 
 def pack_partial(res, shape, dtype, device):

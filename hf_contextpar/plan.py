@@ -86,7 +86,7 @@ class ForwardPlan:
         return self.past + self.num_new
 
     def kv_size(self, rank: int) -> int:
-        """Rows of rank's packed K/V buffer (slots, for per-sequence tables): every message size."""
+        """Tokens in rank's K/V block (slots, for per-sequence tables): every message size."""
         return self.kv_cols[rank].shape[-1]
 
 

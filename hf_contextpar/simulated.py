@@ -323,7 +323,7 @@ def local_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_kv(cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
-    """The packed (slots, 2, B, Hkv, D) buffer a rank holds for key columns `cols` (1D, or (B, slots)
+    """The (2, B, Hkv, slots, D) K/V block a rank holds for key columns `cols` (1D, or (B, slots)
     with -1 for empty slots, filled with `empty`), from whole-sequence k, v (B, Hkv, S, D)."""
     if cols.dim() == 1:
         kv = torch.stack([k, v]).index_select(3, cols.to(k.device))  # (2, B, Hkv, slots, D)
@@ -332,11 +332,11 @@ def pack_kv(cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float =
         kv = torch.stack([torch.stack([x[b].index_select(1, idx[b]) for b in range(x.shape[0])]) for x in (k, v)])
         hole = (cols < 0).to(k.device)[None, :, None, :, None]
         kv = kv.masked_fill(hole, empty)
-    return kv.permute(3, 0, 1, 2, 4).contiguous()
+    return kv.contiguous()
 
 
 def shard_inputs(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float = 0.0):
-    """Per rank: its queries and its packed K/V, from whole-sequence q (B, H, S, D) and k, v (B, Hkv, S, D).
+    """Per rank: its queries and its K/V block, from whole-sequence q (B, H, S, D) and k, v (B, Hkv, S, D).
 
     Queries are rows of global columns (only the plan's new columns are used); every rank's K/V
     is what its sharded cache holds during the forward (`plan.kv_cols`), or this forward's own
@@ -361,7 +361,7 @@ def run_algorithm(
 ):
     """Run the plan's attention algorithm on every simulated rank, for `num_layers` layers.
 
-    qs[r], kvs[r]: rank r's queries (B_r, H, T_r, D) and packed K/V (slots, 2, B, Hkv, D), used by
+    qs[r], kvs[r]: rank r's queries (B_r, H, T_r, D) and K/V block (2, B, Hkv, slots, D), used by
     every layer (layers exercise what an algorithm carries from one layer to the next, e.g.
     KV-Runahead's early receives). `algorithm`: a registry name or a callable with the same
     signature (default: plan.algorithm). Returns (outputs, comms): outputs[r][layer] = (out, lse)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_contextpar.kernels import _math, attend
-from hf_contextpar.merge import Accumulator, merge_stacked
+from hf_contextpar.merge import Accumulator, merge_pair, merge_stacked
 from hf_contextpar.sharding import decode_owners, head_tail_plan
 
 
@@ -98,6 +98,38 @@ def test_merge_of_key_splits_is_exact():
     assert (acc.out - full[0]).abs().max() < 1e-13 and (acc.lse - full[1]).abs().max() < 1e-13
     out, lse = merge_stacked(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     assert (out - full[0]).abs().max() < 1e-13 and (lse - full[1]).abs().max() < 1e-13
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_accumulator_merges_partials_over_row_ranges(seed):
+    """Partials over any row ranges merge as if each were padded to every row with (0, -inf);
+    rows no partial reached read (0, -inf); the caller's partials are never written."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = int(torch.randint(1, 12, (1,), generator=gen))
+    acc = Accumulator(rows)
+    want = torch.zeros(1, 2, rows, 3, dtype=torch.float64), torch.full((1, 2, rows), -math.inf, dtype=torch.float64)
+    given = []
+    for _ in range(int(torch.randint(0, 6, (1,), generator=gen))):
+        a, b = sorted(torch.randint(0, rows + 1, (2,), generator=gen).tolist())
+        a, b = (0, rows) if a == b else (a, b)  # an empty draw stands for a whole-block partial
+        out, lse = (
+            torch.randn(1, 2, b - a, 3, generator=gen, dtype=torch.float64),
+            torch.randn(1, 2, b - a, generator=gen),
+        )
+        given.append((out, lse.double(), out.clone(), lse.double().clone()))
+        acc.add(given[-1][0], given[-1][1], a)
+        padded = torch.zeros_like(want[0]), torch.full_like(want[1], -math.inf)
+        padded[0][..., a:b, :], padded[1][..., a:b] = out, lse
+        want = merge_pair(*want, *padded)
+    got = acc.result()
+    if got is None:
+        assert not given
+        return
+    assert (got[0] - want[0]).abs().max() < 1e-13
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    seen = ~torch.isneginf(want[1])
+    assert (got[1] - want[1])[seen].abs().max() < 1e-13 and (got[0][~seen] == 0).all()
+    assert all(torch.equal(o, o0) and torch.equal(lse, lse0) for o, lse, o0, lse0 in given)
 
 
 def test_merge_keeps_empty_rows_finite():

@@ -2,7 +2,7 @@
 
 `context_parallel_attention` is what every attention layer calls once the model is switched to
 `attn_implementation="hf_contextpar"`. It looks up the running forward's `Step` (the plan being
-executed, set by the runtime's forward pre-hook) and hands local Q, this rank's packed K/V and
+executed, set by the runtime's forward pre-hook) and hands local Q, this rank's K/V block and
 global columns to the plan's algorithm. The mask function passes the 2D padding mask through
 untouched: masks are built inside the algorithms from global columns, never from HF's
 local-length 4D masks.
@@ -36,7 +36,7 @@ PREFILL = {
     "ulysses": ulysses,
 }
 ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": local}
-# algorithms whose K/V never leave the rank: they read the cache's (k, v) in place, not a packed copy
+# algorithms whose K/V never leave the rank: they read a view of the cache, which need not be contiguous
 STAY_LOCAL = {"ring_pass_q", "decode", "ring_pass_q_decode", "local"}
 
 
@@ -52,13 +52,12 @@ def context_parallel_attention(
         )
     if kwargs.get("s_aux") is not None:
         raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
-    layer = step.cache.layers[module.layer_idx] if step.cache is not None else None
-    if step.algorithm in STAY_LOCAL:
-        kv_local = (layer.keys, layer.values) if layer is not None else (key, value)
-    elif layer is not None:
-        kv_local = layer.packed()
+    if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
+        kv_local = step.cache.layers[module.layer_idx].block()
+        if step.algorithm not in STAY_LOCAL:  # a message: the cache buffer itself when it holds just these
+            kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block
-        kv_local = torch.stack([key, value]).permute(3, 0, 1, 2, 4).contiguous()
+        kv_local = torch.stack([key, value])
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     step.layer = module.layer_idx
     out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)

@@ -9,19 +9,17 @@ attention. Simple and exact; unlike the ring, memory peaks at the whole layer's 
 
 from __future__ import annotations
 
-from ..kernels import attend
+from ..kernels import attend, block_shape, unpack_kv
 from ..merge import Accumulator
 
 
 def allgather_kv(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    blocks = comm.broadcast_blocks(kv_local, [(step.kv_size(r), *kv_local.shape[1:]) for r in range(world)])
-    acc = Accumulator()
+    blocks = comm.broadcast_blocks(kv_local, [block_shape(kv_local, step.kv_size(r)) for r in range(world)])
+    acc = Accumulator(q.shape[2])
     for src in [(rank + i) % world for i in range(world)]:  # our own block first, while the others land
         block = blocks[src].wait()
-        k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
-        res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
-        if res is not None:
-            acc.add(*res)
+        k, v = unpack_kv(block)
+        attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
         blocks[src] = None  # drop each gathered block as soon as it is attended
-    return acc.out, acc.lse
+    return acc.result() or (None, None)

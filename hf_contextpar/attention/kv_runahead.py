@@ -15,14 +15,14 @@ Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
 
 from __future__ import annotations
 
-from ..kernels import attend
+from ..kernels import attend, block_shape, unpack_kv
 from ..merge import Accumulator
 
 
 def _post_receives(step, layer, like):
     """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
     rank = step.comm.rank
-    shapes = [(step.kv_size(src), *like.shape[1:]) for src in range(rank - 1, -1, -1)]
+    shapes = [block_shape(like, step.kv_size(src)) for src in range(rank - 1, -1, -1)]
     step.state[("kvr_recv", layer)] = [
         (src, step.comm.recv_prev(shape, like.dtype, like.device))
         for src, shape in zip(range(rank - 1, -1, -1), shapes)
@@ -37,18 +37,16 @@ def kv_runahead(step, q, kv_local, **attn):
         _post_receives(step, step.layer, kv_local)
         pending = step.state.pop(("kvr_recv", step.layer))
     sends = [] if last else [comm.send_next(kv_local)]
-    acc = Accumulator()
+    acc = Accumulator(q.shape[2])
     blocks = [(rank, kv_local)]
     for i in range(len(pending) + 1):
         src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
         if i > 0 and not last:
             sends.append(comm.send_next(block))
-        k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
-        res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
-        if res is not None:
-            acc.add(*res)
+        k, v = unpack_kv(block)
+        attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
     if step.layer + 1 < step.num_layers:
         _post_receives(step, step.layer + 1, kv_local)
     for s in sends:  # the blocks must stay untouched until they are out
         s.wait()
-    return acc.out, acc.lse
+    return acc.result() or (None, None)

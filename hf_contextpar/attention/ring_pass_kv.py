@@ -9,23 +9,21 @@ size exchange. Partials merge by LSE in the accumulation dtype.
 
 from __future__ import annotations
 
-from ..kernels import attend
+from ..kernels import attend, block_shape, unpack_kv
 from ..merge import Accumulator
 
 
 def ring_pass_kv(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    acc = Accumulator()
+    acc = Accumulator(q.shape[2])
     block, src = kv_local, rank
     for hop in range(world):
         pending = None
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
-            pending = comm.send_recv(block, (step.kv_size(nxt), *block.shape[1:]))
-        k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
-        res = attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn)
-        if res is not None:
-            acc.add(*res)
+            pending = comm.send_recv(block, block_shape(block, step.kv_size(nxt)))
+        k, v = unpack_kv(block)
+        attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
         if pending is not None:
             block, src = pending.wait(), nxt
-    return acc.out, acc.lse
+    return acc.result() or (None, None)

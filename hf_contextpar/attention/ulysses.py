@@ -15,23 +15,22 @@ import torch
 
 
 def ulysses(step, q, kv_local, **attn):
-    from ..kernels import attend
+    from ..kernels import attend, unpack_kv
 
     comm, world = step.comm, step.comm.world
     b, h, t, d = q.shape
-    hq, hk = h // world, kv_local.shape[3] // world
+    hq, hk = h // world, kv_local.shape[2] // world
     q_sizes = [c.numel() for c in step.q_cols_all]
     kv_sizes = [c.numel() for c in step.kv_cols]
     # sequence-sharded -> head-sharded
     qs = comm.all_to_all([q[:, j * hq : (j + 1) * hq] for j in range(world)], [(b, hq, n, d) for n in q_sizes])
     kvs = comm.all_to_all(
-        [kv_local[:, :, :, j * hk : (j + 1) * hk] for j in range(world)], [(n, 2, b, hk, d) for n in kv_sizes]
+        [kv_local[:, :, j * hk : (j + 1) * hk] for j in range(world)], [(2, b, hk, n, d) for n in kv_sizes]
     )
     q_cols, q_order = torch.cat(step.q_cols_all).sort()
     k_cols, k_order = torch.cat(step.kv_cols).sort()
     qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))
-    kvh = torch.cat(kvs, dim=0).index_select(0, k_order.to(q.device))
-    k, v = kvh[:, 0].permute(1, 2, 0, 3), kvh[:, 1].permute(1, 2, 0, 3)
+    k, v = unpack_kv(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)))
     key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
     res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
     out = res[0] if res is not None else qh.new_zeros(qh.shape, dtype=torch.float32)

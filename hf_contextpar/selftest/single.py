@@ -169,8 +169,7 @@ def _kernel_merge_check(device, dtype, tol, mask: str, parts: str):
     qs = q.index_select(2, q_cols.to(device))
     acc, packed = Accumulator(), []
     for cols in _key_parts(parts, s, batch, gen):
-        kv = pack_kv(cols, k, v, empty=1e3)  # (slots, 2, B, Hkv, D): as a rank's cache holds it
-        ks, vs = (kv[:, i].permute(1, 2, 0, 3) for i in (0, 1))
+        ks, vs = kernels.unpack_kv(pack_kv(cols, k, v, empty=1e3))  # as a rank's cache holds them
         key_valid = None
         if valid is not None:
             idx = cols.clamp(min=0).to(device)
