@@ -164,9 +164,9 @@ def _greedy(model, ids, max_new_tokens, tok):
 
 def _needle_spec(text: str | None):
     """--needles: None (one seeded needle per run, NeedleBench's way), "all", or a list of indices."""
-    if text is None or text.strip() == "all":
-        return text and "all"
-    return _ints(text, "needles")
+    if text is None:
+        return None
+    return "all" if text.strip() == "all" else _ints(text, "needles")
 
 
 def cmd_needlebench(args) -> int:

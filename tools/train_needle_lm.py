@@ -276,6 +276,11 @@ def fact(rng: random.Random, passkey: bool = False) -> dict:
     return dict(needle=fill(needle), question=fill(question), prefix=fill(prefix), answer=slots["A"])
 
 
+def single_question(f: dict) -> tuple[str, str]:
+    """(question, reply) for one fact, in the built-in needles' form."""
+    return f"{f['question']} Please answer in the format '{f['prefix']} ______.'", f"{f['prefix']} {f['answer']}."
+
+
 # ---------------------------------------------------------------------------------------------
 # episodes and packed sequences
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +318,25 @@ class Episodes:
         self.eos = tok.eos_token_id
         self.enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
 
+    def document(self, rng: random.Random, facts: list, hay_tokens: int):
+        """The prompt's head and a haystack with the facts' needles at random sentence boundaries:
+        (ids, cut_ok), cut_ok marking where PoSE may skip positions (haystack sentence starts)."""
+        pieces = self.corpus.haystack(rng, hay_tokens)
+        spots = sorted(rng.randint(0, len(pieces)) for _ in facts)
+        ids, cut_ok = list(self.head), [False] * len(self.head)
+        order = rng.sample(facts, len(facts))
+        k = 0
+        for i in range(len(pieces) + 1):
+            while k < len(spots) and spots[k] == i:
+                needle = self.enc("\n" + order[k]["needle"] + "\n")
+                ids += needle
+                cut_ok += [False] * len(needle)
+                k += 1
+            if i < len(pieces):
+                cut_ok += [True] + [False] * (len(pieces[i]) - 1)
+                ids += pieces[i]
+        return ids, cut_ok
+
     def make(self, rng: random.Random, hay_tokens: int, multi_prob: float):
         n = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
         facts, subjects = [], set()
@@ -332,24 +356,9 @@ class Episodes:
             question += " Please answer in the format of '" + "、".join(f["prefix"] + " ______" for f in asked) + "'"
             reply = "、".join(f"{f['prefix']} {f['answer']}" for f in asked) + "."
         else:
-            f = rng.choice(facts)
             task = "single_retrieval"
-            question = f"{f['question']} Please answer in the format '{f['prefix']} ______.'"
-            reply = f"{f['prefix']} {f['answer']}."
-        pieces = self.corpus.haystack(rng, hay_tokens)
-        spots = sorted(rng.randint(0, len(pieces)) for _ in facts)
-        ids, cut_ok = list(self.head), [False] * len(self.head)
-        order = rng.sample(facts, len(facts))
-        k = 0
-        for i in range(len(pieces) + 1):
-            while k < len(spots) and spots[k] == i:
-                needle = self.enc("\n" + order[k]["needle"] + "\n")
-                ids += needle
-                cut_ok += [False] * len(needle)
-                k += 1
-            if i < len(pieces):
-                cut_ok += [True] + [False] * (len(pieces[i]) - 1)
-                ids += pieces[i]
+            question, reply = single_question(rng.choice(facts))
+        ids, cut_ok = self.document(rng, facts, hay_tokens)
         tail = _template("\x00", question, task).split("\x00")[1]
         tail_ids = self.enc(tail)
         ids += tail_ids
@@ -375,23 +384,12 @@ class Episodes:
             if f["answer"] not in seen and f["question"] not in seen:
                 seen.update((f["answer"], f["question"]))
                 facts.append(f)
-        pieces = self.corpus.haystack(rng, hay_tokens)
-        spots = sorted(rng.randint(0, len(pieces)) for _ in facts)
-        ids, ans = list(self.head), [False] * len(self.head)
-        order, k = rng.sample(facts, len(facts)), 0
-        for i in range(len(pieces) + 1):
-            while k < len(spots) and spots[k] == i:
-                needle = self.enc("\n" + order[k]["needle"] + "\n")
-                ids += needle
-                ans += [False] * len(needle)
-                k += 1
-            if i < len(pieces):
-                ids += pieces[i]
-                ans += [False] * len(pieces[i])
+        ids, _ = self.document(rng, facts, hay_tokens)
+        ans = [False] * len(ids)
         for f in rng.sample(facts, rng.randint(max(1, n // 2), n)):
-            question = f"{f['question']} Please answer in the format '{f['prefix']} ______.'"
+            question, reply = single_question(f)
             tail = self.enc(_template("\x00", question, "single_retrieval").split("\x00")[1])
-            reply = self.enc(f"{f['prefix']} {f['answer']}.") + [self.eos]
+            reply = self.enc(reply) + [self.eos]
             ids += tail + reply
             ans += [False] * len(tail) + [True] * len(reply)
         return ids, ans, [False] * len(ids)
