@@ -241,7 +241,10 @@ def main(argv=None):
         "--prompt-file", help="generate a continuation of this UTF-8 text file instead of answering a needle question"
     )
     g.add_argument(
-        "--prompt-tokens", type=int, default=8192, help="prompt length in tokens (a file is truncated to it)"
+        "--prompt-tokens",
+        type=int,
+        default=1024,
+        help="prompt length in tokens (a file is truncated to it; default 1024, where needle-lm retrieves)",
     )
     g.add_argument("--depth", type=int, default=50, help="where the needle sits, %% of the haystack (default 50)")
     g.add_argument(

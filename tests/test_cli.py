@@ -24,18 +24,13 @@ def test_cli_generate_under_torchrun():
         "-m",
         "hf_contextpar",
         "generate",
-        "--prompt-tokens",
-        "2048",
-        "--depth",
-        "30",
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     why = f"rc {res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert res.returncode == 0, why
     assert "question: What number does the lighthouse keeper of Velmora Point paint" in res.stdout, why
-    assert re.search(r"expected: '7341' -> (correct|WRONG)", res.stdout), why
-    assert "answer:   The number is" in res.stdout, why  # needle-lm answers in the requested format
-    assert re.search(r"processes 2  prompt 20[0-4]\d tokens", res.stdout), why  # the longest prompt of <= 2048 tokens
+    assert "answer:   The number is 7341." in res.stdout and "expected: '7341' -> correct" in res.stdout, why
+    assert re.search(r"processes 2  prompt 10[0-2]\d tokens", res.stdout), why  # the longest prompt of <= 1024 tokens
     new = int(re.search(r"new (\d+) tokens", res.stdout).group(1))
     prompt = int(re.search(r"prompt (\d+) tokens", res.stdout).group(1))
     cached = [int(m) for m in re.findall(r"rank \d: KV cache (\d+) tokens/layer", res.stdout)]

@@ -144,6 +144,22 @@ def test_needlebench_equivalent_n2(tmp_path):
     assert "**Verdict: equivalent**" in md and md.count("| single_retrieval |") == 6
 
 
+def test_needlebench_needle_lm_n3_real_scores(tmp_path):
+    """The shipped model through the harness on 3 processes: equivalent to one process (tokens identical,
+    logits within fp32 tolerance), and the scores are real retrieval, not 0 both ways."""
+    out = tmp_path / "nb"
+    args = ["-m", "hf_contextpar.eval", "needlebench", "--lengths", "1024", "--depths", "0,50,100"]
+    args += ["--tasks", "single_retrieval", "--needles", "all", "--threads", "1", "--out", str(out)]
+    procs = launch(3, args, timeout=600)
+    _check(procs, 0)
+    s = _report(out)["summary"]
+    assert s["verdict"] == "equivalent" and s["world"] == 3 and s["cases"] == 24
+    score = s["scores"]["single_retrieval"]
+    assert score["reference"] == score["context_parallel"] >= 10, (
+        score
+    )  # shipped weights: 12.5 (3 of 24: 7341 at every depth)
+
+
 def test_several_needles_per_cell(tok, data):
     cases = nb.build_cases(data, tok, ["single_retrieval", "multi_retrieval"], [1024], [10, 90], needles=[1, 4])
     single = [p for p in cases if p.task == "single_retrieval"]

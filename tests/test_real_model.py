@@ -32,11 +32,14 @@ def test_shipped_directory_is_a_small_standard_hf_model(model_tok):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
     assert sum(os.path.getsize(os.path.join(PATH, f)) for f in files) < 16 * 2**20
     c = model.config
-    assert c.model_type == "llama" and c.num_key_value_heads < c.num_attention_heads  # GQA
+    assert c.model_type == "qwen2" and c.num_key_value_heads < c.num_attention_heads  # GQA
+    # layer 0 sees the last 2 tokens (the copy circuit's previous-token head), the rest the whole context
+    assert c.layer_types == ["sliding_attention"] + ["full_attention"] * 3 and c.sliding_window == 2
     assert sum(p.numel() for p in model.parameters()) < 5e6
-    # digits one per token, a BOS in front, round trip
+    # digits one per token, round trip; AutoTokenizer builds Qwen2's tokenizer, which the BPE was trained for
     ids = tok("pier 4096").input_ids
-    assert ids[0] == tok.bos_token_id and [tok.decode([i]) for i in ids[-4:]] == ["4", "0", "9", "6"]
+    assert type(tok).__name__ == "Qwen2Tokenizer" and len(tok) == c.vocab_size
+    assert [tok.decode([i]) for i in ids[-4:]] == ["4", "0", "9", "6"]
     assert tok.decode(ids, skip_special_tokens=True) == "pier 4096"
 
 
@@ -47,28 +50,27 @@ def _answer(model, tok, ids, new=20):
     return tok.decode(out[0, x.shape[1] :], skip_special_tokens=True)
 
 
-def test_answers_builtin_needles_in_the_requested_format(model_tok):
-    """Every built-in needle at three depths of a 1,024-token prompt, one process: the answer opens with
-    the format the question asks for ('The number is ...'), learned from the needle tasks.
+def test_retrieves_builtin_needles(model_tok):
+    """Every built-in needle at five depths of a 1,024-token prompt, one process, scored as the harness does.
 
-    Retrieval itself (the keyword) is measured by the eval harness and reported in the README; the
-    shipped weights do not retrieve reliably yet, so this test pins what they do learn.
+    The facts are invented, so a right answer can only come from the needle in the prompt.
     """
     model, tok = model_tok
     data = nb.builtin_data()
     _, hay = nb.haystack_ids(data, tok, 1024, 0)
-    wrong = []
+    hits, wrong = 0, []
     for n in data.needles:
-        prefix = nb._answer_format(n["retrieval_question"]).replace("______", "").strip()
-        for depth in (0, 50, 100):
+        for depth in (0, 25, 50, 75, 100):
             p = nb.build_prompt(
                 "single_retrieval", 1024, depth, ([n["needle"]], n["retrieval_question"], [n["arg2"]]), hay, tok
             )
             assert len(p.ids) <= 1024
             ans = _answer(model, tok, p.ids)
-            if not ans.startswith(prefix):
-                wrong.append((prefix, depth, ans))
-    assert len(wrong) <= 8, wrong  # 24 cases; the shipped weights: 6 wrong (two needles get a sibling format)
+            ok = nb.score("single_retrieval", ans, p.keywords) == 100
+            hits += ok
+            if not ok:
+                wrong.append((n["arg2"], depth, ans))
+    assert hits >= 5, wrong  # 40 cases; the shipped weights: 6 (7341 at every depth, 19 at 75%)
 
 
 def test_heldout_perplexity_beats_unigram(model_tok):
@@ -81,4 +83,4 @@ def test_heldout_perplexity_beats_unigram(model_tok):
     with torch.no_grad():
         logits = model(x).logits[0, :-1]
     ppl = math.exp(torch.nn.functional.cross_entropy(logits, x[0, 1:]).item())
-    assert ppl < unigram / 2, (ppl, unigram)  # shipped weights: 185 vs 529
+    assert ppl < unigram / 2, (ppl, unigram)  # shipped weights: 267 vs 572
