@@ -30,6 +30,13 @@ def _check_model(model):
             f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
             "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
         )
+    window = getattr(text, "sliding_window", None)
+    if window is not None and window < 2 and (not layer_types or "sliding_attention" in layer_types):
+        raise UnsupportedModelError(
+            f"sliding_window={window}: each token would attend to itself only, and transformers' own cached decode "
+            "differs from a full recompute there (its sliding cache keeps window - 1 = 0 tokens), so there is no "
+            "single-process result to match. Use a window of at least 2."
+        )
     if getattr(text, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             "use_bidirectional_attention=True makes every token attend to later tokens too; hf-contextpar's "
