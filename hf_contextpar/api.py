@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 
 from . import attention
-from .distributed import release_group, resolve_group
+from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
 from .runtime import ContextParallelRuntime
+from .shm import open_shm_gather
 
 STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 DECODES = ("auto", "replicated", "ring_pass_q")
@@ -136,6 +137,7 @@ def apply_context_parallel(
             kv_interleave=kv_interleave,
         )
         _agree(runtime, group)
+        runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
     except BaseException:
         release_group(group)  # a group made for this call only
         raise
@@ -201,6 +203,7 @@ def remove_context_parallel(model):
     if runtime.family_undo is not None:
         runtime.family_undo()
     delattr(model, _ATTR)
+    runtime.comm.close_shm()
     release_group(runtime.comm.group)
     return model
 

@@ -44,11 +44,12 @@ def median_seconds(fn, repeats: int, device="cpu", barrier=None) -> float:
     return statistics.median(times)
 
 
-def small_collective_s(numel: int, iters: int = 200, group=None) -> float:
-    """Median time of one small all-gather: the latency alpha, and decode's floor per layer."""
+def small_collective_s(numel: int, iters: int = 200, group=None, gather=None) -> float:
+    """Median time of one small all-gather: the latency alpha, and decode's floor per layer.
+    gather(out, t): the transport to time (default: the group's own all-gather)."""
     t = torch.zeros(numel)
     out = torch.empty(numel * dist.get_world_size(group))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = gather or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     times = []
     for i in range(iters + 20):
         t0 = time.perf_counter()

@@ -52,9 +52,10 @@ _live: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm, for release_grou
 
 
 def release_groups() -> None:
-    """Every Comm drops its process group (at exit: see distributed.release_at_exit)."""
+    """Every Comm drops its process group and shared memory (at exit: see distributed.release_at_exit)."""
     for comm in list(_live):
         comm.group = None
+        comm.close_shm()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -69,7 +70,13 @@ class Comm:
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
         self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
         self._gate = None  # a check to settle before the next message (see `hold`)
+        self.shm = None  # a ShmGather when every rank is a CPU process on this host (set by apply)
         _live.add(self)
+
+    def close_shm(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     def hold(self, check) -> None:
         """Run `check` (once) right before the next message is posted, or at `settle()`.
@@ -142,9 +149,12 @@ class Comm:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
         self.settle()
         flat = t.contiguous().view(-1)
-        out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
         with self._guard("all_gather", "all_gather", tag):
-            _all_gather_flat(out, flat, group=self.group)
+            if self.shm is not None and self.shm.fits(flat):
+                out = self.shm.all_gather(flat)
+            else:
+                out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
+                _all_gather_flat(out, flat, group=self.group)
         self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
@@ -154,8 +164,11 @@ class Comm:
         For a check that need not block the forward (every rank's input fingerprint): posted before
         the forward, waited for after it, its latency hides under the forward's compute instead of
         adding one collective per decode step. Collectives on one group run in posting order on
-        every rank, so later collectives of the forward queue behind it safely.
+        every rank, so later collectives of the forward queue behind it safely. Through shared
+        memory it completes here: the peers post theirs at the same point, so there is little to hide.
         """
+        if self.shm is not None and self.shm.fits(t):
+            return Pending(self, [], self.all_gather(t, tag), "all_gather", tag)
         self.settle()
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)

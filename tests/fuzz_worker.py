@@ -103,6 +103,8 @@ KV_INTERLEAVES = [1, 1, 2, 3, 16]  # decode tokens per rank in a run (apply_cont
 # (needle-lm's layer 0 sees 2) reaches at most the previous rank's last tokens; a window of 1 must be
 # refused (UnsupportedModelError at apply: transformers' own cached decode differs from a recompute)
 WINDOWS = [None, None, None, 1, 2, 3]
+# how decode's gathers travel: shared memory (the default on one host) or gloo (shared memory closed)
+TRANSPORTS = ["shm", "shm", "gloo"]
 ROPES = ["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 PADDINGS = ["none", "left", "right", "holes", "all_pad_row", "packed"]
 PAD_ID = 258
@@ -236,6 +238,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     )
     case["kv_interleave"] = r.choice(KV_INTERLEAVES)  # drawn late: the other draws of a seed stay as they were
     case["window"] = r.choice(WINDOWS)
+    case["transport"] = r.choice(TRANSPORTS)
     return case
 
 
@@ -253,7 +256,7 @@ def describe(case: dict) -> str:
     )
     return (
         f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
-        f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
+        f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]"
     )
 
@@ -563,6 +566,8 @@ def run_patched(case: dict, ref_turns: list) -> dict:
             kv_interleave=case.get("kv_interleave", 1),
             timeout=CASE_TIMEOUT_S,
         )
+        if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
+            hf_contextpar.get_runtime(cp).comm.close_shm()
         if case["strategy"] == "ulysses" and not ulysses_fits(case):
             rec.update(outcome="fail", detail="expected UnsupportedModelError for Ulysses, got none")
             return rec

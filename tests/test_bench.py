@@ -63,7 +63,7 @@ RUN_FIELDS = [
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 384
 
 
-def _bench(tmp_path, n):
+def _bench(tmp_path, n, extra=()):
     args = [
         "-m",
         "hf_contextpar.bench",
@@ -77,6 +77,7 @@ def _bench(tmp_path, n):
         "3",
         "--out",
         str(tmp_path),
+        *extra,
     ]
     if n == 1:
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -89,6 +90,21 @@ def _bench(tmp_path, n):
     return results[0][1], json.load(open(tmp_path / "bench.json"))
 
 
+def test_bench_gloo_rows(tmp_path):
+    """--gloo-rows: each strategy also runs with shared memory off, in the same rounds, its decode
+    target judged against gloo's floor."""
+    from hf_contextpar.bench.report import check_targets
+
+    _, report = _bench(tmp_path, 2, ["--strategies", "ring_pass_kv", "--gloo-rows", "--peers", "none"])
+    rows = {(r["strategy"], r["length"]): r for r in report["rows"] if r["kind"] == "cp"}
+    assert set(rows) == {(s, t) for s in ("ring_pass_kv", "ring_pass_kv+gloo") for t in (64, 128)}
+    assert all(r["tokens_match_unpatched"] for r in rows.values())
+    run = report["runs"]["2"]
+    floors = {t: f"{LAYERS * run['small_collective_by_transport'][t] * 1e3:.2f} ms" for t in ("shm", "gloo")}
+    decode = {t["target"].split()[1]: t["target"] for t in check_targets(report) if t["target"].startswith("decode")}
+    assert floors["shm"] in decode["ring_pass_kv"] and floors["gloo"] in decode["ring_pass_kv+gloo"], (floors, decode)
+
+
 def test_bench_end_to_end(tmp_path):
     from hf_contextpar.api import STRATEGIES
 
@@ -96,6 +112,8 @@ def test_bench_end_to_end(tmp_path):
     run = report["runs"]["2"]
     assert all(k in run for k in RUN_FIELDS), set(RUN_FIELDS) - set(run)
     assert run["small_collective_s"] > 0 and run["decode_floor_s"] == pytest.approx(LAYERS * run["small_collective_s"])
+    assert run["transport"] == "shm" and set(run["small_collective_by_transport"]) == {"shm", "gloo"}
+    assert run["small_collective_s"] == run["small_collective_by_transport"]["shm"]
     skipped = {s["strategy"] for s in run["skipped"]}
     ran = [s for s in STRATEGIES if s != "auto" and s not in skipped]
     assert "ring_pass_kv" in ran

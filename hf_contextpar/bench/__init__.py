@@ -55,6 +55,11 @@ def main(argv=None):
         "(default: torch_ring_allgather,torch_ring_alltoall where this torch has them; 'none' to skip)",
     )
     p.add_argument("--no-all-cores", action="store_true", help="skip the all-cores unpatched baseline")
+    p.add_argument(
+        "--gloo-rows",
+        action="store_true",
+        help="also run every strategy with shared memory off (rows '<strategy>+gloo'), in the same rounds",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     args = p.parse_args(argv)

@@ -200,12 +200,14 @@ class PeerSamples:
         )
 
 
-def small_collective_after_compute_s(numel: int, iters: int = 200) -> float:
+def small_collective_after_compute_s(numel: int, iters: int = 200, gather=None) -> float:
     """The same all-gather when each one follows ~1 ms of compute, as in decode: the peers' gloo
-    threads have gone to sleep and must be woken, which back-to-back calls never pay."""
+    threads have gone to sleep and must be woken, which back-to-back calls never pay (and ranks
+    that finish their compute at different times wait for each other). gather(out, t): the
+    transport to time (default: gloo's all-gather)."""
     t = torch.zeros(numel)
     out = torch.empty(numel * dist.get_world_size())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = gather or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     a, b = torch.randn(64, 256), torch.randn(256, 1024)
 
     def compute_only():

@@ -44,9 +44,8 @@ def check_targets(report) -> list[dict]:
                         f"(CPU-time speed-up {r['cpu_speedup_vs_unpatched']:.2f}x)",
                     )
                 )
-                floor = info["decode_floor_s"]
+                floor, woken = _floors(info, s)
                 over = r["decode_overhead_s"]
-                woken = info.get("small_collective_after_compute_s", 0.0) * info["shape"]["layers"]
                 out.append(
                     dict(
                         target=f"decode {s} N={N} T={T}: overhead <= 1.1 x floor ({floor * 1e3:.2f} ms)",
@@ -124,6 +123,27 @@ def _mib(x):
     return x / 2**20
 
 
+def _floors(info, strategy: str) -> tuple[float, float]:
+    """(floor, after-compute floor) of decode per token for a row: one small all-gather per layer over
+    the transport the row's decode used (gloo for '+gloo' rows, else the run's transport)."""
+    layers = info["shape"]["layers"]
+    if strategy.endswith("+gloo") and "gloo" in info.get("small_collective_by_transport", {}):
+        return (
+            layers * info["small_collective_by_transport"]["gloo"],
+            layers * info["small_collective_after_compute_by_transport"]["gloo"],
+        )
+    return info["decode_floor_s"], layers * info.get("small_collective_after_compute_s", 0.0)
+
+
+def _other_transports(info) -> str:
+    return "".join(
+        f"; {t} {info['small_collective_by_transport'][t] * 1e3:.3f} ms "
+        f"({info['small_collective_after_compute_by_transport'][t] * 1e3:.3f} ms after compute)"
+        for t in info.get("small_collective_by_transport", {})
+        if t != info.get("transport")
+    )
+
+
 def format_report(report) -> str:
     lines = ["# hf-contextpar benchmark", ""]
     for n_key, info in report["runs"].items():
@@ -134,7 +154,8 @@ def format_report(report) -> str:
             f"{info['new_tokens']} tokens; C_attn {m['attn_flops'] / 1e9:.2f} GFLOP/s, C_gemm "
             f"{m['gemm_flops'] / 1e9:.2f} GFLOP/s, BW {m['bandwidth'] / 1e9:.3f} GB/s, small collective "
             f"{info['small_collective_s'] * 1e3:.3f} ms ({info.get('small_collective_after_compute_s', 0) * 1e3:.3f} ms "
-            f"after compute) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token; "
+            f"after compute{_other_transports(info)}) -> decode floor {info['decode_floor_s'] * 1e3:.2f} ms/token"
+            f"{' over ' + info['transport'] if info.get('transport') else ''}; "
             f"load {', '.join(f'{x:.2f}' for x in info['load_before'])}"
         )
         for s in info.get("skipped", []):

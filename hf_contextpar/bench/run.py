@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from .. import costmodel
 from ..calibrate import measure, small_collective_s
-from ..distributed import resolve_group
+from ..distributed import DEFAULT_TIMEOUT_S, resolve_group
 from ..models import DTYPES, load
+from ..shm import open_shm_gather
 from .measure import PeerSamples, Samples, _cores, small_collective_after_compute_s
 from .report import check_targets, format_report, plot
 from .torch_ring import PEERS, TorchRing
@@ -20,6 +21,7 @@ from .torch_ring import PEERS, TorchRing
 DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
 KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
+GLOO = "+gloo"  # --gloo-rows: a strategy's row with shared memory off (decode's gathers over gloo)
 PEER_RIVAL = "ring_pass_kv"  # the strategy each peer row is compared with (ours/peer)
 PEER_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}  # PyTorch's ring merges in fp32 (convert_to_f32)
 PEER_TOLERANCE_HALF = 1e-2
@@ -112,6 +114,8 @@ def run(args) -> dict | None:
     strategies = _strategies(args.strategies)
     if args.kvr_partitions and "kv_runahead" in strategies:
         strategies.append(KVR_TABLE)
+    if args.gloo_rows and world > 1:  # the same strategies with decode's gathers over gloo (shared memory off)
+        strategies += [s + GLOO for s in strategies]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     log(
         f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
@@ -119,12 +123,17 @@ def run(args) -> dict | None:
     )
 
     machine = measure(shape, dtype, device)
-    floor_collective = small_collective_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
-    woken_collective = small_collective_after_compute_s(shape.heads * (shape.head_dim + 1)) if world > 1 else 0.0
+    # decode's floor: one small all-gather per layer, over the transport decode uses (see _transport)
+    transport, floors = _transport(device, rank, world)
+    numel = shape.heads * (shape.head_dim + 1)
+    floor = {t: small_collective_s(numel, gather=g) for t, g in floors.items()}
+    woken = {t: small_collective_after_compute_s(numel, gather=g) for t, g in floors.items()}
+    floor_collective, woken_collective = floor.get(transport, 0.0), woken.get(transport, 0.0)
     log(
         f"machine: C_attn {machine.attn_flops / 1e9:.2f} GFLOP/s  C_gemm {machine.gemm_flops / 1e9:.2f} GFLOP/s  "
-        f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective {floor_collective * 1e3:.3f} ms "
-        f"({woken_collective * 1e3:.3f} ms after compute)"
+        f"BW {machine.bandwidth / 1e9:.3f} GB/s  small collective "
+        + "  ".join(f"{t} {floor[t] * 1e3:.3f} ms ({woken[t] * 1e3:.3f} ms after compute)" for t in floor)
+        + (f"  decode uses {transport}" if transport else "")
     )
 
     rows, skipped = [], []
@@ -143,12 +152,15 @@ def run(args) -> dict | None:
             barrier()
 
     def patched(strategy, fn):
-        extra = {}
+        extra, gloo = {}, strategy.endswith(GLOO)
+        strategy = strategy.removesuffix(GLOO)
         if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
             strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions, windowed=_windowed(model.config))
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
+            if gloo and runtime is not None:
+                runtime.comm.close_shm()  # every rank alike: this row's gathers go over gloo
             fn(runtime.comm.stats if runtime is not None else None)
         finally:
             hf_contextpar.remove_context_parallel(model)
@@ -254,9 +266,12 @@ def run(args) -> dict | None:
         new_tokens=args.new_tokens,
         lengths=lengths,
         machine=machine.as_dict(),
+        transport=transport,
         small_collective_s=floor_collective,
         decode_floor_s=shape.layers * floor_collective,
         small_collective_after_compute_s=woken_collective,
+        small_collective_by_transport=floor,
+        small_collective_after_compute_by_transport=woken,
         shape=shape.__dict__,
         load_before=os.getloadavg(),
         torch=torch.__version__,
@@ -283,6 +298,20 @@ def run(args) -> dict | None:
             "unpatched model: their timings measure a wrong computation (report written, marked FAILED)"
         )
     return report
+
+
+def _transport(device, rank, world):
+    """(what decode's all-gathers use, {transport: gather(out, t) to time}): "shm" where
+    apply_context_parallel would open a shared-memory gather (CPU ranks on one host), else the
+    process group's own; both are timed where shm is available, for the floor of each."""
+    if world == 1:
+        return None, {}
+    gloo = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    shm = open_shm_gather(dist.group.WORLD, rank, world, device, DEFAULT_TIMEOUT_S)
+    name = "gloo" if device.type == "cpu" else "nccl"
+    if shm is None:
+        return name, {name: gloo}
+    return "shm", {"shm": shm.gather_into, name: gloo}
 
 
 def _peer_tolerance(dtype) -> float:
@@ -326,7 +355,7 @@ def _annotate(rows, run_info, shape, machine):
     for r in rows:
         r["run_N"] = run_info["N"]
         r["predicted_ttft_s"] = costmodel.predict_ttft(
-            r["strategy"] if r["kind"] == "cp" else "unpatched", r["length"], r["N"], shape, machine
+            r["strategy"].removesuffix(GLOO) if r["kind"] == "cp" else "unpatched", r["length"], r["N"], shape, machine
         )
         if r["kind"] == "baseline" and r["strategy"] == "unpatched_all_cores":
             r["predicted_ttft_s"] = None  # the machine constants are per rank (run's threads)
