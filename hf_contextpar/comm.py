@@ -9,6 +9,8 @@ collective, and for the ring only the posting plus the part of `wait()` that the
 the block in hand did not hide, i.e. the exposed communication. On CUDA these are host-side
 times (NCCL waits are stream-ordered). A failing collective (a peer died, the timeout
 expired) is re-raised as a ContextParallelError naming the rank and the operation.
+All-gathers of CPU tensors go through shared memory when every rank is a process on this host
+(`shm.py`); everything else through the process group.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class Comm:
         self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
         self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
-        self._gate = None  # a check to settle before the next message (see `hold`)
+        self._gate = None  # a check to settle before the next message (see `check_before_next`)
+        self._rider = None  # (fingerprint, verify) riding on the next shared-memory all-gather
         self.shm = None  # a ShmGather when every rank is a CPU process on this host (set by apply)
         _live.add(self)
 
@@ -78,19 +81,38 @@ class Comm:
             self.shm.close()
             self.shm = None
 
-    def hold(self, check) -> None:
-        """Run `check` (once) right before the next message is posted, or at `settle()`.
+    def check_before_next(self, fingerprint: torch.Tensor, verify) -> None:
+        """Gather every rank's `fingerprint` and run `verify(stack)` before the next message is posted
+        (or at `settle()`).
 
-        The runtime holds each forward's input check here: ranks whose inputs differ would run
-        mismatched collectives, so it must pass before the first message; holding it until then,
-        rather than settling it before the forward's first attention layer, lets the compute up
-        to that message (decode: the first layer's local attention) hide its latency."""
-        self._gate = check
+        The runtime checks each forward's inputs this way: ranks whose inputs differ would run
+        mismatched collectives, so the check must pass before the first message, but need not cost a
+        collective of its own. Over shared memory the fingerprint rides on that message when it is an
+        all-gather (decode: the first layer's), so decode runs one collective per layer and nothing
+        else; a mismatch then shows as unequal sizes (an error) or in the fingerprints, verified before
+        the gathered data is used. Otherwise (a ring hop first, or gloo) it is gathered on its own: over
+        gloo posted now and waited for right before the first message, so the compute up to that
+        message hides its latency."""
+        if self.shm is not None and self.shm.fits(fingerprint):
+            self._rider = (fingerprint.contiguous().view(-1), verify)
+            self._gate = self._gather_rider
+        else:
+            pending = self.all_gather_start(fingerprint, tag="control")
+            self._gate = lambda: verify(pending.wait())
+
+    def drop_check(self) -> None:
+        """Forget a pending check (a forward that raised: its collective may be in flight)."""
+        self._gate = self._rider = None
 
     def settle(self) -> None:
         if self._gate is not None:
             check, self._gate = self._gate, None
             check()
+
+    def _gather_rider(self) -> None:
+        fingerprint, verify = self._rider
+        self._rider = None
+        verify(self.all_gather(fingerprint, tag="control"))
 
     def _record(self, tag: str, op: str, sent: int, received: int):
         self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)
@@ -147,8 +169,10 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
         """Stack of every rank's equally shaped `t`, in rank order: (world, *t.shape)."""
-        self.settle()
         flat = t.contiguous().view(-1)
+        if self._rider is not None and self.shm.fits(flat, extra=self._rider[0]):
+            return self._all_gather_riding(t, flat, tag)
+        self.settle()
         with self._guard("all_gather", "all_gather", tag):
             if self.shm is not None and self.shm.fits(flat):
                 out = self.shm.all_gather(flat)
@@ -158,17 +182,27 @@ class Comm:
         self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
+    def _all_gather_riding(self, t: torch.Tensor, flat: torch.Tensor, tag: str) -> torch.Tensor:
+        """`all_gather(t)` with the pending input fingerprint appended to every rank's bytes."""
+        (fingerprint, verify), n = self._rider, _nbytes(flat)
+        self._rider = self._gate = None
+        with self._guard("all_gather", "all_gather", tag):
+            both = torch.cat([flat.view(torch.uint8), fingerprint.view(torch.uint8)])
+            out = self.shm.all_gather(both).view(self.world, -1)
+        verify(out[:, n:].contiguous().view(fingerprint.dtype))
+        self._record(tag, "all_gather", n * (self.world - 1), n * (self.world - 1))
+        self._record("control", "all_gather", *(2 * [_nbytes(fingerprint) * (self.world - 1)]))
+        return out[:, :n].contiguous().view(t.dtype).view(self.world, *t.shape)
+
     def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> Pending:
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack.
 
         For a check that need not block the forward (every rank's input fingerprint): posted before
         the forward, waited for after it, its latency hides under the forward's compute instead of
         adding one collective per decode step. Collectives on one group run in posting order on
-        every rank, so later collectives of the forward queue behind it safely. Through shared
-        memory it completes here: the peers post theirs at the same point, so there is little to hide.
+        every rank, so later collectives of the forward queue behind it safely. Always over the
+        process group.
         """
-        if self.shm is not None and self.shm.fits(t):
-            return Pending(self, [], self.all_gather(t, tag), "all_gather", tag)
         self.settle()
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)

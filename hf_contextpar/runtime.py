@@ -166,8 +166,7 @@ class ContextParallelRuntime:
             uses_cache=cache is not None,
         )
         if self.check_inputs:
-            pending = self._post_input_check(batch, num_new, past, ids, embeds, mask, position_ids)
-            self.comm.hold(lambda: self._verify_same(pending.wait(), "inputs"))
+            self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
 
         self._shard_inputs(kwargs, plan, position_ids)
         if cache is not None:
@@ -212,7 +211,7 @@ class ContextParallelRuntime:
             ok = False
             raise
         finally:
-            self.comm.hold(None)  # a forward that raised drops its check (its collective is in flight)
+            self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
             if step.cache is not None:
                 step.cache.end(plan, ok)
             torch.set_grad_enabled(grad)
@@ -288,8 +287,9 @@ class ContextParallelRuntime:
             )
         raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
 
-    def _post_input_check(self, batch, num_new, past, ids, embeds, mask, position_ids):
-        """Start the all-gather of every rank's input fingerprint (one small collective per forward)."""
+    def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids):
+        """Every rank's input fingerprint, compared before the forward's first message (see
+        Comm.check_before_next: over shared memory it costs no collective of its own)."""
         fp = torch.tensor(
             [
                 batch,
@@ -302,7 +302,10 @@ class ContextParallelRuntime:
             ],
             dtype=torch.long,
         )
-        return self.comm.all_gather_start(fp.to(self._check_device(ids if ids is not None else embeds)), tag="control")
+        self.comm.check_before_next(
+            fp.to(self._check_device(ids if ids is not None else embeds)),
+            lambda everyone: self._verify_same(everyone, "inputs"),
+        )
 
     @staticmethod
     def _check_device(t):

@@ -79,8 +79,10 @@ class ShmGather:
         self._buf = buf
         self._k = 0
 
-    def fits(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.numel() * t.element_size() <= SLOT_BYTES
+    def fits(self, t: torch.Tensor, extra: torch.Tensor | None = None) -> bool:
+        """Whether `t` (and `extra` appended to it) can go through here: CPU and at most SLOT_BYTES."""
+        n = t.numel() * t.element_size() + (0 if extra is None else extra.numel() * extra.element_size())
+        return t.device.type == "cpu" and n <= SLOT_BYTES
 
     def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
         """(world * flat.numel(),) of every rank's flat contiguous `flat`, in rank order."""

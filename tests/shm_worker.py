@@ -37,9 +37,19 @@ def gather(comm: Comm, rank: int, world: int) -> str:
         if not torch.equal(via_shm[rank].view(-1), t):
             return f"gather {i}: own part changed"
     comm.shm = shm
-    pending = comm.all_gather_start(torch.tensor([rank, 7]), tag="control")  # the input check's form
-    if pending.wait().tolist() != [[r, 7] for r in range(world)]:
-        return "all_gather_start through shared memory gave the wrong stack"
+    for data in (torch.arange(5.0) + rank, torch.zeros(0)):  # the input check rides on the next gather
+        seen, before = [], shm._k
+        comm.check_before_next(torch.tensor([rank, 7]), seen.append)
+        got = comm.all_gather(data)
+        if shm._k != before + 1 or [s.tolist() for s in seen] != [[[r, 7] for r in range(world)]]:
+            return f"the fingerprint did not ride on the gather ({shm._k - before} gathers, saw {seen})"
+        if not torch.equal(got, torch.stack([data - rank + r for r in range(world)])):
+            return "a gather carrying the fingerprint returned the wrong stack"
+    seen = []
+    comm.check_before_next(torch.tensor([rank, 7]), seen.append)
+    comm.settle()  # no gather came: gathered on its own
+    if [s.tolist() for s in seen] != [[[r, 7] for r in range(world)]]:
+        return "the fingerprint gathered on its own gave the wrong stack"
     return "ok"
 
 
