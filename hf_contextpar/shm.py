@@ -146,6 +146,26 @@ class ShmGather:
         self._head = self._slots = self._buf = None
 
 
+def _create(path: str, size: int) -> str | None:
+    """Create the file with its pages reserved: a sparse file on a full /dev/shm (64 MB in a default
+    Docker container) would end in SIGBUS at the first write; this fails here instead (-> gloo)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+        return path
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
 def open_shm_gather(group, rank: int, world: int, device: torch.device, default_timeout: float) -> ShmGather | None:
     """A ShmGather when every rank is a CPU process on this host (x86-64), else None; every rank
     gets the same answer. HF_CONTEXTPAR_SHM=0 on any rank keeps gloo for all."""
@@ -159,15 +179,7 @@ def open_shm_gather(group, rank: int, world: int, device: torch.device, default_
         and os.path.isdir("/dev/shm")
     )
     if wanted and rank == 0:
-        path = os.path.join("/dev/shm", f"hf_contextpar-{uuid.uuid4().hex}")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        except OSError:
-            path = None
+        path = _create(os.path.join("/dev/shm", f"hf_contextpar-{uuid.uuid4().hex}"), size)
     facts = [None] * world
     dist.all_gather_object(facts, (wanted, _host(), os.getpid(), path), group=group)
     path = facts[0][3]

@@ -58,7 +58,13 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if scenario == "off" and rank == 1:
         os.environ["HF_CONTEXTPAR_SHM"] = "0"  # on this rank only
-    if scenario in ("gather", "sizes", "off"):
+    if scenario == "full" and rank == 0:  # /dev/shm has no room: the reservation fails
+
+        def no_room(fd, offset, length):
+            raise OSError(28, "No space left on device")
+
+        os.posix_fallocate = no_room
+    if scenario in ("gather", "sizes", "off", "full"):
         dist.init_process_group("gloo")
         group = dist.group.WORLD
         comm = Comm(group, rank, world)

@@ -42,10 +42,22 @@ def test_switched_off_on_one_rank_is_off_for_all():
         assert lines == ["shm False"], (rank, lines, procs[rank][2][-2000:])
 
 
+def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
+    """The file's pages are reserved up front: a full /dev/shm fails there (not with SIGBUS at a
+    later write), every rank uses gloo, and the file is gone."""
+    before = set(os.listdir("/dev/shm"))
+    procs = launch(2, [WORKER, "full"], timeout=120)
+    for rank, lines in enumerate(_results(procs)):
+        assert lines == ["shm False"], (rank, lines, procs[rank][2][-2000:])
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("hf_contextpar-")]
+
+
 def test_model_decodes_through_it():
     """apply_context_parallel opens it, decode's gathers go through it, tokens are the single process's,
     remove_context_parallel closes it."""
+    before = set(os.listdir("/dev/shm"))
     procs = launch(2, [WORKER, "model"], timeout=300)
+    assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("hf_contextpar-")]  # unlinked at once
     ids = torch.randint(0, 256, (1, 23), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = tiny_model("llama").generate(ids, max_new_tokens=6, do_sample=False)[0].tolist()
