@@ -39,11 +39,17 @@ def test_selftest_under_torchrun_on_cpu(tmp_path):
     res, why = torchrun(2, "--json", str(report), "--bench-length", "512", "--bench-repeats", "1")
     assert res.returncode == 0, why
     verdicts = re.findall(
-        r"^selftest: (PASS|FAIL) (\d+)/(\d+) cases, N=2, cpu/gloo, tiny-llama, fp32,bf16,fp16", res.stdout, re.M
+        r"^selftest: (PASS|FAIL) (\d+)/(\d+) cases, N=2, cpu/gloo\+shm, tiny-llama, fp32,bf16,fp16", res.stdout, re.M
     )
     assert verdicts == [("PASS", "36", "36")], why  # one verdict line, on rank 0 only
     r = json.loads(report.read_text())
-    assert r["passed"] and r["failed"] == [] and r["world"] == 2 and r["backend"] == "gloo", why
+    assert (
+        r["passed"]
+        and r["failed"] == []
+        and r["world"] == 2
+        and r["backend"] == "gloo"
+        and r["transport"] == "gloo+shm"
+    ), why
     names = {c["name"] for c in r["cases"]}
     for dtype in ("float32", "bfloat16", "float16"):
         assert {f"{dtype}/greedy/{s}" for s in STRATEGIES} <= names
@@ -64,7 +70,7 @@ def test_a_broken_case_turns_the_verdict_to_fail(tmp_path):
     case = "float32/greedy/ring_pass_q"
     res, why = torchrun(2, "--dtypes", "fp32", "--no-bench", "--inject-fault", case, "--json", str(report))
     assert res.returncode != 0, why
-    assert re.search(r"^selftest: FAIL 11/12 cases, N=2, cpu/gloo", res.stdout, re.M), why
+    assert re.search(r"^selftest: FAIL 11/12 cases, N=2, cpu/gloo\+shm", res.stdout, re.M), why
     assert re.search(rf"FAILED {case}: rank 0: prompt logits differ by 1 > 0.0001; tokens differ", res.stdout), why
     r = json.loads(report.read_text())
     assert not r["passed"] and r["failed"] == [case]

@@ -9,7 +9,7 @@ benchmark (`benchmark`). With --simulated, on one process (one GPU hosts one NCC
 attention algorithm on simulated ranks, the fused kernels and the merge, against plain attention
 (`single`), and with --timing the kernels and the merge at long lengths (`timing`).
 
-Rank 0 prints a table, then one verdict line (`selftest: PASS 33/33 cases, N=2, cpu/gloo, ...`);
+Rank 0 prints a table, then one verdict line (`selftest: PASS 33/33 cases, N=2, cpu/gloo+shm, ...`);
 --json writes the report. Exit status: 0 when every case passed, 1 otherwise (the failing cases
 are listed), 2 when the self-test could not run.
 """
@@ -153,7 +153,8 @@ def _run_distributed(args, dtypes, cuda) -> int:
     import torch.distributed as dist
 
     from ..bench.measure import _cores
-    from ..distributed import release_at_exit, resolve_group
+    from ..distributed import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
+    from ..shm import open_shm_gather
     from .benchmark import run_benchmark
     from .matrix import run_matrix
 
@@ -174,7 +175,11 @@ def _run_distributed(args, dtypes, cuda) -> int:
         torch.set_num_threads(args.threads)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     backend = dist.get_backend()
-    where = f"N={world}, {device.type}/{backend}"
+    shm = open_shm_gather(dist.group.WORLD, rank, world, device, DEFAULT_TIMEOUT_S)  # what apply will find
+    transport = backend + ("+shm" if shm is not None else "")  # decode's all-gathers through shared memory
+    if shm is not None:
+        shm.close()
+    where = f"N={world}, {device.type}/{transport}"
     log(f"selftest: model {args.model}, {where}, {torch.get_num_threads()} threads/process")
     names = [DTYPE_NAMES[d] for d in dtypes]
     try:
@@ -210,6 +215,7 @@ def _run_distributed(args, dtypes, cuda) -> int:
                     world=world,
                     device=device.type,
                     backend=backend,
+                    transport=transport,
                     model=args.model,
                     environment=_environment(device),
                     tolerances=tolerances,
