@@ -9,6 +9,12 @@ first prefill, which sizes it exactly, else one contiguous copy per layer. The g
 every rank's tokens are replicated metadata (a few integers per token), so any rank can build
 the mask for any other rank's block without asking for it. `get_seq_length()` reports the
 *global* length, so `generate()` keeps its bookkeeping unchanged.
+
+Sliding-window layers keep what transformers' `DynamicSlidingWindowLayer` keeps: once a forward is
+committed, only keys a later query can still see (columns from length - window + 1 on), on every
+rank; while `generate()` records the past (assisted decoding) everything stays until `crop`. The
+cache has sliding layers exactly where the single-process cache would: `DynamicCache(config=...)`
+(what a model makes when given no cache) has them, a config-less `DynamicCache()` does not.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import ContextParallelError
-from .plan import rank_counts, sequence_counts
+from .plan import droppable, rank_counts, sequence_counts
+
+
+def cache_windows(cache: Cache) -> list:
+    """Per layer of a transformers cache: its sliding window, or None for a layer that keeps every token."""
+    return [
+        getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+        for layer in cache.layers
+    ]
 
 
 class ShardLayout:
@@ -29,13 +43,16 @@ class ShardLayout:
     a forward ends (`commit`), to what that forward's plan said.
     """
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, windows=()):
         self.rank, self.world = rank, world
         self.cols: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(world)]
         self.seq_length = 0  # committed global length (tokens of finished forwards)
         self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
         self.run = None  # the decode run left open (plan.ForwardPlan.run), continued by the next decode step
         self.store = None  # the running forward's plan.Store for this rank; None between forwards
+        # per sliding window: how many leading slots of each rank's columns its layers have dropped
+        self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
+        self.record_past = False  # generate()'s assisted decoding: keep everything until crop()
 
     def commit(self, plan):
         self.cols, self.seq_length, self.rotation, self.run = (
@@ -44,6 +61,8 @@ class ShardLayout:
             plan.rotation,
             plan.run,
         )
+        if self.dropped:
+            self.dropped = plan.next_dropped
 
     def slots(self, rank: int) -> int:
         return self.cols[rank].shape[-1]
@@ -62,14 +81,28 @@ class ShardLayout:
 
 
 class ShardedLayer(CacheLayerMixin):
-    is_sliding = False
     is_croppable = True
 
-    def __init__(self, layout: ShardLayout):
+    def __init__(self, layout: ShardLayout, window: int | None = None):
         super().__init__()
         self.layout = layout
+        self.window, self.is_sliding = window, window is not None
         self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D)
-        self.n = 0
+        self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
+        self.n = 0  # buffer index after the newest
+        self.dropped = 0  # leading slots of this rank's layout columns the layer no longer holds
+
+    # transformers' generate() switches past recording on and off on the layers that have it
+    @property
+    def record_past(self) -> bool:
+        return self.layout.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool):
+        self.layout.record_past = bool(value)
+
+    def activate_past_recording(self):
+        self.layout.record_past = True
 
     def lazy_initialization(self, key_states, value_states):
         if key_states.shape != value_states.shape:
@@ -80,15 +113,40 @@ class ShardedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self.kv = torch.empty((2, b, h, 0, d), dtype=self.dtype, device=self.device)
-        self.n = 0
+        self.first = self.n = 0
         self.is_initialized = True
 
-    def _reserve(self, n: int):
-        if n > self.kv.shape[3]:
-            two, b, h, cap, d = self.kv.shape
-            grown = torch.empty((two, b, h, max(2 * cap, n, 64), d), dtype=self.kv.dtype, device=self.kv.device)
-            grown[:, :, :, : self.n] = self.kv[:, :, :, : self.n]
-            self.kv = grown
+    def _reserve(self, n: int) -> int:
+        """Make room up to buffer index n: grow the buffer, or first move the kept tokens to its start
+        (a sliding layer's dropped ones leave room there). Returns how far the kept tokens moved down."""
+        if n <= self.kv.shape[3]:
+            return 0
+        moved, live = self.first, self.n - self.first
+        two, b, h, cap, d = self.kv.shape
+        target = self.kv
+        if n - moved > cap:
+            size = max(2 * cap, n - moved, 64) if self.window is None else max(2 * (n - moved), 64)
+            target = torch.empty((two, b, h, size, d), dtype=self.kv.dtype, device=self.kv.device)
+        target[:, :, :, :live] = (
+            self.kv[:, :, :, moved : self.n].clone() if target is self.kv else self.kv[:, :, :, moved : self.n]
+        )
+        self.kv, self.first = target, 0
+        self._keep(live)
+        return moved
+
+    def trim(self, dropped: int):
+        """Drop this rank's leading slots up to `dropped` (a sliding layer, when a forward is committed
+        or the cache cropped); a buffer left mostly empty is given back."""
+        if self.kv is None:  # nothing stored yet
+            self.dropped = dropped
+            return
+        self.first += dropped - self.dropped
+        self.dropped = dropped
+        live = self.n - self.first
+        if self.kv is not None and self.kv.shape[3] > max(64, 4 * live):
+            self.kv = self.kv[:, :, :, self.first : self.n].clone()  # the rest goes back to the allocator
+            self.first = 0
+        self._keep(self.first + live)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -96,8 +154,10 @@ class ShardedLayer(CacheLayerMixin):
         store = self.layout.store
         if store is not None and store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
+            slots = slots + (self.first - self.dropped)  # layout slot -> buffer index
             n = max(self.n, int(slots.max()) + 1) if slots.numel() else self.n
-            self._reserve(n)
+            moved = self._reserve(n)
+            n, slots = n - moved, slots - moved
             self.kv[:, :, :, self.n : n] = 0  # new slots start empty; masked, but must hold finite values
             rows, slots = rows.to(self.kv.device), slots.to(self.kv.device)
             self.kv[0, rows, :, slots] = key_states[:, :, 0]
@@ -117,7 +177,7 @@ class ShardedLayer(CacheLayerMixin):
     def block(self) -> torch.Tensor:
         """This rank's K/V for the layer, (2, B, Hkv, tokens, D): a view of the buffer, contiguous (so it
         can be sent as it is) while the buffer holds exactly these tokens, as after a first prefill."""
-        return self.kv[:, :, :, : self.n]
+        return self.kv[:, :, :, self.first : self.n]
 
     def get_seq_length(self) -> int:
         return self.layout.seq_length
@@ -129,17 +189,24 @@ class ShardedLayer(CacheLayerMixin):
         return -1
 
     def reset(self):
-        self.kv, self.n, self.keys, self.values, self.is_initialized = None, 0, None, None, False
+        self.kv, self.keys, self.values, self.is_initialized = None, None, None, False
+        self.first = self.n = self.dropped = 0
+
+    @property
+    def live(self) -> int:
+        """Tokens this layer holds on this rank."""
+        return self.n - self.first
 
     def _keep(self, n: int):
         self.n = n
         if self.kv is not None:
-            self.keys, self.values = self.kv[0, :, :, :n], self.kv[1, :, :, :n]
+            self.keys, self.values = self.kv[0, :, :, self.first : n], self.kv[1, :, :, self.first : n]
 
     def _map_batch(self, fn):
         if self.kv is not None:
-            self.kv = fn(self.kv[:, :, :, : self.n]).contiguous()
-            self._keep(self.n)
+            live = self.live
+            self.kv, self.first = fn(self.kv[:, :, :, self.first : self.n]).contiguous(), 0
+            self._keep(live)
 
     def reorder_cache(self, beam_idx):
         self._map_batch(lambda kv: kv.index_select(1, beam_idx.to(kv.device)))
@@ -159,17 +226,28 @@ class ShardedCache(Cache):
     bound in place to the empty `DynamicCache` a caller passes (`bind`), so a cache object the
     caller keeps and passes again carries the sharded state, as it would on one process."""
 
-    def __init__(self, num_layers: int, rank: int, world: int):
-        self.layout = ShardLayout(rank, world)
-        super().__init__(layers=[ShardedLayer(self.layout) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, rank: int, world: int, windows=None):
+        """windows: per layer, the sliding window its cache keeps (None: every token), as the
+        single-process cache would have it (`cache_windows`)."""
+        windows = list(windows) if windows else [None] * num_layers
+        self.layout = ShardLayout(rank, world, windows)
+        super().__init__(layers=[ShardedLayer(self.layout, w) for w in windows])
+
+    @property
+    def windows(self) -> tuple:
+        return tuple(layer.window for layer in self.layers)
 
     @classmethod
     def bind(cls, cache: Cache, num_layers: int, rank: int, world: int) -> ShardedCache:
-        """Turn the caller's empty cache object into this rank's ShardedCache, in place."""
+        """Turn the caller's empty cache object into this rank's ShardedCache, in place, with the
+        sliding layers it was made with (DynamicCache(config=...) has them, DynamicCache() none)."""
         user_defined = getattr(cache, "_is_user_defined", None)
+        windows = cache_windows(cache) if len(cache.layers) == num_layers else None
+        recording = any(getattr(layer, "record_past", False) for layer in cache.layers)  # assisted decoding's
         cache.__dict__.clear()
         cache.__class__ = cls
-        cls.__init__(cache, num_layers, rank, world)
+        cls.__init__(cache, num_layers, rank, world, windows)
+        cache.layout.record_past = recording
         if user_defined is not None:
             cache._is_user_defined = user_defined
         return cache
@@ -177,16 +255,23 @@ class ShardedCache(Cache):
     # -- one forward: told the plan at the start, the layout committed at the end ----------------
     def begin(self, plan):
         self.layout.store = plan.store[self.layout.rank]
-        self._sizes = [layer.n for layer in self.layers]
+        self._sizes = [layer.live for layer in self.layers]
 
     def end(self, plan, ok: bool = True):
-        """Commit the plan's layout; if the forward failed, forget what it stored."""
+        """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
+        failed, forget what it stored."""
         self.layout.store = None
         if ok:
             self.layout.commit(plan)
+            self._trim()
         else:
-            for layer, n in zip(self.layers, self._sizes):
-                layer._keep(n)
+            for layer, live in zip(self.layers, self._sizes):
+                layer._keep(layer.first + live)
+
+    def _trim(self):
+        for layer in self.layers:
+            if layer.window is not None:
+                layer.trim(self.layout.dropped[layer.window][self.layout.rank])
 
     @property
     def local_length(self) -> int:
@@ -195,7 +280,7 @@ class ShardedCache(Cache):
 
     def local_nbytes(self) -> int:
         return sum(
-            layer.n * layer.kv[:, :, :, 0].numel() * layer.kv.element_size()
+            layer.live * layer.kv[:, :, :, 0].numel() * layer.kv.element_size()
             for layer in self.layers
             if layer.kv is not None
         )
@@ -221,15 +306,32 @@ class ShardedCache(Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
-        keep = max(0, self.layout.seq_length + tokens_to_remove)
+        layout = self.layout
+        keep = max(0, layout.seq_length + tokens_to_remove)
         # 1D columns are ascending, so a prefix survives; per-sequence tables just empty the slots
-        self.layout.cols = [c[c < keep] if c.dim() == 1 else c.masked_fill(c >= keep, -1) for c in self.layout.cols]
-        self.layout.seq_length = keep
-        self.layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
+        cols = [c[c < keep] if c.dim() == 1 else c.masked_fill(c >= keep, -1) for c in layout.cols]
+        for w, dropped in layout.dropped.items():  # what DynamicSlidingWindowLayer.crop refuses
+            if layout.seq_length >= w and not layout.record_past:
+                raise RuntimeError(
+                    "`crop` was called, but the current layer does not track past states, and the sliding window size "
+                    "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
+                )
+            if any(droppable(c, keep - w + 1) < d for c, d in zip(cols, dropped)):
+                raise ContextParallelError(
+                    f"crop({tokens_to_remove}) goes back further than this cache's sliding layers kept (window {w}): "
+                    "the keys it would need again were already dropped. Activate past recording before the "
+                    "tokens to be cropped are added, as transformers' assisted decoding does."
+                )
+        layout.cols, layout.seq_length = cols, keep
+        layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
+        layout.dropped = {
+            w: [max(d, droppable(c, keep - w + 1)) for c, d in zip(cols, ds)] for w, ds in layout.dropped.items()
+        }
         for layer in self.layers:
-            layer._keep(self.layout.slots(self.layout.rank))
+            layer._keep(layer.first + layout.slots(layout.rank) - layer.dropped)
+        self._trim()
 
     def reset(self):
         """Empty the cache, keeping the object (DynamicCache.reset)."""
         super().reset()
-        self.layout.__init__(self.layout.rank, self.layout.world)
+        self.layout.__init__(self.layout.rank, self.layout.world, self.windows)

@@ -18,12 +18,17 @@ Three shapes of forward:
 Decode placement goes in runs of `Policy.interleave` tokens per rank (vLLM's
 cp_kv_cache_interleave_size; 1 by default): the run a decode forward leaves open is part of the
 layout (`ForwardPlan.run`), so the next forward, one token later, continues it.
+
+Sliding-window layers keep only what a later query can see, as transformers' sliding cache does
+(the last window - 1 columns): on every rank they drop the leading key slots whose columns are all
+older than that (`dropped`, per window, committed by the cache when the forward ends), so their
+K/V blocks, hence their message sizes, are the layout's minus those slots (`kv_cols_for`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -80,14 +85,21 @@ class ForwardPlan:
     rope_length: int  # max position + 1 over the whole forward: what position-dependent RoPE sees
     padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
     uses_cache: bool
+    window_cols: dict = field(default_factory=dict)  # window -> per rank: the keys its sliding layers hold
+    dropped: dict = field(default_factory=dict)  # window -> per rank: leading slots those layers have dropped
+    next_dropped: dict = field(default_factory=dict)  # the same once this forward is committed
 
     @property
     def seq_length(self) -> int:
         return self.past + self.num_new
 
-    def kv_size(self, rank: int) -> int:
+    def kv_cols_for(self, window: int | None) -> list:
+        """Per rank: the key columns a layer with this cache window holds during the forward."""
+        return self.window_cols.get(window, self.kv_cols)
+
+    def kv_size(self, rank: int, window: int | None = None) -> int:
         """Tokens in rank's K/V block (slots, for per-sequence tables): every message size."""
-        return self.kv_cols[rank].shape[-1]
+        return self.kv_cols_for(window)[rank].shape[-1]
 
 
 def build_plan(
@@ -102,6 +114,57 @@ def build_plan(
     uses_cache: bool = True,
 ) -> ForwardPlan:
     """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
+    plan = _shape_plan(
+        policy,
+        layout,
+        batch=batch,
+        num_new=num_new,
+        position_ids=position_ids,
+        padding=padding,
+        logits_to_keep=logits_to_keep,
+        uses_cache=uses_cache,
+    )
+    if not uses_cache or not layout.dropped:
+        return plan
+    dropped = layout.dropped
+    next_dropped = dropped
+    if not layout.record_past:  # transformers keeps every token until crop() while recording the past
+        next_dropped = {
+            w: [max(d, droppable(c, plan.seq_length - w + 1)) for c, d in zip(plan.kv_cols, ds)]
+            for w, ds in dropped.items()
+        }
+    window_cols = {w: [c[..., d:] if d else c for c, d in zip(plan.kv_cols, ds)] for w, ds in dropped.items()}
+    return replace(plan, window_cols=window_cols, dropped=dropped, next_dropped=next_dropped)
+
+
+def droppable(cols: torch.Tensor, line: int) -> int:
+    """Leading slots of a rank's key columns that hold nothing at or after column `line`. 1D columns
+    ascend. In a per-sequence table a sequence's next decode token goes right after its last filled
+    slot, so its empty slots (-1) there must stay; an empty slot before a filled one (a later prefill
+    appended to every sequence) is never filled. A slot goes when it is old or such a hole in every sequence."""
+    if line <= 0 or cols.shape[-1] == 0:
+        return 0
+    if cols.dim() == 1:
+        return int((cols < line).sum())
+    filled = cols >= 0
+    slot = torch.arange(cols.shape[1])
+    last = torch.where(filled, slot, -1).amax(1, keepdim=True)
+    gone = (filled & (cols < line)) | (~filled & (slot < last))
+    return int(gone.all(0).cumprod(0).sum())
+
+
+def _shape_plan(
+    policy: Policy,
+    layout,
+    *,
+    batch: int,
+    num_new: int,
+    position_ids: torch.Tensor,
+    padding: torch.Tensor | None,
+    logits_to_keep,
+    uses_cache: bool,
+) -> ForwardPlan:
+    """The plan without its sliding-window fields: who runs and stores what."""
     world = policy.world
     past = layout.seq_length if uses_cache else 0
     cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world

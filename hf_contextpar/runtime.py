@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import current_step
-from .cache import ShardedCache
+from .cache import ShardedCache, cache_windows
 from .comm import Comm
 from .costmodel import Shape
 from .errors import ContextParallelError, UnsupportedModelError
@@ -110,6 +110,8 @@ class ContextParallelRuntime:
         self.rank, self.world = rank, world
         self.check_inputs = check_inputs
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        # the sliding layers of the cache the unpatched model makes when given none
+        self.windows = cache_windows(DynamicCache(config=model.config))
         self._params = list(inspect.signature(model.forward).parameters)
         self._handles = []
         self._rope_modules = []
@@ -166,7 +168,7 @@ class ContextParallelRuntime:
             uses_cache=cache is not None,
         )
         if self.check_inputs:
-            self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids)
+            self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids, cache)
 
         self._shard_inputs(kwargs, plan, position_ids)
         if cache is not None:
@@ -266,7 +268,7 @@ class ContextParallelRuntime:
                 raise ContextParallelError("this ShardedCache belongs to a different context-parallel group.")
             return cache
         if cache is None:
-            return ShardedCache(self.num_layers, self.rank, self.world) if use_cache else None
+            return ShardedCache(self.num_layers, self.rank, self.world, self.windows) if use_cache else None
         if type(cache) is DynamicCache and cache.get_seq_length() == 0:
             if getattr(cache, "offloading", False):
                 raise ContextParallelError(
@@ -287,9 +289,11 @@ class ContextParallelRuntime:
             )
         raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
 
-    def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids):
+    def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids, cache):
         """Every rank's input fingerprint, compared before the forward's first message (see
-        Comm.check_before_next: over shared memory it costs no collective of its own)."""
+        Comm.check_before_next: over shared memory it costs no collective of its own). The cache's
+        sliding windows and past recording count too: they set the sliding layers' message sizes."""
+        kept = [w or 0 for w in cache.windows] + [cache.layout.record_past] if cache is not None else []
         fp = torch.tensor(
             [
                 batch,
@@ -299,6 +303,7 @@ class ContextParallelRuntime:
                 _fingerprint(embeds),
                 _fingerprint(mask),
                 _fingerprint(position_ids),
+                _fingerprint(torch.tensor(kept, dtype=torch.long)),
             ],
             dtype=torch.long,
         )

@@ -29,6 +29,9 @@ class Step:
     layer: int = 0  # index of the attention layer running now
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
 
+    def __post_init__(self):
+        self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
+
     @property
     def algorithm(self) -> str:
         return self.plan.algorithm
@@ -43,10 +46,11 @@ class Step:
 
     @property
     def kv_cols(self) -> list:
-        return self.plan.kv_cols
+        """Per rank: the key columns the running layer holds (a sliding layer keeps fewer)."""
+        return self.plan.kv_cols_for(self.windows[self.layer])
 
-    def kv_size(self, rank: int) -> int:
-        return self.plan.kv_size(rank)
+    def kv_size(self, rank: int, layer: int | None = None) -> int:
+        return self.plan.kv_size(rank, self.windows[self.layer if layer is None else layer])
 
     @property
     def padding(self):
@@ -63,7 +67,7 @@ class Step:
         """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""
         if self.plan.padding is None:
             return None
-        cols = self.q_cols if rank is None else self.plan.kv_cols[rank]
+        cols = self.q_cols if rank is None else self.kv_cols[rank]
         pad = self.plan.padding[rows]
         if cols.dim() == 2:
             return pad.gather(1, cols[rows].clamp(min=0).to(pad.device))

@@ -150,6 +150,42 @@ def cases(n):
 
     yield "caller_kept_dynamic_cache", in_place_cache
 
+    def sliding_cache_keeps_its_window():
+        """Sliding layers keep what one process keeps (the last window - 1 columns), spread over the
+        ranks, through prefill, replicated and batched decode, a returned cache and a second turn."""
+        window = 6
+        kw = dict(sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+        ref, cp = pair("qwen2", **kw)
+        report, ok = {}, True
+        for batch in (1, n + 1):  # replicated decode; batched ring pass-Q decode (per-sequence tables)
+            ids, mask = left_padded([41 - 3 * b for b in range(batch)], seed=batch)
+            run = dict(max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
+            a, b = cp.generate(ids, attention_mask=mask, **run), ref.generate(ids, attention_mask=mask, **run)
+            ok &= torch.equal(a.sequences, b.sequences) and gathered_equal(a.sequences)
+            # a second turn over the returned (trimmed) caches
+            more = torch.randint(0, 256, (batch, 7), generator=torch.Generator().manual_seed(9))
+            ids2 = torch.cat([a.sequences, more], 1)
+            mask2 = torch.cat([mask, torch.ones(batch, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            a2 = cp.generate(ids2, attention_mask=mask2, past_key_values=a.past_key_values, **run)
+            b2 = ref.generate(ids2, attention_mask=mask2, past_key_values=b.past_key_values, **run)
+            ok &= torch.equal(a2.sequences, b2.sequences)
+            cache, one = a2.past_key_values, b2.past_key_values
+            held = torch.tensor([cache.layers[0].live, cache.layers[1].live])
+            everyone = [torch.empty_like(held) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, held)
+            sliding = [int(e[0]) for e in everyone]
+            single = one.layers[0].keys.shape[2]  # what the one-process sliding layer keeps: window - 1
+            full = sum(int(e[1]) for e in everyone)
+            # every kept column on exactly one rank (1D layouts); per-sequence tables may keep a few more
+            exact = batch == 1  # per-sequence tables (batched decode) hold a few empty slots too
+            ok &= single == window - 1
+            ok &= full == one.layers[1].keys.shape[2] if exact else full <= one.layers[1].keys.shape[2] + n * batch
+            ok &= sum(sliding) == single if exact else sum(sliding) <= single + n * batch
+            report[f"batch{batch}"] = dict(sliding_per_rank=sliding, single=single, full=full, ok=bool(ok))
+        return dict(ok=bool(ok), **report)
+
+    yield "sliding_cache_keeps_its_window", sliding_cache_keeps_its_window
+
     def packed():
         _, cp = pair()
         ids = prompt(30, seed=2)

@@ -138,3 +138,136 @@ def test_failed_forward_leaves_no_trace():
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)  # layer 0 stored, then the forward failed
     cache.end(plan, ok=False)
     same(cache, dyn)
+
+
+# -- sliding layers: what DynamicCache(config=...) keeps ----------------------------------------------
+WINDOW = 5
+
+
+def _sliding_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        num_hidden_layers=LAYERS,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def sliding_pair(bound: bool = False):
+    """A cache whose layer 0 is a sliding window of WINDOW and layer 1 full, and the DynamicCache one
+    process makes for that config (`bound`: the ShardedCache made by binding such a DynamicCache)."""
+    config = _sliding_config()
+    dyn = DynamicCache(config=config)
+    cache = ShardedCache.bind(DynamicCache(config=config), LAYERS, 0, 1) if bound else None
+    if cache is None:
+        from hf_contextpar.cache import cache_windows
+
+        cache = ShardedCache(LAYERS, 0, 1, cache_windows(DynamicCache(config=config)))
+    assert cache.windows == (WINDOW, None) and cache.layers[0].is_sliding and not cache.layers[1].is_sliding
+    return cache, dyn
+
+
+def same_kept(cache, dyn):
+    """Every layer holds exactly the keys and values the single-process cache holds."""
+    assert cache.get_seq_length() == dyn.get_seq_length()
+    for layer in range(LAYERS):
+        if dyn.layers[layer].keys is None or dyn.layers[layer].keys.numel() == 0:
+            assert cache.layers[layer].live == 0
+            continue
+        assert torch.equal(cache.layers[layer].keys, dyn.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].values, dyn.layers[layer].values)
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_sliding_layer_keeps_what_dynamic_cache_keeps(bound):
+    """Prefill longer than the window, short ones, decode steps: the sliding layer keeps the last
+    window - 1 tokens after every forward, and the K/V a forward sees are the same."""
+    cache, dyn = sliding_pair(bound)
+    for i, n in enumerate([3, 9, 1, 1, 2, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]):
+        forward(cache, dyn, n, i)
+        same_kept(cache, dyn)
+    assert cache.layers[0].live == WINDOW - 1
+    assert cache.layers[0].kv.shape[3] <= 64  # the 9-token buffer was not kept at its old size forever
+
+
+def test_sliding_layer_gives_back_a_long_prefill():
+    cache, dyn = sliding_pair()
+    forward(cache, dyn, 300, 0)
+    same_kept(cache, dyn)
+    assert cache.layers[0].kv.shape[3] < 300 and cache.layers[1].live == 300
+    assert cache.local_nbytes() == (WINDOW - 1 + 300) * 2 * B * H * D * 8
+
+
+def test_sliding_crop_needs_past_recording_like_dynamic_cache():
+    cache, dyn = sliding_pair()
+    forward(cache, dyn, 8, 0)
+    for c in (cache, dyn):
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            c.crop(-1)
+    same_kept(cache, dyn)
+
+
+@pytest.mark.parametrize("remove", [0, -1, -3, -6])
+def test_sliding_crop_while_recording_the_past(remove):
+    """Assisted decoding's pattern: record the past, add draft tokens, crop the rejected ones."""
+    cache, dyn = sliding_pair()
+    forward(cache, dyn, 8, 0)
+    for c in (cache, dyn):
+        c.activate_past_recording()
+    assert cache.is_recording_past(0) and cache.is_recording_past(1)
+    forward(cache, dyn, 6, 1)
+    same_kept(cache, dyn)  # nothing dropped while recording
+    for c in (cache, dyn):
+        c.crop(remove)
+    same_kept(cache, dyn)
+    forward(cache, dyn, 1, 2)
+    same_kept(cache, dyn)
+    for c in (cache, dyn):  # what generate() does when it hands the cache back
+        for layer in c.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
+    forward(cache, dyn, 2, 3)
+    same_kept(cache, dyn)
+
+
+def test_bind_keeps_past_recording():
+    """generate()'s assisted decoding switches recording on before the first forward binds the cache."""
+    cache, dyn = sliding_pair()
+    bound_dyn = DynamicCache(config=_sliding_config())
+    bound_dyn.activate_past_recording()
+    bound = ShardedCache.bind(bound_dyn, LAYERS, 0, 1)
+    assert bound.layout.record_past and bound.is_recording_past(0)
+
+
+def test_sliding_crop_past_what_was_kept_is_refused():
+    """Recording switched on late: the keys a deep crop needs again are gone, so it says so (transformers
+    would return a cache with fewer keys than its window, silently)."""
+    cache, _ = sliding_pair()
+    forward(cache, DynamicCache(), 12, 0)
+    cache.activate_past_recording()
+    forward(cache, DynamicCache(), 2, 1)
+    with pytest.raises(Exception, match="further than this cache's sliding layers kept"):
+        cache.crop(-6)
+
+
+def test_sliding_beam_methods_and_failed_forward():
+    cache, dyn = sliding_pair()
+    forward(cache, dyn, 9, 0)
+    for c in (cache, dyn):
+        c.reorder_cache(torch.tensor([2, 0, 0]))
+        c.batch_repeat_interleave(2)
+        c.batch_select_indices(torch.tensor([5, 1, 2]))
+    same_kept(cache, dyn)
+    forward(cache, dyn, 1, 1)
+    same_kept(cache, dyn)
+    plan = build_plan(
+        Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(10, 12).expand(B, -1), padding=None
+    )
+    cache.begin(plan)
+    cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)
+    cache.end(plan, ok=False)
+    same_kept(cache, dyn)
+    forward(cache, dyn, 1, 2)
+    same_kept(cache, dyn)

@@ -216,3 +216,19 @@ def test_kv_interleave_must_be_a_positive_int(bad):
 
     with pytest.raises(ValueError, match="kv_interleave must be a positive int"):
         hf_contextpar.apply_context_parallel(tiny_model("llama"), kv_interleave=bad)
+
+
+def test_droppable_slots():
+    """Sliding layers drop a rank's leading slots whose columns no later query sees; in a per-sequence
+    table a slot where some sequence is still empty (-1: its next token goes there) stays."""
+    from hf_contextpar.plan import droppable
+
+    assert droppable(torch.tensor([0, 3, 4, 7, 8]), 5) == 3
+    assert droppable(torch.tensor([0, 3, 4]), 0) == 0 and droppable(torch.empty(0, dtype=torch.long), 9) == 0
+    table = torch.tensor([[0, 2, 5, 9], [1, 3, -1, -1]])
+    assert droppable(table, 4) == 2  # slot 2: sequence 1 is empty there, sequence 0's column 5 is new anyway
+    assert droppable(table, 100) == 2  # sequence 1's empty slots are where its next tokens go
+    assert droppable(torch.tensor([[0, 2], [-1, -1]]), 100) == 0
+    # a hole before a filled slot (a later prefill appended to every sequence) is never filled: it goes
+    assert droppable(torch.tensor([[0, -1, 7], [1, 2, 8]]), 5) == 2
+    assert droppable(torch.tensor([[0, -1, 7], [1, 2, 8]]), 9) == 3

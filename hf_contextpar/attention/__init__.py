@@ -53,7 +53,14 @@ def context_parallel_attention(
     if kwargs.get("s_aux") is not None:
         raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
-        kv_local = step.cache.layers[module.layer_idx].block()
+        layer = step.cache.layers[module.layer_idx]
+        if layer.window is not None and sliding_window != layer.window:
+            raise ContextParallelError(
+                f"layer {module.layer_idx}'s cache keeps a sliding window of {layer.window} tokens but its attention "
+                f"uses sliding_window={sliding_window}; the cache was made for another config. Pass no cache or "
+                "DynamicCache(config=model.config) for this model."
+            )
+        kv_local = layer.block()
         if step.algorithm not in STAY_LOCAL:  # a message: the cache buffer itself when it holds just these
             kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block

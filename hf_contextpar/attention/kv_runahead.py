@@ -22,7 +22,7 @@ from ..merge import Accumulator
 def _post_receives(step, layer, like):
     """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
     rank = step.comm.rank
-    shapes = [block_shape(like, step.kv_size(src)) for src in range(rank - 1, -1, -1)]
+    shapes = [block_shape(like, step.kv_size(src, layer)) for src in range(rank - 1, -1, -1)]
     step.state[("kvr_recv", layer)] = [
         (src, step.comm.recv_prev(shape, like.dtype, like.device))
         for src, shape in zip(range(rank - 1, -1, -1), shapes)
