@@ -652,6 +652,22 @@ SCHEDULES = {
             (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.1, 0.5, 0.3, 0.3),
         ],
     ),
+    # More of the same, continuing the "windowed" weights (`--init <its output>`): the answer
+    # accuracy was still rising when the cosine schedule ran out. Denser episodes, fewer repeats.
+    "windowed-more": dict(
+        size="small",
+        spread=True,
+        window=2,
+        copy_init=True,
+        lr=6e-4,
+        warmup=30,
+        threads=1,
+        stages=[
+            (1600, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+            (600, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+            (200, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+        ],
+    ),
 }
 
 
