@@ -280,7 +280,12 @@ class ShardedCache(Cache):
 
     def local_nbytes(self) -> int:
         return sum(
-            layer.live * layer.kv[:, :, :, 0].numel() * layer.kv.element_size()
+            layer.live
+            * layer.kv.shape[0]
+            * layer.kv.shape[1]
+            * layer.kv.shape[2]
+            * layer.kv.shape[4]
+            * layer.kv.element_size()
             for layer in self.layers
             if layer.kv is not None
         )

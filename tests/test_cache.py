@@ -271,3 +271,20 @@ def test_sliding_beam_methods_and_failed_forward():
     same_kept(cache, dyn)
     forward(cache, dyn, 1, 2)
     same_kept(cache, dyn)
+
+
+def test_local_nbytes_with_an_emptied_sliding_layer():
+    """A rank whose sliding layer holds nothing after a trim (window 2: the one kept token is on another
+    rank) still reports its bytes (the buffer may be empty)."""
+    from hf_contextpar.cache import ShardedLayer
+
+    cache, dyn = sliding_pair()
+    forward(cache, dyn, 300, 0)
+    layer = cache.layers[0]
+    assert isinstance(layer, ShardedLayer)
+    assert layer.kv.shape[3] < 64  # the 300-token prefill buffer was given back at commit
+    layer.trim(layer.dropped + layer.live)  # everything gone, as on a rank that holds none of the window
+    assert layer.live == 0
+    assert cache.local_nbytes() == 300 * 2 * B * H * D * 8
+    layer.kv, layer.first, layer.n = layer.kv[:, :, :, :0], 0, 0  # what trim leaves of a large emptied buffer
+    assert cache.local_nbytes() == 300 * 2 * B * H * D * 8
