@@ -301,11 +301,37 @@ def answer(kind: str, rng: random.Random) -> str:
     )
 
 
-def fact(rng: random.Random, passkey: bool = False) -> dict:
+FRAMES = (
+    "The answer is",
+    "It is",
+    "The value is",
+    "The result is",
+    "The reply is",
+    "It reads",
+    "Answer:",
+    "I believe it is",
+    "They say it is",
+    "What I found is",
+)
+
+
+def answer_frame(rng: random.Random, prefix: str) -> str:
+    """An answer frame the model can only get right by copying it from the question's format string:
+    a generic one, or a few random words (the relation's own frame is memorised within a few hundred steps)."""
+    if rng.random() < 0.5:
+        return rng.choice(FRAMES)
+    words = [rng.choice(THINGS + NOUNS + ADJECTIVES) for _ in range(rng.randint(1, 3))]
+    return " ".join([words[0].capitalize(), *words[1:], rng.choice(["is", "was", "reads", ":"])])
+
+
+def fact(rng: random.Random, passkey: bool = False, frames: float = 0.0) -> dict:
+    """One invented fact; `frames`: the share whose answer frame is not the relation's own (answer_frame)."""
     needle, question, prefix, kind = PASSKEY if passkey else rng.choice(RELATIONS)
     slots = dict(S=subject(rng), T=rng.choice(THINGS))
     slots["A"] = answer(kind, rng)
     fill = lambda s: s.format(**slots)  # noqa: E731
+    if frames and rng.random() < frames:
+        prefix = answer_frame(rng, prefix)
     return dict(needle=fill(needle), question=fill(question), prefix=fill(prefix), answer=slots["A"])
 
 
@@ -344,8 +370,8 @@ class Corpus:
 class Episodes:
     """One NeedleBench-style prompt + answer as token ids, with a loss mask on the answer."""
 
-    def __init__(self, corpus: Corpus, tok):
-        self.corpus, self.tok = corpus, tok
+    def __init__(self, corpus: Corpus, tok, frames: float = 0.0):
+        self.corpus, self.tok, self.frames = corpus, tok, frames
         head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
         self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
         self.eos = tok.eos_token_id
@@ -374,9 +400,9 @@ class Episodes:
         n = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
         facts, subjects = [], set()
         if rng.random() < 0.1:
-            facts.append(fact(rng, passkey=True))
+            facts.append(fact(rng, passkey=True, frames=self.frames))
         while len(facts) < n:
-            f = fact(rng)
+            f = fact(rng, frames=self.frames)
             if f["needle"].split(" ")[0:3] != [] and f["answer"] not in {g["answer"] for g in facts}:
                 key = f["question"]
                 if key not in subjects:
@@ -413,7 +439,7 @@ class Episodes:
         n = rng.randint(2, max_facts)
         facts, seen = [], set()
         while len(facts) < n:
-            f = fact(rng, passkey=not facts and rng.random() < 0.1)
+            f = fact(rng, passkey=not facts and rng.random() < 0.1, frames=self.frames)
             if f["answer"] not in seen and f["question"] not in seen:
                 seen.update((f["answer"], f["question"]))
                 facts.append(f)
@@ -652,20 +678,23 @@ SCHEDULES = {
             (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.1, 0.5, 0.3, 0.3),
         ],
     ),
-    # More of the same, continuing the "windowed" weights (`--init <its output>`): the answer
-    # accuracy was still rising when the cosine schedule ran out. Denser episodes, fewer repeats.
+    # Continuing the "windowed" weights (`--init <its output>`): they answer in the relation's own
+    # frame ("The secret ingredient is") whatever the question's format string asks for, so half the
+    # facts get another frame (answer_frame), which only copying the format string gets right.
+    # Denser episodes, fewer repeats.
     "windowed-more": dict(
         size="small",
         spread=True,
         window=2,
         copy_init=True,
+        frames=0.5,
         lr=6e-4,
         warmup=30,
-        threads=1,
+        threads=2,
         stages=[
-            (1600, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
-            (600, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
-            (200, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+            (1400, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+            (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+            (150, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
         ],
     ),
 }
@@ -874,7 +903,7 @@ def main(argv=None):
         f"tokenizer {time.time() - t0:.0f}s",
         flush=True,
     )
-    episodes = Episodes(corpus, tok)
+    episodes = Episodes(corpus, tok, schedule.get("frames", 0.0))
     config = make_config(len(tok), tok, schedule["size"], schedule.get("window"))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if args.init:
