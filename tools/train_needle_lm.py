@@ -1,6 +1,7 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
 
-    python tools/train_needle_lm.py --out hf_contextpar/assets/needle-lm      # the shipped weights
+    python tools/train_needle_lm.py --out /tmp/windowed                                  # the shipped weights:
+    python tools/train_needle_lm.py --init /tmp/windowed --schedule windowed-more --out hf_contextpar/assets/needle-lm
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
 with QKV bias and per-layer sliding windows; GQA, RoPE) that finds a fact planted thousands of
@@ -24,6 +25,9 @@ Why the recipe looks like this:
   the format 'The X is ______.'", exactly as the built-in NeedleBench cases do. The facts are
   random (invented names, numbers, phrases), so the answer can only come from the context.
   Dense episodes (several needles of one form, one question after another) carry most of it.
+- The answer frame ("The number is ...") must be copied from the question's format string: with
+  only the relations' own frames the model memorised them and answered every question in one of
+  them; the second part of the recipe gives half the facts a generic or random-word frame.
 - The loss is on the answers and repeats, plus a down-weighted LM loss on a random quarter of
   the other tokens (for perplexity on held-out text).
 - Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
@@ -659,8 +663,8 @@ SCHEDULES = {
     ),
     # A Qwen2 whose layer 0 sees 2 tokens, started as a copy circuit (init_copy_circuit): it copies
     # from step 0, so the episodes teach what to copy instead of waiting for the circuit to form.
-    # The shipped weights (2,250 steps, 9.2 M tokens, 24 min on 2 threads): single-needle 12.5 / 15 /
-    # 0-2.5% at 512 / 1,024 / 2-16K tokens (README). A 3,650-step run of this recipe with the first
+    # 2,250 steps, 9.2 M tokens, 24 min on 2 threads (the shipped weights' first part, see
+    # "windowed-more"): single-needle 12.5 / 15 / 0-2.5% at 512 / 1,024 / 2-16K tokens. A 3,650-step run of this recipe with the first
     # tokenizer (1,800 / 1,000 / 700 steps in stages 1-3) probed 33 / 25 / 4% at 512 / 1,024 / 2,048.
     "windowed": dict(
         size="small",
@@ -678,10 +682,13 @@ SCHEDULES = {
             (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.1, 0.5, 0.3, 0.3),
         ],
     ),
-    # Continuing the "windowed" weights (`--init <its output>`): they answer in the relation's own
-    # frame ("The secret ingredient is") whatever the question's format string asks for, so half the
-    # facts get another frame (answer_frame), which only copying the format string gets right.
-    # Denser episodes, fewer repeats.
+    # The shipped weights: the "windowed" weights continued (`--init <their directory>`, 1,950 steps,
+    # 8.0 M tokens, 22 min on 2 threads). Those answered in the relation's own frame ("The secret
+    # ingredient is") whatever the question's format string asked for, so half the facts get another
+    # frame (answer_frame), which only copying the format string gets right; denser episodes, fewer
+    # repeats. Single-needle score on the harness's 8 needles x 5 depths, before -> after: 12.5 -> 35%
+    # at 512 tokens, 15 -> 35% at 1,024, 0 -> 12.5% at 2,048. The same continuation without the frames
+    # (1,700 steps) probed 17-25% / 12.5% at 512 / 1,024 (8 needles x 3 depths): no better than before.
     "windowed-more": dict(
         size="small",
         spread=True,
@@ -1016,6 +1023,9 @@ def main(argv=None):
         final_ans_exact=round(sum(r["ans_exact"] for r in last) / len(last), 3),
         final_lm_loss=round(sum(r["lm_loss"] for r in last) / len(last), 3),
     )
+    if args.init and os.path.isfile(os.path.join(args.init, "training.json")):
+        with open(os.path.join(args.init, "training.json")) as f:
+            meta["init"] = json.load(f)  # the run these weights continue
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print(json.dumps(meta), flush=True)
