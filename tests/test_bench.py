@@ -132,10 +132,10 @@ def test_bench_end_to_end(tmp_path):
         assert r["predicted_ttft_s"] is None or r["predicted_ttft_s"] > 0
     for r in (r for r in cp if r["strategy"] == "ring_pass_kv"):
         # each rank sends its own KV block (KV heads only, never repeated) once per layer, plus the input
-        # check (7 int64) and the gathered last-token logits
+        # check (8 int64) and the gathered last-token logits
         kv_block = LAYERS * (r["length"] // 2) * 2 * KV_HEADS * HEAD_DIM * 4
         for sent in r["bytes_sent_per_rank"]:
-            assert kv_block <= sent <= kv_block + 7 * 8 + VOCAB * 4
+            assert kv_block <= sent <= kv_block + 8 * 8 + VOCAB * 4
     for name in ("bench.md", *report["plots"]):
         assert (tmp_path / name).stat().st_size > 0
     assert set(report["plots"]) == {"ttft.png", "speedup.png", "kv_memory.png"}
