@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import ContextParallelError
-from .plan import droppable, rank_counts, sequence_counts
+from .plan import rank_counts, sequence_counts, window_drops
 
 
 def cache_windows(cache: Cache) -> list:
@@ -90,7 +90,6 @@ class ShardedLayer(CacheLayerMixin):
         self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D)
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
-        self.dropped = 0  # leading slots of this rank's layout columns the layer no longer holds
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
@@ -121,29 +120,28 @@ class ShardedLayer(CacheLayerMixin):
         (a sliding layer's dropped ones leave room there). Returns how far the kept tokens moved down."""
         if n <= self.kv.shape[3]:
             return 0
-        moved, live = self.first, self.n - self.first
+        moved, live = self.first, self.live
         two, b, h, cap, d = self.kv.shape
-        target = self.kv
-        if n - moved > cap:
-            size = max(2 * cap, n - moved, 64) if self.window is None else max(2 * (n - moved), 64)
-            target = torch.empty((two, b, h, size, d), dtype=self.kv.dtype, device=self.kv.device)
-        target[:, :, :, :live] = (
-            self.kv[:, :, :, moved : self.n].clone() if target is self.kv else self.kv[:, :, :, moved : self.n]
-        )
+        if n - moved > cap:  # grow (a sliding layer to twice what it holds: it drops as it appends)
+            cap = max(2 * cap, n - moved, 64) if self.window is None else max(2 * (n - moved), 64)
+        target = torch.empty((two, b, h, cap, d), dtype=self.kv.dtype, device=self.kv.device)
+        target[:, :, :, :live] = self.kv[:, :, :, moved : self.n]
         self.kv, self.first = target, 0
         self._keep(live)
         return moved
 
-    def trim(self, dropped: int):
-        """Drop this rank's leading slots up to `dropped` (a sliding layer, when a forward is committed
-        or the cache cropped); a buffer left mostly empty is given back."""
+    def dropped(self) -> int:
+        """Leading slots of this rank's layout columns the layer no longer holds (as committed)."""
+        return 0 if self.window is None else self.layout.dropped[self.window][self.layout.rank]
+
+    def trim(self, by: int):
+        """Drop the `by` oldest tokens (a sliding layer, when a forward is committed or the cache
+        cropped); a buffer left mostly empty is given back."""
         if self.kv is None:  # nothing stored yet
-            self.dropped = dropped
             return
-        self.first += dropped - self.dropped
-        self.dropped = dropped
-        live = self.n - self.first
-        if self.kv is not None and self.kv.shape[3] > max(64, 4 * live):
+        self.first += by
+        live = self.live
+        if self.kv.shape[3] > max(64, 4 * live):
             self.kv = self.kv[:, :, :, self.first : self.n].clone()  # the rest goes back to the allocator
             self.first = 0
         self._keep(self.first + live)
@@ -154,7 +152,7 @@ class ShardedLayer(CacheLayerMixin):
         store = self.layout.store
         if store is not None and store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
-            slots = slots + (self.first - self.dropped)  # layout slot -> buffer index
+            slots = slots + (self.first - self.dropped())  # layout slot -> buffer index
             n = max(self.n, int(slots.max()) + 1) if slots.numel() else self.n
             moved = self._reserve(n)
             n, slots = n - moved, slots - moved
@@ -190,12 +188,17 @@ class ShardedLayer(CacheLayerMixin):
 
     def reset(self):
         self.kv, self.keys, self.values, self.is_initialized = None, None, None, False
-        self.first = self.n = self.dropped = 0
+        self.first = self.n = 0
 
     @property
     def live(self) -> int:
         """Tokens this layer holds on this rank."""
         return self.n - self.first
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V this layer holds on this rank."""
+        two, b, h, _, d = self.kv.shape
+        return self.live * two * b * h * d * self.kv.element_size()
 
     def _keep(self, n: int):
         self.n = n
@@ -262,16 +265,17 @@ class ShardedCache(Cache):
         failed, forget what it stored."""
         self.layout.store = None
         if ok:
+            before = [layer.dropped() for layer in self.layers]
             self.layout.commit(plan)
-            self._trim()
+            self._trim(before)
         else:
             for layer, live in zip(self.layers, self._sizes):
                 layer._keep(layer.first + live)
 
-    def _trim(self):
-        for layer in self.layers:
-            if layer.window is not None:
-                layer.trim(self.layout.dropped[layer.window][self.layout.rank])
+    def _trim(self, before: list):
+        """Sliding layers drop what the layout dropped since `before` (per layer)."""
+        for layer, was in zip(self.layers, before):
+            layer.trim(layer.dropped() - was)
 
     @property
     def local_length(self) -> int:
@@ -279,16 +283,12 @@ class ShardedCache(Cache):
         return self.layout.counts()[self.layout.rank]
 
     def local_nbytes(self) -> int:
-        return sum(
-            layer.live
-            * layer.kv.shape[0]
-            * layer.kv.shape[1]
-            * layer.kv.shape[2]
-            * layer.kv.shape[4]
-            * layer.kv.element_size()
-            for layer in self.layers
-            if layer.kv is not None
-        )
+        return sum(layer.nbytes() for layer in self.layers if layer.kv is not None)
+
+    def sizing(self) -> list:
+        """What sets this cache's message sizes besides the layout's columns: the sliding windows,
+        past recording and what each window's layers dropped (a rank that cropped differently)."""
+        return [*(w or 0 for w in self.windows), self.layout.record_past, *sum(self.layout.dropped.values(), [])]
 
     # -- the Cache API generate() and the models use, with DynamicCache's semantics --------------
     def reorder_cache(self, beam_idx):
@@ -315,13 +315,14 @@ class ShardedCache(Cache):
         keep = max(0, layout.seq_length + tokens_to_remove)
         # 1D columns are ascending, so a prefix survives; per-sequence tables just empty the slots
         cols = [c[c < keep] if c.dim() == 1 else c.masked_fill(c >= keep, -1) for c in layout.cols]
+        drops = window_drops(cols, keep, layout.dropped)
         for w, dropped in layout.dropped.items():  # what DynamicSlidingWindowLayer.crop refuses
             if layout.seq_length >= w and not layout.record_past:
                 raise RuntimeError(
                     "`crop` was called, but the current layer does not track past states, and the sliding window size "
                     "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
                 )
-            if any(droppable(c, keep - w + 1) < d for c, d in zip(cols, dropped)):
+            if any(now < d for now, d in zip(drops[w], dropped)):
                 raise ContextParallelError(
                     f"crop({tokens_to_remove}) goes back further than this cache's sliding layers kept (window {w}): "
                     "the keys it would need again were already dropped. Activate past recording before the "
@@ -329,12 +330,11 @@ class ShardedCache(Cache):
                 )
         layout.cols, layout.seq_length = cols, keep
         layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
-        layout.dropped = {
-            w: [max(d, droppable(c, keep - w + 1)) for c, d in zip(cols, ds)] for w, ds in layout.dropped.items()
-        }
         for layer in self.layers:
-            layer._keep(layer.first + layout.slots(layout.rank) - layer.dropped)
-        self._trim()
+            layer._keep(layer.first + layout.slots(layout.rank) - layer.dropped())
+        before = [layer.dropped() for layer in self.layers]
+        layout.dropped = drops
+        self._trim(before)
 
     def reset(self):
         """Empty the cache, keeping the object (DynamicCache.reset)."""

@@ -28,7 +28,7 @@ K/V blocks, hence their message sizes, are the layout's minus those slots (`kv_c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,8 +86,7 @@ class ForwardPlan:
     padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
     uses_cache: bool
     window_cols: dict = field(default_factory=dict)  # window -> per rank: the keys its sliding layers hold
-    dropped: dict = field(default_factory=dict)  # window -> per rank: leading slots those layers have dropped
-    next_dropped: dict = field(default_factory=dict)  # the same once this forward is committed
+    next_dropped: dict = field(default_factory=dict)  # window -> per rank: slots they have dropped once committed
 
     @property
     def seq_length(self) -> int:
@@ -114,57 +113,6 @@ def build_plan(
     uses_cache: bool = True,
 ) -> ForwardPlan:
     """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
-    plan = _shape_plan(
-        policy,
-        layout,
-        batch=batch,
-        num_new=num_new,
-        position_ids=position_ids,
-        padding=padding,
-        logits_to_keep=logits_to_keep,
-        uses_cache=uses_cache,
-    )
-    if not uses_cache or not layout.dropped:
-        return plan
-    dropped = layout.dropped
-    next_dropped = dropped
-    if not layout.record_past:  # transformers keeps every token until crop() while recording the past
-        next_dropped = {
-            w: [max(d, droppable(c, plan.seq_length - w + 1)) for c, d in zip(plan.kv_cols, ds)]
-            for w, ds in dropped.items()
-        }
-    window_cols = {w: [c[..., d:] if d else c for c, d in zip(plan.kv_cols, ds)] for w, ds in dropped.items()}
-    return replace(plan, window_cols=window_cols, dropped=dropped, next_dropped=next_dropped)
-
-
-def droppable(cols: torch.Tensor, line: int) -> int:
-    """Leading slots of a rank's key columns that hold nothing at or after column `line`. 1D columns
-    ascend. In a per-sequence table a sequence's next decode token goes right after its last filled
-    slot, so its empty slots (-1) there must stay; an empty slot before a filled one (a later prefill
-    appended to every sequence) is never filled. A slot goes when it is old or such a hole in every sequence."""
-    if line <= 0 or cols.shape[-1] == 0:
-        return 0
-    if cols.dim() == 1:
-        return int((cols < line).sum())
-    filled = cols >= 0
-    slot = torch.arange(cols.shape[1])
-    last = torch.where(filled, slot, -1).amax(1, keepdim=True)
-    gone = (filled & (cols < line)) | (~filled & (slot < last))
-    return int(gone.all(0).cumprod(0).sum())
-
-
-def _shape_plan(
-    policy: Policy,
-    layout,
-    *,
-    batch: int,
-    num_new: int,
-    position_ids: torch.Tensor,
-    padding: torch.Tensor | None,
-    logits_to_keep,
-    uses_cache: bool,
-) -> ForwardPlan:
-    """The plan without its sliding-window fields: who runs and stores what."""
     world = policy.world
     past = layout.seq_length if uses_cache else 0
     cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world
@@ -185,7 +133,8 @@ def _shape_plan(
         algorithm, rows = _prefill(policy, cols, num_new, past)
         q_cols = [new_cols[r] for r in rows]
         keep, gather = _token_gather(rows, num_new, logits_to_keep)
-        return ForwardPlan(
+        return _finish(
+            layout,
             algorithm=algorithm,
             token_rows=rows,
             seq_rows=None,
@@ -208,7 +157,8 @@ def _shape_plan(
         kv_cols, store = _place_per_sequence(cols, past, seq_rows, batch)
         everyone = torch.arange(batch)
         gather = Gather([everyone[s] for s in seq_rows], batch, dim=0)
-        return ForwardPlan(
+        return _finish(
+            layout,
             algorithm="ring_pass_q_decode",
             token_rows=None,
             seq_rows=seq_rows,
@@ -226,7 +176,8 @@ def _shape_plan(
     if uses_cache:  # replicated: every rank runs every new token, each is stored on one rank
         continuing = open_run[1:] if open_run is not None and open_run[0] == "decode" else None
         owned, run = decode_owners(num_new, sequence_counts(cols, batch), policy.interleave, continuing)
-        return ForwardPlan(
+        return _finish(
+            layout,
             algorithm="decode",
             token_rows=None,
             seq_rows=None,
@@ -240,7 +191,8 @@ def _shape_plan(
             run=("decode", *run) if run is not None else None,
             **common,
         )
-    return ForwardPlan(
+    return _finish(
+        layout,
         algorithm="local",
         token_rows=None,
         seq_rows=None,
@@ -254,6 +206,42 @@ def _shape_plan(
         run=None,
         **common,
     )
+
+
+def _finish(layout, **fields) -> ForwardPlan:
+    """The plan, with the key columns of its sliding layers and what they keep once it is committed:
+    a window's layers drop every leading slot older than length - window + 1 (`window_drops`), except
+    while the cache records the past (transformers keeps every token until crop() then)."""
+    if not fields["uses_cache"] or not layout.dropped:
+        return ForwardPlan(**fields)
+    cols, dropped = fields["kv_cols"], layout.dropped
+    return ForwardPlan(
+        **fields,
+        window_cols={w: [c[..., d:] if d else c for c, d in zip(cols, ds)] for w, ds in dropped.items()},
+        next_dropped=dropped if layout.record_past else window_drops(cols, fields["past"] + fields["num_new"], dropped),
+    )
+
+
+def window_drops(cols, length: int, windows) -> dict:
+    """Per window, per rank: the leading slots of `cols` no query of a sequence `length` long sees.
+    A forward only appends columns, so this never falls below what was dropped before; `crop` checks."""
+    return {w: [droppable(c, length - w + 1) for c in cols] for w in windows}
+
+
+def droppable(cols: torch.Tensor, line: int) -> int:
+    """Leading slots of a rank's key columns that hold nothing at or after column `line`. 1D columns
+    ascend. In a per-sequence table a sequence's next decode token goes right after its last filled
+    slot, so its empty slots (-1) there must stay; an empty slot before a filled one (a later prefill
+    appended to every sequence) is never filled. A slot goes when it is old or such a hole in every sequence."""
+    if line <= 0 or cols.shape[-1] == 0:
+        return 0
+    if cols.dim() == 1:
+        return int((cols < line).sum())
+    filled = cols >= 0
+    slot = torch.arange(cols.shape[1])
+    last = torch.where(filled, slot, -1).amax(1, keepdim=True)
+    gone = (filled & (cols < line)) | (~filled & (slot < last))
+    return int(gone.all(0).cumprod(0).sum())
 
 
 def _prefill(policy: Policy, cols, num_new: int, past: int):

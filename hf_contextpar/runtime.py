@@ -291,9 +291,9 @@ class ContextParallelRuntime:
 
     def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids, cache):
         """Every rank's input fingerprint, compared before the forward's first message (see
-        Comm.check_before_next: over shared memory it costs no collective of its own). The cache's
-        sliding windows and past recording count too: they set the sliding layers' message sizes."""
-        kept = [w or 0 for w in cache.windows] + [cache.layout.record_past] if cache is not None else []
+        Comm.check_before_next: over shared memory it costs no collective of its own). So does what,
+        besides its length, sets the cache's message sizes (`ShardedCache.sizing`)."""
+        sizing = cache.sizing() if cache is not None else []
         fp = torch.tensor(
             [
                 batch,
@@ -303,7 +303,7 @@ class ContextParallelRuntime:
                 _fingerprint(embeds),
                 _fingerprint(mask),
                 _fingerprint(position_ids),
-                _fingerprint(torch.tensor(kept, dtype=torch.long)),
+                _fingerprint(torch.tensor(sizing, dtype=torch.long)),
             ],
             dtype=torch.long,
         )

@@ -186,6 +186,24 @@ def cases(n):
 
     yield "sliding_cache_keeps_its_window", sliding_cache_keeps_its_window
 
+    def differing_sliding_trim_refused():
+        """crop(0) while recording the past trims the sliding layers; a rank that skipped it would send
+        sliding-layer blocks of other sizes in the next prefill: the input check refuses that first."""
+        _, cp = pair("qwen2", sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+        ids = prompt(40, seed=4)
+        cache = cp(ids[:, :30], past_key_values=DynamicCache(config=cp.config)).past_key_values
+        cache.activate_past_recording()
+        cp(ids[:, 30:33], past_key_values=cache)
+        if dist.get_rank() == 0:
+            cache.crop(0)
+        try:
+            cp(ids[:, 33:], past_key_values=cache)
+            return dict(ok=False, error="ranks with different sliding layers went undetected")
+        except ContextParallelError as e:
+            return dict(ok="different inputs" in str(e), error=str(e)[:200])
+
+    yield "differing_sliding_trim_refused", differing_sliding_trim_refused
+
     def packed():
         _, cp = pair()
         ids = prompt(30, seed=2)

@@ -234,7 +234,6 @@ def test_sliding_crop_while_recording_the_past(remove):
 
 def test_bind_keeps_past_recording():
     """generate()'s assisted decoding switches recording on before the first forward binds the cache."""
-    cache, dyn = sliding_pair()
     bound_dyn = DynamicCache(config=_sliding_config())
     bound_dyn.activate_past_recording()
     bound = ShardedCache.bind(bound_dyn, LAYERS, 0, 1)
@@ -283,7 +282,7 @@ def test_local_nbytes_with_an_emptied_sliding_layer():
     layer = cache.layers[0]
     assert isinstance(layer, ShardedLayer)
     assert layer.kv.shape[3] < 64  # the 300-token prefill buffer was given back at commit
-    layer.trim(layer.dropped + layer.live)  # everything gone, as on a rank that holds none of the window
+    layer.trim(layer.live)  # everything gone, as on a rank that holds none of the window
     assert layer.live == 0
     assert cache.local_nbytes() == 300 * 2 * B * H * D * 8
     layer.kv, layer.first, layer.n = layer.kv[:, :, :, :0], 0, 0  # what trim leaves of a large emptied buffer

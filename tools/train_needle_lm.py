@@ -319,7 +319,7 @@ FRAMES = (
 )
 
 
-def answer_frame(rng: random.Random, prefix: str) -> str:
+def answer_frame(rng: random.Random) -> str:
     """An answer frame the model can only get right by copying it from the question's format string:
     a generic one, or a few random words (the relation's own frame is memorised within a few hundred steps)."""
     if rng.random() < 0.5:
@@ -335,7 +335,7 @@ def fact(rng: random.Random, passkey: bool = False, frames: float = 0.0) -> dict
     slots["A"] = answer(kind, rng)
     fill = lambda s: s.format(**slots)  # noqa: E731
     if frames and rng.random() < frames:
-        prefix = answer_frame(rng, prefix)
+        prefix = answer_frame(rng)
     return dict(needle=fill(needle), question=fill(question), prefix=fill(prefix), answer=slots["A"])
 
 
@@ -664,8 +664,9 @@ SCHEDULES = {
     # A Qwen2 whose layer 0 sees 2 tokens, started as a copy circuit (init_copy_circuit): it copies
     # from step 0, so the episodes teach what to copy instead of waiting for the circuit to form.
     # 2,250 steps, 9.2 M tokens, 24 min on 2 threads (the shipped weights' first part, see
-    # "windowed-more"): single-needle 12.5 / 15 / 0-2.5% at 512 / 1,024 / 2-16K tokens. A 3,650-step run of this recipe with the first
-    # tokenizer (1,800 / 1,000 / 700 steps in stages 1-3) probed 33 / 25 / 4% at 512 / 1,024 / 2,048.
+    # "windowed-more"): single-needle 12.5 / 15 / 0-2.5% at 512 / 1,024 / 2-16K tokens. A 3,650-step
+    # run of this recipe with the first tokenizer (1,800 / 1,000 / 700 steps in stages 1-3) probed
+    # 33 / 25 / 4% at 512 / 1,024 / 2,048.
     "windowed": dict(
         size="small",
         spread=True,
@@ -682,29 +683,24 @@ SCHEDULES = {
             (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.1, 0.5, 0.3, 0.3),
         ],
     ),
-    # The shipped weights: the "windowed" weights continued (`--init <their directory>`, 1,950 steps,
-    # 8.0 M tokens, 22 min on 2 threads). Those answered in the relation's own frame ("The secret
-    # ingredient is") whatever the question's format string asked for, so half the facts get another
-    # frame (answer_frame), which only copying the format string gets right; denser episodes, fewer
-    # repeats. Single-needle score on the harness's 8 needles x 5 depths, before -> after: 12.5 -> 35%
-    # at 512 tokens, 15 -> 35% at 1,024, 0 -> 12.5% at 2,048. The same continuation without the frames
-    # (1,700 steps) probed 17-25% / 12.5% at 512 / 1,024 (8 needles x 3 depths): no better than before.
-    "windowed-more": dict(
-        size="small",
-        spread=True,
-        window=2,
-        copy_init=True,
-        frames=0.5,
-        lr=6e-4,
-        warmup=30,
-        threads=2,
-        stages=[
-            (1400, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
-            (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
-            (150, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
-        ],
-    ),
 }
+# The shipped weights: the "windowed" weights continued (`--init <their directory>`, 1,950 steps,
+# 8.0 M tokens, 22 min on 2 threads). Those answered in the relation's own frame ("The secret
+# ingredient is") whatever the question's format string asked for, so half the facts get another
+# frame (answer_frame), which only copying the format string gets right; denser episodes, fewer
+# repeats. Single-needle score on the harness's 8 needles x 5 depths, before -> after: 12.5 -> 35%
+# at 512 tokens, 15 -> 35% at 1,024, 0 -> 12.5% at 2,048. The same continuation without the frames
+# (1,700 steps) probed 17-25% / 12.5% at 512 / 1,024 (8 needles x 3 depths): no better than before.
+SCHEDULES["windowed-more"] = dict(
+    SCHEDULES["windowed"],
+    frames=0.5,
+    lr=6e-4,
+    stages=[
+        (1400, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+        (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+        (150, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+    ],
+)
 
 
 @torch.no_grad()
