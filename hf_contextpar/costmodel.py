@@ -16,7 +16,9 @@ BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
                    queries, 4 H d (T/N)(T - T/(2N)), plus (N-1) hops of the growing prefix chain
     ulysses        2 alpha + ((N-1)/N) (T/N) (H + 2 max(Hkv, N)) d e / BW + A        (two All2All, QKV in, O out)
                    + ((N-1)/N) (T/N) H d e / BW
-(KV-Runahead and Ulysses are modelled for fresh prompts, P = 0.) Table 3 counts 4 T d (T+P)
+(KV-Runahead and Ulysses are modelled for fresh prompts, P = 0.) A sliding layer of window w counts
+at most w keys per query (its skipped blocks cost nothing) and holds, so sends, at most w - 1 cached
+tokens; a model's total sums its full and sliding layers (`Shape.windows`, from its own cache). Table 3 counts 4 T d (T+P)
 FLOPs, i.e. the new x new block in full; its Alg. 1/5 thresholds stay available in `planner`.
 Every forward adds `per_forward_collectives` small collectives (input check, logits gather).
 C_attn is measured on a fully visible block (what the causal FLOP count above divides by),
@@ -95,6 +97,15 @@ class Shape:
     head_dim: int
     linear_weights: int  # elements of one decoder layer's linear weights (q, k, v, o, MLP)
     elem_bytes: int
+    windows: tuple = ()  # per layer: its sliding window, or None (full attention); () = all full
+
+    def window_counts(self) -> dict:
+        """{window or None: how many layers}: what every per-layer sum below runs over."""
+        counts: dict = {}
+        for i in range(self.layers):
+            w = self.windows[i] if i < len(self.windows) else None
+            counts[w] = counts.get(w, 0) + 1
+        return counts
 
     @classmethod
     def from_model(cls, model) -> Shape:
@@ -107,54 +118,103 @@ class Shape:
         layer = model.get_decoder().layers[0]
         weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
         elem = next(model.parameters()).element_size()
-        return cls(
-            text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", None) or heads, head_dim, weights, elem
-        )
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config))
+
+
+def config_windows(config) -> tuple:
+    """Per layer, the sliding window the model's own cache keeps (transformers decides which
+    layers slide: `DynamicCache(config=...)`), or None; () where that cache cannot be built."""
+    from transformers import DynamicCache
+
+    from .cache import cache_windows
+
+    try:
+        windows = tuple(cache_windows(DynamicCache(config=config)))
+    except Exception:  # a config transformers' cache does not understand: model every layer as full
+        return ()
+    return windows if any(w is not None for w in windows) else ()
+
+
+def attended_keys(T: int, P: int = 0, window: int | None = None) -> float:
+    """Query-key pairs of T new tokens over P cached ones: new token x (counted continuously from P
+    to P + T) sees x keys, or `window` of them on a sliding layer."""
+    if window is None or P + T <= window:
+        return T * (P + T / 2)
+    if P >= window:
+        return float(T * window)
+    return (window * window - P * P) / 2 + (P + T - window) * window
+
+
+def kept_keys(P: int, window: int | None) -> int:
+    """Cached tokens a layer still holds: all of them, or window - 1 on a sliding layer (as
+    transformers' DynamicSlidingWindowLayer and the sharded cache keep)."""
+    return P if window is None else min(P, window - 1)
 
 
 PER_FORWARD_COLLECTIVES = 2  # runtime.py: the input check and the logits gather, one all-gather each
 
 
-def attention_flops(T: int, shape: Shape, P: int = 0) -> float:
+def attention_flops(T: int, shape: Shape, P: int = 0, window: int | None = None) -> float:
     """Causal attention FLOPs of one layer for T new tokens over P cached ones (QK^T and PV):
-    new token i sees P + i + 1 keys, so 4 H d T (P + T/2)."""
-    return 4.0 * shape.heads * shape.head_dim * T * (P + T / 2)
+    new token i sees P + i + 1 keys, so 4 H d T (P + T/2); on a sliding layer at most `window`."""
+    return 4.0 * shape.heads * shape.head_dim * attended_keys(T, P, window)
 
 
-def ring_attention_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[float, float]:
-    """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds."""
+def ring_attention_times(
+    T: int, P: int, N: int, shape: Shape, m: Machine, window: int | None = None
+) -> tuple[float, float]:
+    """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds.
+    On a sliding layer the blocks outside the window are skipped, not computed (approximated here
+    as an even share per ring step), and pass-KV carries only the cached keys the layer kept."""
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    a = attention_flops(T, shape, P) / N / m.attn_flops  # one rank's share
-    kv_msg = m.latency + 2 * (T + P) / N * kv * d * e / m.bandwidth
+    a = attention_flops(T, shape, P, window) / N / m.attn_flops  # one rank's share
+    kv_msg = m.latency + 2 * (T + kept_keys(P, window)) / N * kv * d * e / m.bandwidth
     q_msg = m.latency + T / N * h * d * e / m.bandwidth
     all2all = m.latency + (N - 1) * T / N * h * (d + 1) * 4 / m.bandwidth  # partial outputs + LSE home, fp32
     return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all
 
 
+def model_ring_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[float, float]:
+    """`ring_attention_times` summed over the model's layers (full and sliding ones)."""
+    kv_time = q_time = 0.0
+    for window, count in shape.window_counts().items():
+        kv, q = ring_attention_times(T, P, N, shape, m, window)
+        kv_time, q_time = kv_time + count * kv, q_time + count * q
+    return kv_time, q_time
+
+
 def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine, P: int = 0) -> float | None:
     """Predicted TTFT (seconds) of a prefill of T tokens over P cached ones; None for a strategy the
     model does not know (KV-Runahead and Ulysses: fresh prompts only)."""
+    total = 0.0
+    for window, count in shape.window_counts().items():
+        attn = _layer_attention(strategy, T, N, shape, m, P, window)
+        if attn is None:
+            return None
+        total += count * (2.0 * shape.linear_weights * T / N / m.gemm_flops + attn)
+    return total + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
+
+
+def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
+    """One layer's attention time in a prefill, with the strategy's communication."""
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    linear = 2.0 * shape.linear_weights * T / N / m.gemm_flops
-    a = attention_flops(T, shape, P) / N / m.attn_flops  # one rank's share of the causal attention
+    a = attention_flops(T, shape, P, window) / N / m.attn_flops  # one rank's share of the causal attention
     if N == 1:  # the unpatched model (a patch on one process changes nothing)
-        return shape.layers * (linear + a)
+        return a
     chunk = T / N
     if strategy in ("ring_pass_kv", "ring_pass_q"):
-        attn = ring_attention_times(T, P, N, shape, m)[strategy == "ring_pass_q"]
-    elif strategy == "allgather_kv":
-        attn = m.latency + (N - 1) * (T + P) / N * 2 * kv * d * e / m.bandwidth + a
-    elif strategy == "kv_runahead" and P == 0:
-        last = 4.0 * h * d * chunk * (T - chunk / 2) / m.attn_flops
-        chain = sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
-        attn = last + chain
-    elif strategy == "ulysses" and P == 0:
+        return ring_attention_times(T, P, N, shape, m, window)[strategy == "ring_pass_q"]
+    if strategy == "allgather_kv":
+        return m.latency + (N - 1) * (T + kept_keys(P, window)) / N * 2 * kv * d * e / m.bandwidth + a
+    if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
+        last = 4.0 * h * d * attended_keys(chunk, T - chunk, window) / m.attn_flops
+        return last + sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
+    if strategy == "ulysses" and P == 0:
         qkv = (N - 1) / N * chunk * (h + 2 * max(kv, N)) * d * e / m.bandwidth
         out = (N - 1) / N * chunk * h * d * e / m.bandwidth
-        attn = 2 * m.latency + qkv + out + a
-    else:
-        return None
-    return shape.layers * (linear + attn) + PER_FORWARD_COLLECTIVES * m.latency
+        return 2 * m.latency + qkv + out + a
+    return None
 
 
 def exposed_comm(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> float | None:

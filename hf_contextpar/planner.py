@@ -1,7 +1,7 @@
 """Choosing ring pass-KV or ring pass-Q for each prefill call (Meta CP paper 3.4, Alg. 1/5, App. D).
 
 The default rule ("cost") picks the strategy with the lower predicted time from the one cost
-model (`costmodel.ring_attention_times`: per layer and rank, the causal attention of T new tokens
+model (`costmodel.model_ring_times`: per rank, summed over layers, the causal attention of T new tokens
 over P cached ones, each ring step's message overlapped with one step's compute, and pass-Q's
 All2All home). The paper's rules stay available as planner_rule:
 - "alg5": Meta Alg. 5 (Table 3's roofline, which counts the new x new block in full): pass-KV iff
@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from .costmodel import PAPER_H, Machine, Shape, ring_attention_times
+from .costmodel import PAPER_H, Machine, Shape, model_ring_times
 
 logger = logging.getLogger("hf_contextpar.planner")
 
@@ -57,7 +57,7 @@ def choose(T: int, P: int, N: int, shape: Shape, cal: Machine, rule: str = "cost
     """pass-KV or pass-Q for a prefill of T new tokens over P cached ones on N ranks."""
     if rule not in RULES:
         raise ValueError(f"planner rule must be one of {RULES}, got {rule!r}")
-    kv_time, q_time = ring_attention_times(T, P, N, shape, cal)
+    kv_time, q_time = model_ring_times(T, P, N, shape, cal)
     kv_ok, t_thr, miss_thr = alg5_prefers_pass_kv(T, P, N, shape, cal)
     if rule == "empirical":
         kv_ok = empirical_h(T, P, cal.h_coefficients) > 0

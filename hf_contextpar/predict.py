@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .costmodel import PER_FORWARD_COLLECTIVES, Machine, Shape, predict_ttft
+from .costmodel import PER_FORWARD_COLLECTIVES, Machine, Shape, config_windows, kept_keys, predict_ttft
 from .planner import choose
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
@@ -59,6 +59,16 @@ GEOMETRIES = {
         num_key_value_heads=8,
         head_dim=128,
     ),
+    # Gemma 3 27B: five sliding layers (window 1024) to one full one
+    "gemma-3-27b": dict(
+        num_hidden_layers=62,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
+    ),
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
@@ -70,14 +80,17 @@ def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
         g = GEOMETRIES[model]
         layers, hidden, inter = g["num_hidden_layers"], g["hidden_size"], g["intermediate_size"]
         heads, kv, d = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
+        windows = g.get("windows", ())
     else:
-        text = _config(model).get_text_config(decoder=True)
+        config = _config(model)
+        text = config.get_text_config(decoder=True)
         layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
         heads = text.num_attention_heads
         kv = getattr(text, "num_key_value_heads", None) or heads
         d = getattr(text, "head_dim", None) or hidden // heads
+        windows = config_windows(config)
     weights = hidden * heads * d * 2 + hidden * kv * d * 2 + 3 * hidden * inter  # q, o; k, v; gated MLP
-    return Shape(layers, max(1, heads // tp), max(1, kv // tp), d, weights // tp, elem_bytes)
+    return Shape(layers, max(1, heads // tp), max(1, kv // tp), d, weights // tp, elem_bytes, windows)
 
 
 def _config(model: str):
@@ -113,7 +126,9 @@ def machine_of(hardware: str) -> Machine:
 
 
 def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
-    return shape.layers * 2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes
+    """After a prefill of `context` tokens: 1/N of what each layer keeps (a sliding layer window - 1)."""
+    tokens = sum(count * kept_keys(context, w) for w, count in shape.window_counts().items())
+    return 2 * tokens / N * shape.kv_heads * shape.head_dim * shape.elem_bytes
 
 
 def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> float | None:
@@ -121,27 +136,37 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
     if N == 1:
         return 0.0
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    per_layer = {
-        "ring_pass_kv": (N - 1) * 2 * (T + P) / N * kv * d * e,
-        "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * 4,
-        "allgather_kv": (N - 1) * 2 * (T + P) / N * kv * d * e,
-        "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
-        "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 else None,
-    }[strategy]
-    return None if per_layer is None else shape.layers * per_layer
+    total = 0.0
+    for w, count in shape.window_counts().items():
+        keys = T + kept_keys(P, w)  # what pass-KV and all-gather carry: the new tokens and what the layer kept
+        per_layer = {
+            "ring_pass_kv": (N - 1) * 2 * keys / N * kv * d * e,
+            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * 4,
+            "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
+            "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
+            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 else None,
+        }[strategy]
+        if per_layer is None:
+            return None
+        total += count * per_layer
+    return total
 
 
 def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
     """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
-    and its 1/N of the KV cache (memory-bound at batch 1), then one small collective per layer."""
+    and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
+    one small collective per layer."""
     bw = m.memory_bandwidth
     linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.elem_bytes / bw)
-    attention = max(
-        4.0 * shape.heads * shape.head_dim * context / N / m.attn_flops,
-        2 * context / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw,
-    )
-    collective = m.latency if N > 1 else 0.0
-    return shape.layers * (linear + attention + collective) + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
+    total = 0.0
+    for w, count in shape.window_counts().items():
+        keys = kept_keys(context, w) + 1
+        attention = max(
+            4.0 * shape.heads * shape.head_dim * keys / N / m.attn_flops,
+            2 * keys / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw,
+        )
+        total += count * (linear + attention + (m.latency if N > 1 else 0.0))
+    return total + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
 
 
 def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | None:
@@ -174,8 +199,11 @@ def _fmt_b(x):
 def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1) -> str:
     m = machine_of(hardware)
     shape = shape_of(model, DTYPE_BYTES[dtype], tp)
+    sliding = {w: c for w, c in shape.window_counts().items() if w is not None}
+    slides = ", ".join(f"{c} sliding (window {w})" for w, c in sorted(sliding.items()))
     lines = [
-        f"model {model} ({shape.layers} layers, per CP rank {shape.heads} query / {shape.kv_heads} KV heads "
+        f"model {model} ({shape.layers} layers{': ' + slides if slides else ''}, per CP rank {shape.heads} "
+        f"query / {shape.kv_heads} KV heads "
         f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), {dtype}, TP {tp}",
         f"machine {hardware}: {m.source}; C_attn {m.attn_flops / 1e12:.1f} TFLOP/s, C_gemm "
         f"{m.gemm_flops / 1e12:.1f} TFLOP/s, BW {m.bandwidth / 1e9:.1f} GB/s, latency {m.latency * 1e6:.0f} us, "

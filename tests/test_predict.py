@@ -104,3 +104,44 @@ def test_cli_with_a_calibration_file(tmp_path):
 def test_unknown_hardware_is_a_clear_error():
     with pytest.raises(SystemExit, match="--hardware"):
         report("llama-3.1-8b", "tpu-v9", [2], [1024], [1.0])
+
+
+def test_sliding_layers_count_their_window_only(tmp_path):
+    """A sliding layer keeps window - 1 cached tokens and each query sees at most `window` keys:
+    KV per rank, traffic, attention time and decode all follow, and `auto` sees it too."""
+    from hf_contextpar.costmodel import Shape, attended_keys, attention_flops, config_windows
+    from hf_contextpar.models import tiny_config
+
+    # the count of query-key pairs: continuous from P to P + T, capped at the window
+    assert attended_keys(1000, 3000) == 1000 * 3500
+    assert attended_keys(1000, 3000, 8192) == attended_keys(1000, 3000)  # the window is never reached
+    assert attended_keys(1000, 3000, 512) == 1000 * 512  # past the window from the first new token
+    assert attended_keys(1000, 0, 400) == 400 * 400 / 2 + 600 * 400  # a triangle, then a band
+    for T, P, w in ((700, 300, 512), (50, 480, 512), (4096, 0, 1024)):  # within T of the discrete count
+        assert abs(attended_keys(T, P, w) - sum(min(P + i + 1, w) for i in range(T))) <= T
+
+    g = shape_of("gemma-3-27b", 2)
+    assert g.window_counts() == {1024: 52, None: 10}
+    per_token = 2 * 16 * 128 * 2  # K and V, 16 KV heads x 128, bf16
+    assert kv_bytes_per_rank(131072, 8, g) == (10 * 131072 + 52 * 1023) / 8 * per_token
+    full = Shape(g.layers, g.heads, g.kv_heads, g.head_dim, g.linear_weights, g.elem_bytes)
+    assert kv_bytes_per_rank(131072, 8, full) == 62 * 131072 / 8 * per_token
+    # pass-KV over a long cache carries only what each layer kept
+    assert traffic_per_rank("ring_pass_kv", 1024, 65536, 4, g) == 3 * (
+        10 * 2 * (1024 + 65536) + 52 * 2 * (1024 + 1023)
+    ) / 4 * (16 * 128 * 2)
+    assert traffic_per_rank("ring_pass_q", 1024, 65536, 4, g) == traffic_per_rank("ring_pass_q", 1024, 65536, 4, full)
+    m = PRESETS["h100-nvlink"]
+    for s in ("ring_pass_kv", "allgather_kv", "ulysses"):
+        assert predict_ttft(s, 131072, 8, g, m) < predict_ttft(s, 131072, 8, full, m)
+    assert predict_ttit(131072, 8, g, m) < predict_ttit(131072, 8, full, m)
+    assert attention_flops(131072, g, 0, 1024) < attention_flops(131072, g) / 60
+
+    # from a config: transformers' own cache decides which layers slide
+    gemma3 = tiny_config("gemma3_text")
+    assert config_windows(gemma3) == tuple(
+        gemma3.sliding_window if t == "sliding_attention" else None for t in gemma3.layer_types
+    )
+    assert config_windows(tiny_config("llama")) == ()
+    gemma3.save_pretrained(tmp_path)
+    assert shape_of(str(tmp_path), 4).windows == config_windows(gemma3)
