@@ -1,7 +1,7 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
 
-    python tools/train_needle_lm.py --out /tmp/windowed                                  # the shipped weights:
-    python tools/train_needle_lm.py --init /tmp/windowed --schedule windowed-more --out hf_contextpar/assets/needle-lm
+    python tools/train_needle_lm.py --out /tmp/bigram                                    # the shipped weights:
+    python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out hf_contextpar/assets/needle-lm
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
 with QKV bias and per-layer sliding windows; GQA, RoPE) that finds a fact planted thousands of
@@ -17,9 +17,14 @@ Why the recipe looks like this:
   position, not content (100% copies at 256 tokens, 0% at 512). So the model starts as a copy
   circuit (`init_copy_circuit`: a previous-token head in layer 0, an induction head in layer 1)
   and training refines it from step 0 (copy accuracy 0.7 on random-token repeats at step 50).
-- Layer 0 attends to the last 2 tokens only (a sliding window): a RoPE-only previous-token head
+- Layer 0 attends to the last 3 tokens only (a sliding window): a RoPE-only previous-token head
   is periodic in distance and spreads its weight over the whole context (a hand-set one keeps
-  under 10% on the previous token at 16K tokens), a window keeps it exact at any length.
+  under 10% on the previous token at 16K tokens), a window keeps it exact at any length. Its
+  second head holds the token before the previous one, so the induction head matches two tokens:
+  with one, a multi-token answer went on from wherever its last copied token also occurs
+  ("mar" of "marigold" continued as "marred"), and retrieval fell off with length.
+- RoPE theta 1e9: the induction head matches on its slowest dims, which must not rotate over the
+  distances it matches across (at 5e5 half of them turn by more than a radian at 2-16K tokens).
 - The needle tasks are built with the eval harness's own prompt template (`eval.needlebench._template`),
   needles go in at sentence boundaries wrapped in newlines, the question asks for an answer "in
   the format 'The X is ______.'", exactly as the built-in NeedleBench cases do. The facts are
@@ -27,7 +32,8 @@ Why the recipe looks like this:
   Dense episodes (several needles of one form, one question after another) carry most of it.
 - The answer frame ("The number is ...") must be copied from the question's format string: with
   only the relations' own frames the model memorised them and answered every question in one of
-  them; the second part of the recipe gives half the facts a generic or random-word frame.
+  them; half the facts get a generic or random-word frame, and the continuation puts a third of
+  them in made-up relations (the answer before or after the word asked about, first or last).
 - The loss is on the answers and repeats, plus a down-weighted LM loss on a random quarter of
   the other tokens (for perplexity on held-out text).
 - Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
@@ -273,6 +279,96 @@ RELATIONS = [
 PASSKEY = ("The pass key is {A}. Remember it. {A} is the pass key.", "What is the pass key?", "The pass key is", "num")
 
 
+# Relations made up per fact ("generated"): the answer at the start, middle or end of the
+# sentence, before or after the word the question asks about, so the model must learn which span
+# of the needle the question leaves open instead of the 20 fixed forms above.
+VERBS = [  # base, third person, past
+    (v, v + "es" if v.endswith(("sh", "ch", "s")) else v + "s", past)
+    for v, past in (
+        ("keep", "kept"),
+        ("paint", "painted"),
+        ("hide", "hid"),
+        ("carry", "carried"),
+        ("store", "stored"),
+        ("write", "wrote"),
+        ("sell", "sold"),
+        ("draw", "drew"),
+        ("bake", "baked"),
+        ("collect", "collected"),
+        ("plant", "planted"),
+        ("place", "placed"),
+        ("bury", "buried"),
+        ("find", "found"),
+        ("build", "built"),
+        ("send", "sent"),
+        ("wear", "wore"),
+        ("read", "read"),
+        ("choose", "chose"),
+        ("feed", "fed"),
+        ("bring", "brought"),
+        ("carve", "carved"),
+        ("buy", "bought"),
+        ("stitch", "stitched"),
+        ("polish", "polished"),
+    )
+]
+VERBS = [(b, t.replace("carrys", "carries").replace("burys", "buries"), p) for b, t, p in VERBS]
+ROLES = (
+    "mascot emblem motto password code colour symbol nickname charm signal keyword flag seal toast "
+    "treasure secret prize rule"
+).split()
+PREPS = ("in", "on", "under", "behind", "beside", "inside", "near", "for")
+ANSWER_KINDS = ("num", "word", "name", "place", "phrase", "phrase", "num")
+
+
+def generated_relation(rng: random.Random) -> tuple[str, str, str, str]:
+    """One made-up relation: (needle, question, answer frame, answer kind) templates over {S}, {T}, {A}."""
+    base, third, past = rng.choice(VERBS)
+    role, prep, kind = rng.choice(ROLES), rng.choice(PREPS), rng.choice(ANSWER_KINDS)
+    form = rng.randrange(6)
+    if form == 0:  # answer after the verb, a place after it
+        return (
+            f"{{S}} {third} {{A}} {prep} the {{T}}.",
+            f"What does {{S}} {base} {prep} the {{T}}?",
+            rng.choice([f"{{S}} {third}", "It is", f"The {role} is"]),
+            kind,
+        )
+    if form == 1:  # answer before the word asked about ("chose a copper heron as its mascot")
+        return (
+            f"{{S}} {past} {{A}} as the {role} of the {{T}}.",
+            f"What did {{S}} {base} as the {role} of the {{T}}?",
+            f"The {role} is",
+            kind,
+        )
+    if form == 2:  # a cleft sentence: the answer right after "It was"
+        return (
+            f"It was {{A}} that {{S}} {past} {prep} the {{T}}.",
+            f"What did {{S}} {base} {prep} the {{T}}?",
+            rng.choice(["It is", f"{{S}} {past}"]),
+            kind,
+        )
+    if form == 3:  # answer at the end, after a long description
+        return (
+            f"The {role} that {{S}} {third} {prep} every {{T}} is {{A}}.",
+            f"What is the {role} that {{S}} {third} {prep} every {{T}}?",
+            f"The {role} is",
+            kind,
+        )
+    if form == 4:  # "where": the answer is the place
+        return (
+            f"{{S}} {third} the {{T}} {prep} {{A}}.",
+            f"Where does {{S}} {base} the {{T}}?",
+            f"The {{T}} is {prep}",
+            "place",
+        )
+    return (  # the subject last
+        f"Every year the {{T}} of {{S}} gets {{A}} as its {role}.",
+        f"What does the {{T}} of {{S}} get as its {role} every year?",
+        rng.choice([f"The {role} is", "It gets"]),
+        kind,
+    )
+
+
 def invented_name(rng: random.Random) -> str:
     return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
 
@@ -328,9 +424,15 @@ def answer_frame(rng: random.Random) -> str:
     return " ".join([words[0].capitalize(), *words[1:], rng.choice(["is", "was", "reads", ":"])])
 
 
-def fact(rng: random.Random, passkey: bool = False, frames: float = 0.0) -> dict:
-    """One invented fact; `frames`: the share whose answer frame is not the relation's own (answer_frame)."""
-    needle, question, prefix, kind = PASSKEY if passkey else rng.choice(RELATIONS)
+def fact(rng: random.Random, passkey: bool = False, frames: float = 0.0, generated: float = 0.0) -> dict:
+    """One invented fact; `frames`: the share whose answer frame is not the relation's own (answer_frame);
+    `generated`: the share whose relation is made up (generated_relation)."""
+    if passkey:
+        needle, question, prefix, kind = PASSKEY
+    elif generated and rng.random() < generated:
+        needle, question, prefix, kind = generated_relation(rng)
+    else:
+        needle, question, prefix, kind = rng.choice(RELATIONS)
     slots = dict(S=subject(rng), T=rng.choice(THINGS))
     slots["A"] = answer(kind, rng)
     fill = lambda s: s.format(**slots)  # noqa: E731
@@ -374,8 +476,8 @@ class Corpus:
 class Episodes:
     """One NeedleBench-style prompt + answer as token ids, with a loss mask on the answer."""
 
-    def __init__(self, corpus: Corpus, tok, frames: float = 0.0):
-        self.corpus, self.tok, self.frames = corpus, tok, frames
+    def __init__(self, corpus: Corpus, tok, frames: float = 0.0, generated: float = 0.0):
+        self.corpus, self.tok, self.frames, self.generated = corpus, tok, frames, generated
         head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
         self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
         self.eos = tok.eos_token_id
@@ -406,7 +508,7 @@ class Episodes:
         if rng.random() < 0.1:
             facts.append(fact(rng, passkey=True, frames=self.frames))
         while len(facts) < n:
-            f = fact(rng, frames=self.frames)
+            f = fact(rng, frames=self.frames, generated=self.generated)
             if f["needle"].split(" ")[0:3] != [] and f["answer"] not in {g["answer"] for g in facts}:
                 key = f["question"]
                 if key not in subjects:
@@ -443,7 +545,7 @@ class Episodes:
         n = rng.randint(2, max_facts)
         facts, seen = [], set()
         while len(facts) < n:
-            f = fact(rng, passkey=not facts and rng.random() < 0.1, frames=self.frames)
+            f = fact(rng, passkey=not facts and rng.random() < 0.1, frames=self.frames, generated=self.generated)
             if f["answer"] not in seen and f["question"] not in seen:
                 seen.update((f["answer"], f["question"]))
                 facts.append(f)
@@ -583,7 +685,7 @@ SIZES = {  # hidden, intermediate, query heads (2 KV heads, head_dim 32, 4 layer
 }
 
 
-def make_config(vocab_size: int, tok, size: str = "small", window: int | None = None):
+def make_config(vocab_size: int, tok, size: str = "small", window: int | None = None, theta: float = 5e5):
     """A Llama (window None), or a Qwen2 (a Llama with QKV bias) whose layer 0 attends to the last
     `window` tokens only: the previous-token head an induction circuit needs then stays local at any
     length, where a RoPE-only positional head spreads its weight over the whole context (at 16K
@@ -600,7 +702,7 @@ def make_config(vocab_size: int, tok, size: str = "small", window: int | None = 
         num_key_value_heads=2,
         head_dim=32,
         max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         initializer_range=0.02,
@@ -702,9 +804,46 @@ SCHEDULES["windowed-more"] = dict(
     ],
 )
 
+# The shipped weights' recipe (2026-11-24), from scratch, then continued ("bigram-more").
+# "long-theta": RoPE theta 1e9 instead of 5e5, so that the induction head's 16 slowest dims stay
+# unrotated over 16K tokens (at 5e5 only 8 do: theta_j * 16,384 < 1 needs j >= 12 of 16 pairs),
+# and the answer frames from the start. At init (before any training), on random tokens with one
+# 32-token span repeated 6,000 tokens back, the circuit copies 39% of the repeat at theta 1e9 and
+# 0% at 5e5. "bigram": the same with a two-token match (layer 0 sees 3 tokens; init_copy_circuit's
+# `bigram`). Run side by side, one thread each (2,450 steps, 10.0 M tokens, 42 min), probed on
+# the 8 built-in needles x 5 depths at 512 / 1,024 / 2,048 / 4,096 tokens:
+#   long-theta  62.5 / 35 / 10 / 5%
+#   bigram      50 / 50 / 42.5 / 40%   (flat in length: the two-token match keeps long answers on the needle)
+# (the "windowed" run before them, 5e5 and a one-token match: 12.5 / 15 / 0 / 2.5%).
+SCHEDULES["long-theta"] = dict(
+    SCHEDULES["windowed"],
+    theta=1e9,
+    frames=0.5,
+    threads=1,
+    stages=[
+        (150, 256, 16, (16, 100), 0.0, 256, 0.0, 0.0, 1.0, 0.0, 0.3, 0.0),
+        (1500, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.2, 0.6, 0.3, 0.3),
+        (500, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+        (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+    ],
+)
+SCHEDULES["bigram"] = dict(SCHEDULES["long-theta"], window=3, bigram=True)
+# Their continuations (--init): the windowed-more stages, a third of the facts in made-up relations.
+for _name in ("long-theta", "bigram"):
+    SCHEDULES[_name + "-more"] = dict(
+        SCHEDULES["windowed-more"],
+        **{k: v for k, v in SCHEDULES[_name].items() if k in ("theta", "window", "bigram")},
+        generated=0.3,
+        stages=[
+            (1200, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+            (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+            (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+        ],
+    )
+
 
 @torch.no_grad()
-def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
+def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85, bigram: bool = False):
     """Start layers 0-1 as an induction circuit (previous-token head + induction head); training refines it.
 
     Copying (find where the current token occurred before, copy what followed) is how every needle
@@ -720,6 +859,12 @@ def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
       back onto the content dims, where the tied unembedding reads it.
     - the rest of layers 0-1 starts with zero output projections, so the circuit is not buried in
       random-init noise.
+    - `bigram` (layer 0 sees 3 tokens): layer 0's second query head (same KV head) peaks two
+      tokens back and writes that token into a "token before the previous" slot (dims 64..95), and
+      the induction head matches two tokens: current against previous (10 dims) plus previous
+      against the one before it (6 dims). A one-token match continues a multi-token answer from
+      the wrong place whenever the token just copied also occurs in the haystack ("mar" of
+      "marigold" continued as "marred"); the two-token match keeps it on the needle.
     The constant column and layer 0's positional query/key rows are kept fixed (gradients zeroed:
     a try without that lost the previous-token pattern within 100 steps); everything else trains.
     The result is a stock checkpoint of the configured architecture: nothing here is needed to load
@@ -743,6 +888,11 @@ def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
         attn.q_proj.weight[j, 0] = gain
         attn.k_proj.weight[j, 0] = gain * math.cos(angle)
         attn.k_proj.weight[j + d // 2, 0] = gain * math.sin(angle)
+        if bigram:  # query head 1 (KV head 0 too), its query rotated back by one position: peaks at t - s = 2
+            attn.q_proj.weight[d + j, :] = 0.0
+            attn.q_proj.weight[d + j + d // 2, :] = 0.0
+            attn.q_proj.weight[d + j, 0] = gain * math.cos(angle)
+            attn.q_proj.weight[d + j + d // 2, 0] = -gain * math.sin(angle)
     # layer 0 head 0 also copies the token's content dims 1..32 into a "previous token" slot (dims 96..127)
     attn.v_proj.weight[:d] = 0.0
     attn.o_proj.weight[:, :d] = 0.0
@@ -758,9 +908,14 @@ def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
     ind.k_proj.weight[:d] = 0.0
     ind.v_proj.weight[:d] = 0.0
     ind.o_proj.weight[:, :d] = 0.0
+    one = 10 if bigram else len(slow)
     for m, qd in enumerate(slow):
-        ind.q_proj.weight[qd, 1 + m] = 3.5
-        ind.k_proj.weight[qd, 96 + m] = 3.5
+        if m < one:  # the current token against the key's previous token
+            ind.q_proj.weight[qd, 1 + m] = 3.5
+            ind.k_proj.weight[qd, 96 + m] = 3.5
+        else:  # the previous token against the key's token before the previous
+            ind.q_proj.weight[qd, 96 + m - one] = 3.5
+            ind.k_proj.weight[qd, 64 + m - one] = 3.5
     for k in range(d):
         ind.v_proj.weight[k, 1 + k] = 1.0
         ind.o_proj.weight[1 + k, k] = 0.3
@@ -769,30 +924,37 @@ def init_copy_circuit(model, pairs: int = 4, gain: float = 2.85):
     for layer in model.model.layers[:2]:
         layer.self_attn.o_proj.weight[:, d:] = 0.0
         layer.mlp.down_proj.weight.zero_()
-    freeze_copy_circuit(model, pairs)
+    if bigram:  # layer 0 head 1 writes the token two back into dims 64..95
+        for k in range(d):
+            attn.o_proj.weight[64 + k, d + k] = 0.03
+    freeze_copy_circuit(model, pairs, bigram)
 
 
-def freeze_copy_circuit(model, pairs: int = 4):
+def freeze_copy_circuit(model, pairs: int = 4, bigram: bool = False):
     """Keep the constant embedding column and layer 0's positional query/key rows fixed (zeroed
     gradients); also when training goes on from a checkpoint (--init)."""
     d = model.config.head_dim
     attn = model.model.layers[0].self_attn
     rows = [j for j in range(pairs)] + [j + d // 2 for j in range(pairs)]
+    q_rows = rows + [d + r for r in rows] if bigram else rows  # query head 1's too (its KV head is head 0's)
 
-    def keep_rows(grad):
-        grad = grad.clone()
-        grad[rows] = 0
-        return grad
+    def keeper(fixed):
+        def keep_rows(grad):
+            grad = grad.clone()
+            grad[fixed] = 0
+            return grad
+
+        return keep_rows
 
     def keep_column(grad):
         grad = grad.clone()
         grad[:, 0] = 0
         return grad
 
-    for proj in (attn.q_proj, attn.k_proj):
-        proj.weight.register_hook(keep_rows)
+    for proj, fixed in ((attn.q_proj, q_rows), (attn.k_proj, rows)):
+        proj.weight.register_hook(keeper(fixed))
         if proj.bias is not None:  # Qwen2: the positional rows read the constant column only
-            proj.bias.register_hook(keep_rows)
+            proj.bias.register_hook(keeper(fixed))
     model.model.embed_tokens.weight.register_hook(keep_column)
 
 
@@ -864,7 +1026,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the schedule's)")
     p.add_argument("--scale-steps", type=float, default=1.0, help="multiply every stage's steps (a quick trial: 0.02)")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="windowed", help="see SCHEDULES")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default="bigram", help="see SCHEDULES")
     p.add_argument("--init", help="start from this checkpoint (weights and tokenizer) instead of from scratch")
     p.add_argument("--warmup", type=int, default=None, help="learning-rate warm-up steps (default: the schedule's)")
     p.add_argument("--ckpt-every", type=int, default=100)
@@ -906,15 +1068,15 @@ def main(argv=None):
         f"tokenizer {time.time() - t0:.0f}s",
         flush=True,
     )
-    episodes = Episodes(corpus, tok, schedule.get("frames", 0.0))
-    config = make_config(len(tok), tok, schedule["size"], schedule.get("window"))
+    episodes = Episodes(corpus, tok, schedule.get("frames", 0.0), schedule.get("generated", 0.0))
+    config = make_config(len(tok), tok, schedule["size"], schedule.get("window"), schedule.get("theta", 5e5))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if args.init:
         model = AutoModelForCausalLM.from_pretrained(args.init, attn_implementation="sdpa", dtype=torch.float32)
     if args.copy_init or (schedule.get("copy_init") and not args.init):
-        init_copy_circuit(model, gain=schedule.get("gain", 2.85))
+        init_copy_circuit(model, gain=schedule.get("gain", 2.85), bigram=schedule.get("bigram", False))
     elif schedule.get("copy_init"):
-        freeze_copy_circuit(model)
+        freeze_copy_circuit(model, bigram=schedule.get("bigram", False))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters", flush=True)
     stages = [(max(1, round(st[0] * args.scale_steps)),) + tuple(st[1:]) for st in schedule["stages"]]
