@@ -243,8 +243,8 @@ def main(argv=None):
     g.add_argument(
         "--prompt-tokens",
         type=int,
-        default=1024,
-        help="prompt length in tokens (a file is truncated to it; default 1024, where needle-lm retrieves)",
+        default=4096,
+        help="prompt length in tokens (a file is truncated to it; default 4096: needle-lm finds needle 0 up to 8K)",
     )
     g.add_argument("--depth", type=int, default=50, help="where the needle sits, %% of the haystack (default 50)")
     g.add_argument(

@@ -30,7 +30,7 @@ def test_cli_generate_under_torchrun():
     assert res.returncode == 0, why
     assert "question: What number does the lighthouse keeper of Velmora Point paint" in res.stdout, why
     assert "answer:   The number is 7341." in res.stdout and "expected: '7341' -> correct" in res.stdout, why
-    assert re.search(r"processes 2  prompt 10[0-2]\d tokens", res.stdout), why  # the longest prompt of <= 1024 tokens
+    assert re.search(r"processes 2  prompt 40[6-9]\d tokens", res.stdout), why  # the longest prompt of <= 4096 tokens
     new = int(re.search(r"new (\d+) tokens", res.stdout).group(1))
     prompt = int(re.search(r"prompt (\d+) tokens", res.stdout).group(1))
     cached = [int(m) for m in re.findall(r"rank \d: KV cache (\d+) tokens/layer", res.stdout)]
