@@ -14,7 +14,8 @@ BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
     allgather_kv   alpha + (N-1) ((T+P)/N) 2 Hkv d e / BW + A                        (gather, then attend)
     kv_runahead    the last rank of an even contiguous split: attention over all T keys for its T/N
                    queries, 4 H d (T/N)(T - T/(2N)), plus (N-1) hops of the growing prefix chain
-    ulysses        2 alpha + ((N-1)/N) (T/N) (H + 2 max(Hkv, N)) d e / BW + A        (two All2All, QKV in, O out)
+    ulysses        2 alpha + ((N-1)/N) (T/N) (H + 2 Hkv) d e / BW + A                 (two All2All, QKV in, O out;
+                   N must divide H and Hkv)
                    + ((N-1)/N) (T/N) H d e / BW
 (KV-Runahead and Ulysses are modelled for fresh prompts, P = 0.) A sliding layer of window w counts
 at most w keys per query (its skipped blocks cost nothing) and holds, so sends, at most w - 1 cached
@@ -210,8 +211,8 @@ def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
     if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
         last = 4.0 * h * d * attended_keys(chunk, T - chunk, window) / m.attn_flops
         return last + sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
-    if strategy == "ulysses" and P == 0:
-        qkv = (N - 1) / N * chunk * (h + 2 * max(kv, N)) * d * e / m.bandwidth
+    if strategy == "ulysses" and P == 0 and h % N == 0 and kv % N == 0:  # whole heads per rank (api refuses else)
+        qkv = (N - 1) / N * chunk * (h + 2 * kv) * d * e / m.bandwidth
         out = (N - 1) / N * chunk * h * d * e / m.bandwidth
         return 2 * m.latency + qkv + out + a
     return None

@@ -238,8 +238,13 @@ def test_costmodel_hand_computed():
     assert costmodel.predict_ttft("allgather_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.78 + 0.512 + 1.0)
     # KV-Runahead, last rank: 4*2*4*4*(8-2)/1000 = 0.768, one hop of 4 tokens' KV: 0.5 + 2*4*1*4*4/100 = 1.78
     assert costmodel.predict_ttft("kv_runahead", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 0.768 + 1.78 + 1.0)
-    # Ulysses: QKV in 1/2*4*(2+2*2)*4*4/100 = 1.92, O out 1/2*4*2*4*4/100 = 0.64, two latencies
-    assert costmodel.predict_ttft("ulysses", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.0 + 1.92 + 0.64 + 0.512 + 1.0)
+    # Ulysses moves whole heads: not with 1 KV head on 2 ranks; with 2: QKV in 1/2*4*(2+2*2)*4*4/100 = 1.92,
+    # O out 1/2*4*2*4*4/100 = 0.64, two latencies
+    assert costmodel.predict_ttft("ulysses", 8, 2, SHAPE, MACHINE) is None
+    two_kv = costmodel.Shape(layers=1, heads=2, kv_heads=2, head_dim=4, linear_weights=100, elem_bytes=4)
+    assert costmodel.predict_ttft("ulysses", 8, 2, two_kv, MACHINE) == pytest.approx(
+        8 + 1.0 + 1.92 + 0.64 + 0.512 + 1.0
+    )
     assert costmodel.predict_ttft("no_such_strategy", 8, 2, SHAPE, MACHINE) is None
     # exposed communication: everything above the same prediction with free communication (8 + 0.512)
     assert costmodel.exposed_comm("ring_pass_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(11.036 - 8.512)
