@@ -1,7 +1,13 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
 
-    python tools/train_needle_lm.py --out /tmp/bigram                                    # the shipped weights:
-    python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out hf_contextpar/assets/needle-lm
+The shipped weights, five runs (about two hours on 2 cores; `training.json` records each):
+
+    python tools/train_needle_lm.py --out /tmp/bigram                     # from scratch, 1 thread, 42 min
+    python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out /tmp/more
+    python tools/train_needle_lm.py --init /tmp/more --schedule bigram-more --scale-steps 0.6 --seed 1 --out /tmp/more2
+    python tools/train_needle_lm.py --init /tmp/more2 --schedule bigram-deeper --seed 3 --threads 2 --out /tmp/deeper
+    python tools/train_needle_lm.py --init /tmp/deeper --schedule bigram-rich --seed 4 --threads 2 \
+        --out hf_contextpar/assets/needle-lm
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
 with QKV bias and per-layer sliding windows; GQA, RoPE) that finds a fact planted thousands of
@@ -373,7 +379,19 @@ def invented_name(rng: random.Random) -> str:
     return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
 
 
-def subject(rng: random.Random) -> str:
+PLAIN_ADJECTIVES = "famous old new little favourite secret annual oldest busy quiet".split()
+
+
+def subject(rng: random.Random, rich: float = 0.0) -> str:
+    """Who or what a fact is about; `rich`: the share that is a longer noun phrase around a name
+    ("Osei's famous kettle", "the cellar at Bramo Point"), so that the words before the answer vary."""
+    if rich and rng.random() < rich:
+        r = rng.random()
+        if r < 0.4:
+            return f"{rng.choice(TITLES + [''])} {invented_name(rng)}'s {rng.choice(PLAIN_ADJECTIVES)} {rng.choice(THINGS)}".strip()
+        if r < 0.7:
+            return f"the {rng.choice(THINGS)} at {invented_name(rng)} {rng.choice(PLACE_SUFFIX)}"
+        return f"the {rng.choice(THINGS)} {rng.choice(['club', 'society', 'guild'])} of {invented_name(rng)} {rng.choice(PLACE_SUFFIX)}"
     r = rng.random()
     if r < 0.35:
         return f"{invented_name(rng)} {rng.choice(PLACE_SUFFIX)}"
@@ -382,22 +400,44 @@ def subject(rng: random.Random) -> str:
     return f"{invented_name(rng)} {invented_name(rng)}"
 
 
-def answer(kind: str, rng: random.Random) -> str:
+def open_vocabulary(docs: list[str]) -> list[str]:
+    """Answer words too many to memorise: the training text's lowercase words (3-12 letters, seen at
+    least twice), minus every word of the built-in needles' answers, so those stay unseen as answers.
+
+    With answers from the short lists above only, the model learnt a prior over them and answered
+    from it instead of copying ("smoked cardamom" came out as "burnt teapot", "marigold-forty" as
+    "boatwer": both unlike any list word, while the needles whose answers copy token by token passed).
+    """
+    from collections import Counter
+
+    from hf_contextpar.eval.needles import NEEDLES, REASONING
+
+    held = {w.lower() for n in NEEDLES for w in re.findall(r"[A-Za-z]+", n["arg2"])}
+    held |= {w.lower() for r in REASONING for w in re.findall(r"[A-Za-z]+", r["answer"])}
+    counts = Counter(w for d in docs for w in re.findall(r"\b[a-z]{3,12}\b", d))
+    return sorted(w for w, c in counts.items() if c >= 2 and w not in held)
+
+
+def answer(kind: str, rng: random.Random, words: list[str] | None = None) -> str:
+    """A random answer of `kind`; with `words`, its words come from that open vocabulary instead of the lists."""
     if kind == "num":
         digits = rng.randint(1, 6)
         return str(rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1))
-    if kind == "word":
-        return f"{rng.choice(NOUNS + ADJECTIVES)}-{rng.choice(NUMBER_WORDS)}"
     if kind == "name":
         return invented_name(rng)
     if kind == "day":
         return f"the {rng.choice(ORDINALS)} of {invented_name(rng)}"
+    adjectives, nouns = (words, words) if words else (ADJECTIVES, NOUNS)
+    if kind == "word":
+        return f"{rng.choice(nouns + adjectives if not words else words)}-{rng.choice(words or NUMBER_WORDS)}"
     if kind == "place":
-        return f"a {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+        return f"a {rng.choice(adjectives)} {rng.choice(nouns)}"
+    if words and rng.random() < 0.25:
+        return rng.choice(words)
     return (
-        f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+        f"{rng.choice(adjectives)} {rng.choice(nouns)}"
         if rng.random() < 0.8
-        else f"{invented_name(rng).lower()} {rng.choice(NOUNS)}"
+        else f"{invented_name(rng).lower()} {rng.choice(nouns)}"
     )
 
 
@@ -424,17 +464,26 @@ def answer_frame(rng: random.Random) -> str:
     return " ".join([words[0].capitalize(), *words[1:], rng.choice(["is", "was", "reads", ":"])])
 
 
-def fact(rng: random.Random, passkey: bool = False, frames: float = 0.0, generated: float = 0.0) -> dict:
+def fact(
+    rng: random.Random,
+    passkey: bool = False,
+    frames: float = 0.0,
+    generated: float = 0.0,
+    words: list[str] | None = None,
+    open_share: float = 0.0,
+    rich: float = 0.0,
+) -> dict:
     """One invented fact; `frames`: the share whose answer frame is not the relation's own (answer_frame);
-    `generated`: the share whose relation is made up (generated_relation)."""
+    `generated`: the share whose relation is made up (generated_relation); `open_share`: the share whose
+    answer words come from `words` (open_vocabulary); `rich`: subject()'s share of longer subjects."""
     if passkey:
         needle, question, prefix, kind = PASSKEY
     elif generated and rng.random() < generated:
         needle, question, prefix, kind = generated_relation(rng)
     else:
         needle, question, prefix, kind = rng.choice(RELATIONS)
-    slots = dict(S=subject(rng), T=rng.choice(THINGS))
-    slots["A"] = answer(kind, rng)
+    slots = dict(S=subject(rng, rich), T=rng.choice(THINGS))
+    slots["A"] = answer(kind, rng, words if open_share and rng.random() < open_share else None)
     fill = lambda s: s.format(**slots)  # noqa: E731
     if frames and rng.random() < frames:
         prefix = answer_frame(rng)
@@ -476,8 +525,9 @@ class Corpus:
 class Episodes:
     """One NeedleBench-style prompt + answer as token ids, with a loss mask on the answer."""
 
-    def __init__(self, corpus: Corpus, tok, frames: float = 0.0, generated: float = 0.0):
-        self.corpus, self.tok, self.frames, self.generated = corpus, tok, frames, generated
+    def __init__(self, corpus: Corpus, tok, **fact_args):
+        self.corpus, self.tok = corpus, tok
+        self.fact_args = dict(dict(frames=0.0), **fact_args)  # fact()'s keywords
         head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
         self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
         self.eos = tok.eos_token_id
@@ -506,9 +556,9 @@ class Episodes:
         n = rng.choices([1, 2, 3, 4], weights=[4, 3, 2, 1])[0]
         facts, subjects = [], set()
         if rng.random() < 0.1:
-            facts.append(fact(rng, passkey=True, frames=self.frames))
+            facts.append(fact(rng, passkey=True, frames=self.fact_args["frames"]))
         while len(facts) < n:
-            f = fact(rng, frames=self.frames, generated=self.generated)
+            f = fact(rng, **self.fact_args)
             if f["needle"].split(" ")[0:3] != [] and f["answer"] not in {g["answer"] for g in facts}:
                 key = f["question"]
                 if key not in subjects:
@@ -545,7 +595,7 @@ class Episodes:
         n = rng.randint(2, max_facts)
         facts, seen = [], set()
         while len(facts) < n:
-            f = fact(rng, passkey=not facts and rng.random() < 0.1, frames=self.frames, generated=self.generated)
+            f = fact(rng, passkey=not facts and rng.random() < 0.1, **self.fact_args)
             if f["answer"] not in seen and f["question"] not in seen:
                 seen.update((f["answer"], f["question"]))
                 facts.append(f)
@@ -721,6 +771,26 @@ def make_config(vocab_size: int, tok, size: str = "small", window: int | None = 
     )
 
 
+@torch.no_grad()
+def grow(model, layers: int):
+    """The same function with `layers` more full-attention layers on top: each new layer starts with
+    zero output projections (o_proj, down_proj), so it adds nothing until training gives it a use."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += layers
+    config.layer_types = list(config.layer_types) + ["full_attention"] * layers
+    bigger = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    missing, unexpected = bigger.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in k for k in missing), (missing, unexpected)
+    for layer in bigger.model.layers[-layers:]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return bigger.to(model.dtype)
+
+
 # A schedule: the model size, how repeats are built (repeat_sequence's `spread`), and its stages:
 # (steps, seq_len, batch, haystack tokens min/max per episode, multi-question share, PoSE span, PoSE share,
 #  share of copy episodes, share of repeat sequences, share of dense episodes, share of text among repeats,
@@ -840,6 +910,29 @@ for _name in ("long-theta", "bigram"):
             (300, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
         ],
     )
+
+# Three continuations of the third run's weights ("more2" in the docstring; 4 layers), 2026-11-24,
+# probed on the 8 built-in needles x 5 depths at 512 / 1,024 / 2,048 / 4,096 tokens; "more2" itself:
+# 62.5 / 62.5 / 62.5 / 52.5%.
+# "bigram-open" (tried, not kept; seed 2, 2 threads, 21 min): half the answers'
+# words from the open vocabulary (open_vocabulary): 62.5 / 60 / 60 / 47.5%. The prior went (no more "burnt teapot"), but the same three needles still fail: the
+# answer is copied from the wrong place ("The mascot is skilled in answering user", from the prompt's
+# instructions). What fails is finding where the answer starts when the needle's words just before
+# it are not the answer frame's ("... plum cake is smoked cardamom" asked as "The secret ingredient
+# is"); the same holds for training relations of that shape (secret ingredient, emblem, password,
+# name, food, mascot: 0-2 of 6 at 512 tokens, the other 14 relations 5-6 of 6).
+SCHEDULES["bigram-open"] = dict(SCHEDULES["bigram-more"], open_share=0.5)
+# "bigram-deeper" (kept; seed 3, 2 threads, 25 min, 7.8 M tokens): two more full-attention layers
+# on top (`grow`: zero output projections, so the function is unchanged at step 0), then the
+# bigram-more stages: 62.5 / 62.5 / 62.5 / 55%, the same three needles failing, but the training
+# relations of that shape went up (mascot 1 -> 4 of 4, secret ingredient 0 -> 3 of 4 at 512 tokens).
+SCHEDULES["bigram-deeper"] = dict(SCHEDULES["bigram-more"], grow=2)
+# "bigram-rich" (the shipped weights; seed 4, 2 threads, 26 min, 7.8 M tokens): on the deeper weights,
+# half the subjects are phrases of several words around a name (subject()'s `rich`: "Lady Osa's
+# famous kettle", "the barn at Dori Point"), so that the words just before an answer are not always
+# a name: 75 / 75 / 75 / 60%; "marigold-forty" found at every depth, "smoked cardamom" now started
+# right but cut short ("The secret ingredient is smok."), "a copper heron" still not found.
+SCHEDULES["bigram-rich"] = dict(SCHEDULES["bigram-more"], rich=0.5)
 
 
 @torch.no_grad()
@@ -1068,11 +1161,22 @@ def main(argv=None):
         f"tokenizer {time.time() - t0:.0f}s",
         flush=True,
     )
-    episodes = Episodes(corpus, tok, schedule.get("frames", 0.0), schedule.get("generated", 0.0))
+    open_share = schedule.get("open_share", 0.0)
+    episodes = Episodes(
+        corpus,
+        tok,
+        frames=schedule.get("frames", 0.0),
+        generated=schedule.get("generated", 0.0),
+        open_share=open_share,
+        words=open_vocabulary(docs) if open_share else None,
+        rich=schedule.get("rich", 0.0),
+    )
     config = make_config(len(tok), tok, schedule["size"], schedule.get("window"), schedule.get("theta", 5e5))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if args.init:
         model = AutoModelForCausalLM.from_pretrained(args.init, attn_implementation="sdpa", dtype=torch.float32)
+    if args.init and schedule.get("grow"):
+        model = grow(model, schedule["grow"])
     if args.copy_init or (schedule.get("copy_init") and not args.init):
         init_copy_circuit(model, gain=schedule.get("gain", 2.85), bigram=schedule.get("bigram", False))
     elif schedule.get("copy_init"):
