@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 from . import attention
+from .costmodel import ulysses_fits
 from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
 from .errors import ContextParallelError, UnsupportedModelError
 from .runtime import ContextParallelRuntime
@@ -59,7 +60,7 @@ def _check_ulysses(config, world: int):
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % world or kv_heads % world:
+    if not ulysses_fits(heads, kv_heads, world):
         raise UnsupportedModelError(
             f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
             f"heads and {kv_heads} KV heads, which {world} does not divide. Use strategy='ring_pass_kv' (or any "

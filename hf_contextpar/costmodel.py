@@ -185,6 +185,12 @@ def model_ring_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[
     return kv_time, q_time
 
 
+def ulysses_fits(heads: int, kv_heads: int, world: int) -> bool:
+    """Ulysses moves whole heads: N must divide the query and the KV heads (no KV head is repeated).
+    apply_context_parallel refuses other layouts, and the cost model predicts nothing for them."""
+    return heads % world == 0 and kv_heads % world == 0
+
+
 def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine, P: int = 0) -> float | None:
     """Predicted TTFT (seconds) of a prefill of T tokens over P cached ones; None for a strategy the
     model does not know (KV-Runahead and Ulysses: fresh prompts only)."""
@@ -211,7 +217,7 @@ def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
     if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
         last = 4.0 * h * d * attended_keys(chunk, T - chunk, window) / m.attn_flops
         return last + sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
-    if strategy == "ulysses" and P == 0 and h % N == 0 and kv % N == 0:  # whole heads per rank (api refuses else)
+    if strategy == "ulysses" and P == 0 and ulysses_fits(h, kv, N):
         qkv = (N - 1) / N * chunk * (h + 2 * kv) * d * e / m.bandwidth
         out = (N - 1) / N * chunk * h * d * e / m.bandwidth
         return 2 * m.latency + qkv + out + a

@@ -18,7 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from .costmodel import PER_FORWARD_COLLECTIVES, Machine, Shape, config_windows, kept_keys, predict_ttft
+from .costmodel import (
+    PER_FORWARD_COLLECTIVES,
+    Machine,
+    Shape,
+    config_windows,
+    kept_keys,
+    predict_ttft,
+    ulysses_fits,
+)
 from .planner import choose
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
@@ -144,7 +152,7 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
             "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * 4,
             "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
             "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
-            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and h % N == kv % N == 0 else None,
+            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and ulysses_fits(h, kv, N) else None,
         }[strategy]
         if per_layer is None:
             return None

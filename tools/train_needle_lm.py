@@ -429,7 +429,7 @@ def answer(kind: str, rng: random.Random, words: list[str] | None = None) -> str
         return f"the {rng.choice(ORDINALS)} of {invented_name(rng)}"
     adjectives, nouns = (words, words) if words else (ADJECTIVES, NOUNS)
     if kind == "word":
-        return f"{rng.choice(nouns + adjectives if not words else words)}-{rng.choice(words or NUMBER_WORDS)}"
+        return f"{rng.choice(words or NOUNS + ADJECTIVES)}-{rng.choice(words or NUMBER_WORDS)}"
     if kind == "place":
         return f"a {rng.choice(adjectives)} {rng.choice(nouns)}"
     if words and rng.random() < 0.25:
@@ -527,7 +527,7 @@ class Episodes:
 
     def __init__(self, corpus: Corpus, tok, **fact_args):
         self.corpus, self.tok = corpus, tok
-        self.fact_args = dict(dict(frames=0.0), **fact_args)  # fact()'s keywords
+        self.fact_args = {"frames": 0.0, **fact_args}  # fact()'s keywords
         head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
         self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
         self.eos = tok.eos_token_id
