@@ -19,11 +19,26 @@ cache has sliding layers exactly where the single-process cache would: `DynamicC
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import ContextParallelError
 from .plan import rank_counts, sequence_counts, window_drops
+
+
+def cache_argument(model) -> str:
+    """The name `model.forward` takes its cache under: transformers 5.24 renamed `past_key_values` to
+    `cache` (keeping the old name as a deprecated alias); remote-code models may still use the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward or `generate()` returned: `output.cache` from transformers 5.24 on, else
+    `output.past_key_values` (read without the deprecation warning 5.24's alias logs)."""
+    name = "cache" if "cache" in getattr(output, "__dataclass_fields__", {}) else "past_key_values"
+    return getattr(output, name, None)
 
 
 def cache_windows(cache: Cache) -> list:

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .cache import cache_argument, returned_cache
 from .costmodel import Machine, Shape
 from .kernels import attend
 from .planner import choose, empirical_h, fit_h
@@ -138,13 +139,13 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
             T = max(runtime.world, round(rate * total))
             P = total - T
             runtime.strategy = "ring_pass_kv"
-            cache = model(ids[:, :P], use_cache=True, logits_to_keep=1).past_key_values if P else None
+            cache = returned_cache(model(ids[:, :P], use_cache=True, logits_to_keep=1)) if P else None
             times = {}
             for s in ("ring_pass_kv", "ring_pass_q"):
                 runtime.strategy = s
 
                 def partial_prefill():
-                    model(ids[:, P:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(ids[:, P:], **{cache_argument(model): cache}, use_cache=True, logits_to_keep=1)
                     if cache is not None:
                         cache.crop(P - cache.get_seq_length())
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .api import DECODES, STRATEGIES
+from .cache import returned_cache
 from .models import DEFAULT_MODEL, DTYPES, load
 
 
@@ -112,7 +113,7 @@ def cmd_generate(args):
     if dist.is_initialized():
         dist.barrier()  # ranks start together (and wait for the baseline)
     out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     local = torch.tensor(
         [
             cache.local_length if runtime else cache.get_seq_length(),

@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import current_step
-from .cache import ShardedCache, cache_windows
+from .cache import ShardedCache, cache_argument, cache_windows
 from .comm import Comm
 from .costmodel import Shape
 from .errors import ContextParallelError, UnsupportedModelError
@@ -113,6 +113,9 @@ class ContextParallelRuntime:
         # the sliding layers of the cache the unpatched model makes when given none
         self.windows = cache_windows(DynamicCache(config=model.config))
         self._params = list(inspect.signature(model.forward).parameters)
+        # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
+        self._cache_arg = cache_argument(model)
+        self._cache_names = ("cache", "past_key_values") if self._cache_arg == "cache" else ("past_key_values",)
         self._handles = []
         self._rope_modules = []
         self._pending = []  # stack of (step token, step, grad mode) per running forward
@@ -151,7 +154,7 @@ class ContextParallelRuntime:
             raise ContextParallelError("pass input_ids or inputs_embeds to the patched model.")
         batch, num_new = x.shape[0], x.shape[1]
 
-        cache = self._resolve_cache(kwargs.get("past_key_values"), kwargs.get("use_cache"))
+        cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0
         mask = kwargs.get("attention_mask")
         position_ids = _checked_positions(kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device)
@@ -173,7 +176,7 @@ class ContextParallelRuntime:
         self._shard_inputs(kwargs, plan, position_ids)
         if cache is not None:
             cache.begin(plan)
-        kwargs["past_key_values"] = cache
+        kwargs[self._cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(plan, self.comm, cache, self.num_layers)
         self.algorithm_counts[plan.algorithm] += 1
@@ -260,6 +263,15 @@ class ContextParallelRuntime:
         if kwargs.get("output_attentions"):
             raise ContextParallelError("output_attentions=True is not supported under context parallelism.")
 
+    def _take_cache(self, kwargs):
+        """The caller's cache (removed from kwargs). Given under both names, transformers 5.24 takes
+        `cache` and ignores `past_key_values` (with a warning): so does this."""
+        present = [name for name in self._cache_names if name in kwargs]
+        cache = kwargs[present[0]] if present else None
+        for name in present:
+            del kwargs[name]
+        return cache
+
     def _resolve_cache(self, cache, use_cache):
         if use_cache is None:
             use_cache = getattr(self.model.config.get_text_config(decoder=True), "use_cache", True)
@@ -283,11 +295,12 @@ class ContextParallelRuntime:
             raise ContextParallelError(
                 f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "
                 "ShardedCache. Pass no cache or an empty DynamicCache() (generate()'s default) and pass back "
-                "the past_key_values the patched model returned; static, sliding-window (static), quantized and "
+                "the cache the patched model returned (output.cache; output.past_key_values before transformers "
+                "5.24); static, sliding-window (static), quantized and "
                 "offloaded caches (cache_implementation other than 'dynamic') are not supported, nor a cache "
                 "filled without context parallelism."
             )
-        raise ContextParallelError(f"unsupported past_key_values of type {type(cache).__name__}.")
+        raise ContextParallelError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
 
     def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids, cache):
         """Every rank's input fingerprint, compared before the forward's first message (see

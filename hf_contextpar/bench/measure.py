@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cache import cache_argument, returned_cache
 from ..calibrate import sync
 
 
@@ -81,20 +82,21 @@ def prefill(model, ids, *, stats=None, barrier=None, device):
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
         )
-    return res, out.past_key_values, token
+    return res, returned_cache(out), token
 
 
 @torch.no_grad()
 def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, device):
     """`new_tokens - 1` timed greedy decode steps after a prefill; per-step times and the tokens."""
     tokens, steps, waits = [int(token[0, 0])], [], []
+    cache_kw = {cache_argument(model): cache}
     if barrier:
         barrier()
     for _ in range(new_tokens - 1):
         if stats is not None:
             stats.reset()
         t0 = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, **cache_kw, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         sync(device)
         steps.append(time.perf_counter() - t0)

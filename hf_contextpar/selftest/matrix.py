@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..cache import cache_argument, returned_cache
+
 NEW_TOKENS = 6
 PROMPT = 37  # not a multiple of 2N for N = 2..5
 SECOND_TURN_STRATEGIES = ("ring_pass_kv", "ring_pass_q", "auto")
@@ -119,7 +121,7 @@ def run_workload(model, kind: str, inputs: dict) -> dict:
         mask2 = torch.cat(
             [mask, torch.ones(ids2.shape[0], ids2.shape[1] - mask.shape[1], dtype=mask.dtype, device=mask.device)], 1
         )
-        out2, steps2 = generate(ids2, mask2, past_key_values=out.past_key_values)
+        out2, steps2 = generate(ids2, mask2, **{cache_argument(model): returned_cache(out)})
         res["tokens"].append(out2.sequences)
         res["steps"].append(steps2)
     return {k: [t.detach().cpu() for t in v] for k, v in res.items()}
