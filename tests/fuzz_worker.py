@@ -71,6 +71,7 @@ from geometries import GEOMETRIES, geometry_config  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
 import hf_contextpar  # noqa: E402
+from hf_contextpar.cache import cache_argument  # noqa: E402
 from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
@@ -242,6 +243,9 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # the caller's own cache: config-less DynamicCache() (every layer keeps every token) or the
     # DynamicCache(config=...) a model makes itself (sliding layers keep their window)
     case["inplace_config"] = r.random() < 0.5
+    # the name the cache goes in and comes out under: transformers 5.24 renamed past_key_values to
+    # cache and keeps the old name as an alias (models that predate the rename take the old one only)
+    case["cache_name"] = r.choice(["past_key_values", "cache"])
     return case
 
 
@@ -260,7 +264,8 @@ def describe(case: dict) -> str:
     return (
         f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
         f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
-        f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} turns=[{turns}]"
+        f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
+        f"cache_name={case.get('cache_name', 'past_key_values')} turns=[{turns}]"
     )
 
 
@@ -369,12 +374,14 @@ def conversation(model, case: dict, make_assistant):
     """Run the case's turns on `model`, yielding one result per turn (the caller may stop early).
 
     Turn 1 is the drawn prompt; each later turn appends a user chunk to every row (mask ones) and
-    passes the cache on: `out.past_key_values` ("returned") or the caller's own DynamicCache (with
+    passes the cache on: `out.past_key_values` or `out.cache` ("returned") or the caller's own DynamicCache (with
     or without the model's config: sliding layers or none), passed again every turn ("inplace"). Generation runs `generate(input_ids=everything so far,
-    past_key_values=cache)`, as transformers documents multi-turn generation."""
+    past_key_values=cache)` (or `cache=cache`, transformers >= 5.24), as transformers documents multi-turn
+    generation."""
     g = torch.Generator().manual_seed(case["data_seed"])
     ids, mask, position_ids, comparable = first_prompt(case, g)
     cache = None
+    name = case.get("cache_name", "past_key_values") if cache_argument(model) == "cache" else "past_key_values"
     if case["cache"] == "inplace":
         cache = DynamicCache(config=model.config) if case.get("inplace_config") else DynamicCache()
     seq, cached = None, 0  # the sequence so far, and how many of its tokens the cache holds
@@ -391,7 +398,7 @@ def conversation(model, case: dict, make_assistant):
         if mode == "forward":
             # a last turn needs no cache, and without one transformers reads packed position_ids as
             # separate sequences (a block-diagonal mask)
-            kw = dict(attention_mask=mask, past_key_values=cache, use_cache=t + 1 < len(case["turns"]))
+            kw = {"attention_mask": mask, name: cache, "use_cache": t + 1 < len(case["turns"])}
             if position_ids is not None:
                 kw["position_ids"] = position_ids
             out = model(new, **kw)
@@ -404,7 +411,7 @@ def conversation(model, case: dict, make_assistant):
             kw = generate_kwargs(turn, make_assistant() if mode == "assisted" else None)
             if mode == "sample":  # the same seed for the reference and on every rank, right before the call
                 torch.manual_seed(case["data_seed"] + t)
-            out = model.generate(full, attention_mask=mask, past_key_values=cache, **kw)
+            out = model.generate(full, attention_mask=mask, **{name: cache}, **kw)
             if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
                 comparable = comparable & defined  # the first new token comes from the last query
             expand = out.sequences.shape[0] // full.shape[0]
@@ -434,7 +441,7 @@ def conversation(model, case: dict, make_assistant):
                     1,
                 )
         if case["cache"] == "returned":
-            cache = out.past_key_values
+            cache = getattr(out, name)
         yield result
 
 

@@ -15,6 +15,7 @@ from launch import run_cases, tolerance
 from transformers import DynamicCache
 
 import hf_contextpar
+from hf_contextpar.cache import cache_argument, returned_cache
 from hf_contextpar.errors import ContextParallelError, UnsupportedModelError
 from hf_contextpar.models import tiny_model
 
@@ -128,6 +129,27 @@ def cases(n):
         )
 
     yield "crop_like_dynamic_cache", crop_semantics
+
+    def cache_names():
+        """transformers 5.24 renamed past_key_values to cache, keeping the old name as an alias (given
+        both, cache wins, even when it is None); before 5.24 a cache= keyword is ignored. Whatever the
+        unpatched model makes of the names, the patched one makes the same."""
+        ref, cp = pair()
+        ids = prompt(70, seed=13)
+        variants = {
+            "cache": lambda c: dict(cache=c),
+            "past_key_values": lambda c: dict(past_key_values=c),
+            "both": lambda c: dict(cache=c, past_key_values=DynamicCache()),
+            "cache_none": lambda c: dict(cache=None, past_key_values=c),
+        }
+        diffs = {}
+        for name, kw in variants.items():
+            first = [returned_cache(m(ids[:, :40])) for m in (cp, ref)]
+            second = [m(ids[:, 40:], **kw(c)).logits for m, c in zip((cp, ref), first)]
+            diffs[name] = logits_diff(*second)
+        return dict(ok=max(diffs.values()) <= 1e-10, cache_argument=cache_argument(cp), diffs=diffs)
+
+    yield "cache_argument_names", cache_names
 
     def in_place_cache():
         ref, cp = pair()

@@ -327,11 +327,26 @@ PREPS = ("in", "on", "under", "behind", "beside", "inside", "near", "for")
 ANSWER_KINDS = ("num", "word", "name", "place", "phrase", "phrase", "num")
 
 
-def generated_relation(rng: random.Random) -> tuple[str, str, str, str]:
-    """One made-up relation: (needle, question, answer frame, answer kind) templates over {S}, {T}, {A}."""
+def generated_relation(rng: random.Random, forms: int = 6) -> tuple[str, str, str, str]:
+    """One made-up relation: (needle, question, answer frame, answer kind) templates over {S}, {T}, {A}.
+    `forms`: 6, or 8 with the two where the question names the role before the subject."""
     base, third, past = rng.choice(VERBS)
     role, prep, kind = rng.choice(ROLES), rng.choice(PREPS), rng.choice(ANSWER_KINDS)
-    form = rng.randrange(6)
+    form = rng.randrange(forms)
+    if form == 6:  # the role asked about first ("What mascot did the club choose?"), "as its" role
+        return (
+            f"{{S}} {past} {{A}} as its {role}.",
+            f"What {role} did {{S}} {base}?",
+            f"The {role} is",
+            kind,
+        )
+    if form == 7:  # the same, the role named in the needle before the answer
+        return (
+            f"For its {role}, {{S}} {past} {{A}}.",
+            f"Which {role} did {{S}} {base}?",
+            rng.choice([f"The {role} is", f"{{S}} {past}"]),
+            kind,
+        )
     if form == 0:  # answer after the verb, a place after it
         return (
             f"{{S}} {third} {{A}} {prep} the {{T}}.",
@@ -472,18 +487,24 @@ def fact(
     words: list[str] | None = None,
     open_share: float = 0.0,
     rich: float = 0.0,
+    forms: int = 6,
+    articles: float = 0.0,
 ) -> dict:
     """One invented fact; `frames`: the share whose answer frame is not the relation's own (answer_frame);
     `generated`: the share whose relation is made up (generated_relation); `open_share`: the share whose
-    answer words come from `words` (open_vocabulary); `rich`: subject()'s share of longer subjects."""
+    answer words come from `words` (open_vocabulary); `rich`: subject()'s share of longer subjects;
+    `forms`: generated_relation's; `articles`: the share of word and phrase answers given an article
+    ("a copper heron": the answer starts one word before its content)."""
     if passkey:
         needle, question, prefix, kind = PASSKEY
     elif generated and rng.random() < generated:
-        needle, question, prefix, kind = generated_relation(rng)
+        needle, question, prefix, kind = generated_relation(rng, forms)
     else:
         needle, question, prefix, kind = rng.choice(RELATIONS)
     slots = dict(S=subject(rng, rich), T=rng.choice(THINGS))
     slots["A"] = answer(kind, rng, words if open_share and rng.random() < open_share else None)
+    if articles and kind in ("word", "phrase") and rng.random() < articles:
+        slots["A"] = f"{rng.choice(['a', 'the', 'an', 'one'])} {slots['A']}"
     fill = lambda s: s.format(**slots)  # noqa: E731
     if frames and rng.random() < frames:
         prefix = answer_frame(rng)
@@ -933,6 +954,11 @@ SCHEDULES["bigram-deeper"] = dict(SCHEDULES["bigram-more"], grow=2)
 # a name: 75 / 75 / 75 / 60%; "marigold-forty" found at every depth, "smoked cardamom" now started
 # right but cut short ("The secret ingredient is smok."), "a copper heron" still not found.
 SCHEDULES["bigram-rich"] = dict(SCHEDULES["bigram-more"], rich=0.5)
+# "bigram-forms" (on the bigram-rich weights): half the facts in made-up relations, two more of
+# their forms (the question names the role before the subject: "What mascot did the club choose?",
+# answered from "... chose X as its mascot", which the shipped weights got 2-4 of 6 of at 512 tokens)
+# and a quarter of word / phrase answers with an article in front.
+SCHEDULES["bigram-forms"] = dict(SCHEDULES["bigram-rich"], generated=0.5, forms=8, articles=0.25)
 
 
 @torch.no_grad()
@@ -1170,6 +1196,8 @@ def main(argv=None):
         open_share=open_share,
         words=open_vocabulary(docs) if open_share else None,
         rich=schedule.get("rich", 0.0),
+        forms=schedule.get("forms", 6),
+        articles=schedule.get("articles", 0.0),
     )
     config = make_config(len(tok), tok, schedule["size"], schedule.get("window"), schedule.get("theta", 5e5))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
