@@ -5,9 +5,11 @@
     MODEL=Qwen/Qwen2.5-0.5B-Instruct torchrun --nproc_per_node 2 examples/generate.py
 
 The built-in trained model (needle-lm, shipped inside the package) reads about 8,000 tokens of
-English text with one fact hidden in the middle and answers a question about it (the README says
-how often it gets such answers right). Every rank runs
-the same code with the same prompt; all get the same tokens, each caching only its share.
+English text with one fact hidden in the middle and answers a question about it, and says whether
+the answer is right. The fact is one of NeedleBench's built-in needles, the one needle-lm finds at
+every length to 16K; the README's table says how often it finds the others (an invented "night
+ferry leaves from pier 4096" it got wrong at 4K and 8K). Every rank runs the same code with the
+same prompt; all get the same tokens, each caching only its share.
 """
 
 import os
@@ -27,12 +29,13 @@ model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(state
 # A long document with one fact in it, then NeedleBench's question (the form needle-lm was trained on).
 text = sample_text(30_000)
 middle = text.index(". ", len(text) // 2) + 1
-document = text[:middle] + "\nThe night ferry to Quillan Reach always leaves from pier 4096.\n" + text[middle:]
+needle = "The lighthouse keeper of Velmora Point paints the number 7341 on every lantern she repairs."
+document = text[:middle] + "\n" + needle + "\n" + text[middle:]
 prompt = (
     "You are an intelligent AI assistant skilled in answering user questions.\n"
     "Please keep your answers concise and clear. Do not talk about irrelevant topics or repeat your answers.\n"
-    f"The document given to you by the user is {document}\n\nNow, the question is: From which pier does the "
-    "night ferry to Quillan Reach leave? Please answer in the format 'It leaves from pier ______.'\n"
+    f"The document given to you by the user is {document}\n\nNow, the question is: What number does the lighthouse "
+    "keeper of Velmora Point paint on every lantern she repairs? Please answer in the format 'The number is ______.'\n"
 )
 
 model = hf_contextpar.apply_context_parallel(model)
@@ -45,5 +48,6 @@ print(
     f"this rank caches {getattr(cache, 'local_length', cache.get_seq_length())} of them per layer"
 )
 if state.is_main_process:
-    print("answer:", tok.decode(out.sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True))
+    answer = tok.decode(out.sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+    print("answer:", answer, "(right)" if "7341" in answer else "(wrong: the needle says 7341)")
 hf_contextpar.remove_context_parallel(model)

@@ -1,6 +1,6 @@
 """Built-in models: everything works offline.
 
-`needle-lm` is a real, trained model shipped inside the package (a 1.3M-parameter Qwen2 with a
+`needle-lm` is a real, trained model shipped inside the package (a 1.7M-parameter Qwen2 with a
 BPE tokenizer, trained by tools/train_needle_lm.py to retrieve facts from long documents): the
 default for the main job, the eval harness, the benchmark and the examples, so that their scores
 mean something. `tiny-<family>` names build a small random-initialised config of that family

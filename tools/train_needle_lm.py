@@ -1,12 +1,13 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
 
-The shipped weights, five runs (about two hours on 2 cores; `training.json` records each):
+The shipped weights, six runs (about two and a half hours on 2 cores; `training.json` records each):
 
     python tools/train_needle_lm.py --out /tmp/bigram                     # from scratch, 1 thread, 42 min
     python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out /tmp/more
     python tools/train_needle_lm.py --init /tmp/more --schedule bigram-more --scale-steps 0.6 --seed 1 --out /tmp/more2
     python tools/train_needle_lm.py --init /tmp/more2 --schedule bigram-deeper --seed 3 --threads 2 --out /tmp/deeper
-    python tools/train_needle_lm.py --init /tmp/deeper --schedule bigram-rich --seed 4 --threads 2 \
+    python tools/train_needle_lm.py --init /tmp/deeper --schedule bigram-rich --seed 4 --threads 2 --out /tmp/rich
+    python tools/train_needle_lm.py --init /tmp/rich --schedule bigram-forms --seed 5 --threads 2 \
         --out hf_contextpar/assets/needle-lm
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
@@ -948,7 +949,7 @@ SCHEDULES["bigram-open"] = dict(SCHEDULES["bigram-more"], open_share=0.5)
 # bigram-more stages: 62.5 / 62.5 / 62.5 / 55%, the same three needles failing, but the training
 # relations of that shape went up (mascot 1 -> 4 of 4, secret ingredient 0 -> 3 of 4 at 512 tokens).
 SCHEDULES["bigram-deeper"] = dict(SCHEDULES["bigram-more"], grow=2)
-# "bigram-rich" (the shipped weights; seed 4, 2 threads, 26 min, 7.8 M tokens): on the deeper weights,
+# "bigram-rich" (kept; seed 4, 2 threads, 26 min, 7.8 M tokens): on the deeper weights,
 # half the subjects are phrases of several words around a name (subject()'s `rich`: "Lady Osa's
 # famous kettle", "the barn at Dori Point"), so that the words just before an answer are not always
 # a name: 75 / 75 / 75 / 60%; "marigold-forty" found at every depth, "smoked cardamom" now started
@@ -957,7 +958,11 @@ SCHEDULES["bigram-rich"] = dict(SCHEDULES["bigram-more"], rich=0.5)
 # "bigram-forms" (on the bigram-rich weights): half the facts in made-up relations, two more of
 # their forms (the question names the role before the subject: "What mascot did the club choose?",
 # answered from "... chose X as its mascot", which the shipped weights got 2-4 of 6 of at 512 tokens)
-# and a quarter of word / phrase answers with an article in front.
+# and a quarter of word / phrase answers with an article in front. The shipped weights (seed 5,
+# 2 threads, 7.8 M tokens; 66 min beside the test suite): 87.5 / 87.5 / 85 / 65%; "a copper heron"
+# now found to 2K; random facts of the "as its <role>" form 33 of 36 at 512 tokens (was 17), of the
+# six older forms 47 of 48 (was 38). "smoked cardamom" still fails: "smoked c" right, then the
+# two-token match lands on the prompt's "intelligent" ("The secret ingredient is smoked celligent").
 SCHEDULES["bigram-forms"] = dict(SCHEDULES["bigram-rich"], generated=0.5, forms=8, articles=0.25)
 
 
