@@ -177,8 +177,12 @@ class ShardedLayer(CacheLayerMixin):
             self.kv[1, rows, :, slots] = value_states[:, :, 0]
             self._keep(n)
             return self.keys, self.values
-        if store is not None and store.rows is not None:
-            rows = store.rows.to(key_states.device)
+        if store is not None and store.rows is not None and store.rows.numel() < key_states.shape[2]:
+            if store.rows.numel() == 0:  # decode: this token is stored on another rank
+                if self.keys is None:
+                    self._keep(self.n)
+                return self.keys, self.values
+            rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
         m = key_states.shape[2]
         self._reserve(self.n + m)

@@ -50,7 +50,7 @@ class Gather:
 class Store:
     """Which of the K/V a rank computes in this forward it keeps."""
 
-    rows: torch.Tensor | None = None  # indices into the rank's new tokens; None: all of them
+    rows: torch.Tensor | None = None  # ascending indices into the rank's new tokens; None: all of them
     slots: tuple | None = None  # batched decode: (sequence indices, slot of each in the rank's buffer)
 
 
@@ -175,7 +175,8 @@ def build_plan(
 
     if uses_cache:  # replicated: every rank runs every new token, each is stored on one rank
         continuing = open_run[1:] if open_run is not None and open_run[0] == "decode" else None
-        owned, run = decode_owners(num_new, sequence_counts(cols, batch), policy.interleave, continuing)
+        counts = [[c.numel() for c in cols]] if all(c.dim() == 1 for c in cols) else sequence_counts(cols, batch)
+        owned, run = decode_owners(num_new, counts, policy.interleave, continuing)
         return _finish(
             layout,
             algorithm="decode",

@@ -35,7 +35,14 @@ def _fingerprint(t: torch.Tensor | None) -> int:
         return 0
     if t.is_floating_point():
         return int(t.double().sum().view(torch.int64)) ^ int((t.double().flatten()[::97] * 3.1).sum().view(torch.int64))
-    flat = t.long().flatten()
+    return _int_fingerprint([t])
+
+
+def _int_fingerprint(tensors) -> int:
+    """One order-sensitive hash of integer tensors' contents, read as one vector: four ops whatever
+    their number (the input check runs before every decode step). Callers fix the boundaries (the
+    shapes go into the check beside it)."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).long()
     w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
     return int((flat * w).sum())
 
@@ -307,16 +314,20 @@ class ContextParallelRuntime:
         Comm.check_before_next: over shared memory it costs no collective of its own). So does what,
         besides its length, sets the cache's message sizes (`ShardedCache.sizing`)."""
         sizing = cache.sizing() if cache is not None else []
+        # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
+        # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
+        # flags. Every rank's fingerprint must have the same length: it is all-gathered.
+        ints = [t.to(position_ids.device) for t in (ids, mask) if t is not None]
         fp = torch.tensor(
             [
                 batch,
                 num_new,
                 past,
-                _fingerprint(ids),
+                ids is not None,
+                mask is not None,
+                len(sizing),
+                _int_fingerprint([*ints, position_ids, torch.tensor(sizing, dtype=torch.long)]),
                 _fingerprint(embeds),
-                _fingerprint(mask),
-                _fingerprint(position_ids),
-                _fingerprint(torch.tensor(sizing, dtype=torch.long)),
             ],
             dtype=torch.long,
         )

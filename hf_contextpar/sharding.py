@@ -65,16 +65,20 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
     every token goes to the least-loaded rank: round-robin once the shards are level, levelling
     them after an uneven prefill. Shards within `interleave` tokens of each other stay so.
     """
-    counts = torch.atleast_2d(torch.as_tensor(counts)).clone()
-    owned: list[list[int]] = [[] for _ in range(counts.shape[1])]
+    # plain Python over the distinct rows (one while every sequence holds the same columns): this runs
+    # before every decode step, where a dozen small tensor ops cost more than the arithmetic
+    rows = [list(r) for r in {tuple(r) for r in torch.atleast_2d(torch.as_tensor(counts)).tolist()}]
+    world = len(rows[0])
+    owned: list[list[int]] = [[] for _ in range(world)]
     for t in range(num_tokens):
-        ahead = counts - counts.min(dim=1, keepdim=True).values
-        if run is not None and run[1] < interleave and int(ahead[:, run[0]].max()) < interleave:
+        if run is not None and run[1] < interleave and max(r[run[0]] - min(r) for r in rows) < interleave:
             run = (run[0], run[1] + 1)
         else:
-            run = (int(counts.max(dim=0).values.argmin()), 1)  # argmin: the first of equal minima
+            most = [max(r[rank] for r in rows) for rank in range(world)]
+            run = (most.index(min(most)), 1)  # the first of equal minima
         owned[run[0]].append(t)
-        counts[:, run[0]] += 1
+        for r in rows:
+            r[run[0]] += 1
     return [torch.tensor(o, dtype=torch.long) for o in owned], run
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_contextpar.kernels import _math, attend
-from hf_contextpar.merge import Accumulator, merge_pair, merge_stacked
+from hf_contextpar.merge import Accumulator, merge_packed, merge_packed_out, merge_pair, merge_stacked, pack_partial
 from hf_contextpar.sharding import decode_owners, head_tail_plan
 
 
@@ -130,6 +130,27 @@ def test_accumulator_merges_partials_over_row_ranges(seed):
     seen = ~torch.isneginf(want[1])
     assert (got[1] - want[1])[seen].abs().max() < 1e-13 and (got[0][~seen] == 0).all()
     assert all(torch.equal(o, o0) and torch.equal(lse, lse0) for o, lse, o0, lse0 in given)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_decode_merge_equals_the_full_merge(dtype):
+    """merge_packed_out (decode's softmax weights) gives merge_packed's output, rows that no rank saw
+    (every LSE -inf) and ranks with nothing visible (a None partial) included."""
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for r in range(4):
+        out, lse = (
+            torch.randn(2, 3, 5, 8, generator=gen, dtype=dtype),
+            4 * torch.randn(2, 3, 5, generator=gen, dtype=dtype),
+        )
+        lse[0, :, 1] = -math.inf  # row 1 of sequence 0: no key on any rank
+        lse[1, 0, r] = -math.inf  # one row that this rank does not see
+        parts.append(pack_partial((out, lse) if r != 2 else None, (2, 3, 5, 8), dtype, "cpu"))
+    stacked = torch.stack(parts)
+    want, _ = merge_packed(stacked)
+    got = merge_packed_out(stacked)
+    assert not got.isnan().any() and (got[0, :, 1] == 0).all()
+    assert (got - want).abs().max() < (1e-13 if dtype == torch.float64 else 1e-6)
 
 
 def test_merge_keeps_empty_rows_finite():

@@ -2,13 +2,14 @@
 
 Every rank computes the same new token(s); the K/V of each is stored on one rank. Each rank
 attends the replicated queries to its own slice, then one all-gather of (out, LSE) and a merge
-in rank order give every rank bit-identical attention outputs, hence identical logits.
+in rank order give every rank bit-identical attention outputs, hence identical logits. The merged
+LSE is not returned: nothing after the last merge of a layer reads it.
 """
 
 from __future__ import annotations
 
 from ..kernels import acc_dtype, attend, unpack_kv
-from ..merge import merge_packed, pack_partial
+from ..merge import merge_packed_out, pack_partial
 
 
 def sharded_kv_decode(step, q, kv_local, **attn):
@@ -16,4 +17,4 @@ def sharded_kv_decode(step, q, kv_local, **attn):
     k, v = unpack_kv(kv_local)
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
     packed = pack_partial(res, q.shape, acc_dtype(q.dtype), q.device)
-    return merge_packed(step.comm.all_gather(packed))
+    return merge_packed_out(step.comm.all_gather(packed)), None  # no caller reads a decode LSE
