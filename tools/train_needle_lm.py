@@ -964,6 +964,33 @@ SCHEDULES["bigram-rich"] = dict(SCHEDULES["bigram-more"], rich=0.5)
 # six older forms 47 of 48 (was 38). "smoked cardamom" still fails: "smoked c" right, then the
 # two-token match lands on the prompt's "intelligent" ("The secret ingredient is smoked celligent").
 SCHEDULES["bigram-forms"] = dict(SCHEDULES["bigram-rich"], generated=0.5, forms=8, articles=0.25)
+# Two tries on the shipped weights (2026-11-24, not kept), probed on the 8 built-in needles x 5 depths
+# at 512 / 1,024 / 2,048 / 4,096 / 8,192 tokens; the shipped weights: 87.5 / 87.5 / 85 / 65 / 35%.
+# "bigram-long" (seed 6, 2 threads, 1,500 steps, 6.1 M tokens, 48 min, 10 of them paused for benchmarks): the same
+# episodes, but a last stage of 4,096-token sequences (haystacks of 1,024-3,900 tokens between needle
+# and question), where every earlier run stopped at 2,048: flat in length, 75 / 75 / 75 / 75 / 65%
+# (8K: 35 -> 65), but "a copper heron" (the "as its mascot" form) lost at every length ("The mascot
+# is 8."). A 50/50 average of its weights and the shipped ones: 75 / 75 / 77.5 / 70 / 60%.
+SCHEDULES["bigram-long"] = dict(
+    SCHEDULES["bigram-forms"],
+    stages=[
+        (600, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+        (500, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+        (400, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+    ],
+)
+# "bigram-mix" (on the bigram-long weights; seed 7, 550 steps, 10 min): a short pass over every
+# length, 512 tokens again first (bigram-long had none), to bring the heron back while 4K stays:
+# 75 / 80 / 77.5 / 67.5 / 52.5%; the heron at 1-2K only (2 and 1 of 5 depths).
+SCHEDULES["bigram-mix"] = dict(
+    SCHEDULES["bigram-forms"],
+    lr=3e-4,
+    stages=[
+        (200, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+        (200, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+        (150, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+    ],
+)
 
 
 @torch.no_grad()
