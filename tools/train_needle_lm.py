@@ -991,6 +991,17 @@ SCHEDULES["bigram-mix"] = dict(
         (150, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
     ],
 )
+# "bigram-blend" (on the shipped weights): bigram-forms' 512 and 1,024 stages and bigram-long's 4,096
+# stage with their steps spread over the whole run (`blend`), so no length is trained last and forgotten.
+SCHEDULES["bigram-blend"] = dict(
+    SCHEDULES["bigram-forms"],
+    blend=True,
+    stages=[
+        (600, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
+        (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
+        (400, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
+    ],
+)
 
 
 @torch.no_grad()
@@ -1268,56 +1279,59 @@ def main(argv=None):
     log = open(os.path.join(work, "train_log.jsonl"), "w")
     step, started, seen = 0, time.time(), 0
     history = []
-    for si, (steps, seq_len, batch, hay, multi, span, pose, copy, repeat, dense, rtext, lm_w) in enumerate(stages):
-        for _ in range(steps):
-            rows = [
-                pack(rng, episodes, seq_len + 1, hay, multi, span, pose, copy, repeat, dense, rtext, schedule["spread"])
-                for _ in range(batch)
-            ]
-            b = tuple(torch.tensor([[int(x) for x in r[j]] for r in rows]) for j in range(3))
-            model.train()
-            loss, l_ans, l_lm, tok_acc, exact = loss_on(model, b, 0.25, lm_w, gen)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            seen += batch * seq_len
-            rec = dict(
-                step=step,
-                stage=si,
-                ans_loss=round(l_ans, 4),
-                lm_loss=round(l_lm, 4),
-                ans_tok_acc=round(tok_acc, 3),
-                ans_exact=round(exact, 3),
-                lr=round(sched.get_last_lr()[0], 6),
-                tokens=seen,
-                elapsed=round(time.time() - started, 1),
+    # the stages one after another, or, with `blend`, their steps spread evenly over the run (stage s's
+    # i-th step at (i + 0.5) / steps_s of it), so every length is trained throughout
+    order = [si for si, st in enumerate(stages) for _ in range(st[0])]
+    if schedule.get("blend"):
+        order = [si for _, si in sorted(((i + 0.5) / st[0], si) for si, st in enumerate(stages) for i in range(st[0]))]
+    for si in order:
+        steps, seq_len, batch, hay, multi, span, pose, copy, repeat, dense, rtext, lm_w = stages[si]
+        rows = [
+            pack(rng, episodes, seq_len + 1, hay, multi, span, pose, copy, repeat, dense, rtext, schedule["spread"])
+            for _ in range(batch)
+        ]
+        b = tuple(torch.tensor([[int(x) for x in r[j]] for r in rows]) for j in range(3))
+        model.train()
+        loss, l_ans, l_lm, tok_acc, exact = loss_on(model, b, 0.25, lm_w, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        seen += batch * seq_len
+        rec = dict(
+            step=step,
+            stage=si,
+            ans_loss=round(l_ans, 4),
+            lm_loss=round(l_lm, 4),
+            ans_tok_acc=round(tok_acc, 3),
+            ans_exact=round(exact, 3),
+            lr=round(sched.get_last_lr()[0], 6),
+            tokens=seen,
+            elapsed=round(time.time() - started, 1),
+        )
+        history.append(rec)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if step % 10 == 0 or step == 1:
+            recent = history[-10:]
+            avg = lambda k: sum(r[k] for r in recent) / len(recent)  # noqa: E731
+            print(
+                f"step {step}/{total} stage {si} L={seq_len} ans_loss {avg('ans_loss'):.3f} lm_loss {avg('lm_loss'):.3f} "
+                f"ans_tok_acc {avg('ans_tok_acc'):.3f} exact {avg('ans_exact'):.3f} "
+                f"{seen / (time.time() - started):.0f} tok/s {time.time() - started:.0f}s",
+                flush=True,
             )
-            history.append(rec)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            if step % 10 == 0 or step == 1:
-                recent = history[-10:]
-                avg = lambda k: sum(r[k] for r in recent) / len(recent)  # noqa: E731
-                print(
-                    f"step {step}/{total} stage {si} L={seq_len} ans_loss {avg('ans_loss'):.3f} lm_loss {avg('lm_loss'):.3f} "
-                    f"ans_tok_acc {avg('ans_tok_acc'):.3f} exact {avg('ans_exact'):.3f} "
-                    f"{seen / (time.time() - started):.0f} tok/s {time.time() - started:.0f}s",
-                    flush=True,
-                )
-            if step % args.ckpt_every == 0 or step == total:
-                for ck in (os.path.join(work, "last"), os.path.join(work, f"step{step}")):
-                    model.save_pretrained(ck)
-                    tok.save_pretrained(ck)
-            if args.probe_every and step % args.probe_every == 0:
-                lengths = (512, 1024, 2048) if seq_len >= 1024 else (512, 1024)
-                scores = probe(model, tok, lengths)
-                log.write(json.dumps(dict(step=step, probe=scores)) + "\n")
-                print(f"probe step {step}: single-needle score by length {scores}", flush=True)
-            if step == args.max_steps:
-                break
+        if step % args.ckpt_every == 0 or step == total:
+            for ck in (os.path.join(work, "last"), os.path.join(work, f"step{step}")):
+                model.save_pretrained(ck)
+                tok.save_pretrained(ck)
+        if args.probe_every and step % args.probe_every == 0:
+            lengths = (512, 1024, 2048) if seq_len >= 1024 else (512, 1024)
+            scores = probe(model, tok, lengths)
+            log.write(json.dumps(dict(step=step, probe=scores)) + "\n")
+            print(f"probe step {step}: single-needle score by length {scores}", flush=True)
         if step == args.max_steps:
             break
     model.eval()
