@@ -127,7 +127,8 @@ class ShardedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
         self.kv = torch.empty((2, b, h, 0, d), dtype=self.dtype, device=self.device)
-        self.first = self.n = 0
+        self.first = 0
+        self._keep(0)
         self.is_initialized = True
 
     def _reserve(self, n: int) -> int:
@@ -179,8 +180,6 @@ class ShardedLayer(CacheLayerMixin):
             return self.keys, self.values
         if store is not None and store.rows is not None and store.rows.numel() < key_states.shape[2]:
             if store.rows.numel() == 0:  # decode: this token is stored on another rank
-                if self.keys is None:
-                    self._keep(self.n)
                 return self.keys, self.values
             rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)

@@ -154,7 +154,7 @@ def merge_packed(stacked):
 
 def merge_packed_out(stacked):
     """`merge_packed`'s output alone, for decode, whose caller needs no LSE: the weights exp(L_s - L)
-    are a softmax over dim 0, one op, so a layer's merge is three ops instead of `merge_stacked`'s
+    are a softmax over dim 0, one op, so a layer's merge is four ops instead of `merge_stacked`'s
     dozen (each op's overhead is the cost for one token). A row no partial saw (every L_s = -inf)
     gets NaN weights from the softmax: they become 0, so the row stays 0, as in `merge_stacked`."""
     weights = torch.softmax(stacked[..., -1], dim=0).nan_to_num_(0.0)

@@ -175,8 +175,7 @@ def build_plan(
 
     if uses_cache:  # replicated: every rank runs every new token, each is stored on one rank
         continuing = open_run[1:] if open_run is not None and open_run[0] == "decode" else None
-        counts = [[c.numel() for c in cols]] if all(c.dim() == 1 for c in cols) else sequence_counts(cols, batch)
-        owned, run = decode_owners(num_new, counts, policy.interleave, continuing)
+        owned, run = decode_owners(num_new, sequence_counts(cols, batch), policy.interleave, continuing)
         return _finish(
             layout,
             algorithm="decode",
@@ -264,7 +263,10 @@ def rank_counts(cols) -> list[int]:
 
 
 def sequence_counts(cols, batch: int) -> torch.Tensor:
-    """(batch, world): how many tokens of each sequence every rank stores."""
+    """(batch, world): how many tokens of each sequence every rank stores (one op while every rank's
+    columns are 1D, as in replicated decode, where this runs before every step)."""
+    if all(c.dim() == 1 for c in cols):
+        return torch.tensor([[c.numel() for c in cols]]).expand(batch, -1)
     return torch.stack([(c >= 0).sum(-1) if c.dim() == 2 else torch.full((batch,), c.numel()) for c in cols], 1)
 
 

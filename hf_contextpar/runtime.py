@@ -39,10 +39,10 @@ def _fingerprint(t: torch.Tensor | None) -> int:
 
 
 def _int_fingerprint(tensors) -> int:
-    """One order-sensitive hash of integer tensors' contents, read as one vector: four ops whatever
+    """One order-sensitive hash of integer tensors' contents, read as one vector: five ops whatever
     their number (the input check runs before every decode step). Callers fix the boundaries (the
     shapes go into the check beside it)."""
-    flat = torch.cat([t.reshape(-1).long() for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).long()
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
     w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
     return int((flat * w).sum())
 

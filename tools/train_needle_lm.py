@@ -971,36 +971,25 @@ SCHEDULES["bigram-forms"] = dict(SCHEDULES["bigram-rich"], generated=0.5, forms=
 # and question), where every earlier run stopped at 2,048: flat in length, 75 / 75 / 75 / 75 / 65%
 # (8K: 35 -> 65), but "a copper heron" (the "as its mascot" form) lost at every length ("The mascot
 # is 8."). A 50/50 average of its weights and the shipped ones: 75 / 75 / 77.5 / 70 / 60%.
-SCHEDULES["bigram-long"] = dict(
-    SCHEDULES["bigram-forms"],
-    stages=[
-        (600, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
-        (500, 2048, 2, (256, 1900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
-        (400, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
-    ],
-)
+# Their stages: bigram-more's rows by sequence length and the 4,096-token one, each for the steps given.
+_ROWS = {st[1]: st[1:] for st in SCHEDULES["bigram-more"]["stages"]}
+_ROWS[4096] = (4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3)
+
+
+def _stages(*plan) -> list[tuple]:
+    """[(steps, seq_len), ...] -> stages of those lengths' rows."""
+    return [(steps, *_ROWS[seq_len]) for steps, seq_len in plan]
+
+
+SCHEDULES["bigram-long"] = dict(SCHEDULES["bigram-forms"], stages=_stages((600, 1024), (500, 2048), (400, 4096)))
 # "bigram-mix" (on the bigram-long weights; seed 7, 550 steps, 10 min): a short pass over every
 # length, 512 tokens again first (bigram-long had none), to bring the heron back while 4K stays:
 # 75 / 80 / 77.5 / 67.5 / 52.5%; the heron at 1-2K only (2 and 1 of 5 depths).
-SCHEDULES["bigram-mix"] = dict(
-    SCHEDULES["bigram-forms"],
-    lr=3e-4,
-    stages=[
-        (200, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
-        (200, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
-        (150, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
-    ],
-)
+SCHEDULES["bigram-mix"] = dict(SCHEDULES["bigram-forms"], lr=3e-4, stages=_stages((200, 512), (200, 1024), (150, 4096)))
 # "bigram-blend" (on the shipped weights): bigram-forms' 512 and 1,024 stages and bigram-long's 4,096
 # stage with their steps spread over the whole run (`blend`), so no length is trained last and forgotten.
 SCHEDULES["bigram-blend"] = dict(
-    SCHEDULES["bigram-forms"],
-    blend=True,
-    stages=[
-        (600, 512, 8, (16, 300), 0.1, 2048, 0.2, 0.05, 0.15, 0.65, 0.3, 0.3),
-        (400, 1024, 4, (64, 800), 0.1, 8192, 0.5, 0.05, 0.1, 0.6, 0.3, 0.3),
-        (400, 4096, 1, (1024, 3900), 0.1, 20000, 0.7, 0.0, 0.05, 0.6, 0.3, 0.3),
-    ],
+    SCHEDULES["bigram-forms"], blend=True, stages=_stages((600, 512), (400, 1024), (400, 4096))
 )
 
 
