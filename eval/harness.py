@@ -63,6 +63,7 @@ class Dist:
         if self.world > 1 and dist.is_initialized():
             dist.barrier()  # nobody tears the group down while a peer still uses it
             dist.destroy_process_group()
+        self.group = None  # a reference kept past the exit hook would destroy the group during finalization
 
 
 def on_rank0(d: Dist, fn):

@@ -123,6 +123,7 @@ def main():
             how = f"prefill {d.strategy} (T={d.T}, P={d.P}); " if d else ""
             print(f"  [{how}rank 0 caches {cache.local_length} of {cache.get_seq_length()} tokens per layer]")
     hf_contextpar.remove_context_parallel(model)
+    state.destroy_process_group()  # the group is ours (PartialState made it): tear it down before the interpreter does
 
 
 if __name__ == "__main__":

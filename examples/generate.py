@@ -51,3 +51,4 @@ if state.is_main_process:
     answer = tok.decode(out.sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
     print("answer:", answer, "(right)" if "7341" in answer else "(wrong: the needle says 7341)")
 hf_contextpar.remove_context_parallel(model)
+state.destroy_process_group()  # the group is ours (PartialState made it): tear it down before the interpreter does

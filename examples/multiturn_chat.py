@@ -68,3 +68,4 @@ for i, text in enumerate(turns):
 if runtime and state.is_main_process:
     print(f"rank 0 caches {cache.local_length} of {cache.get_seq_length()} tokens per layer")
 hf_contextpar.remove_context_parallel(model)
+state.destroy_process_group()  # the group is ours (PartialState made it): tear it down before the interpreter does

@@ -14,6 +14,10 @@ during interpreter finalization; a gloo thread that then needs the GIL (to drop 
 reference to a tensor whose Python object it kept alive) is stopped by CPython with
 pthread_exit, whose unwinding through a noexcept C++ destructor ends in std::terminate:
 "terminate called without an active exception", SIGABRT, now and then, after a clean run.
+The same holds for any reference to the group that outlives the hook: `torch.distributed.nn.functional`
+binds `group=group.WORLD` as default arguments when first imported (transformers imports it lazily,
+on the first config or model made), so it is imported with this module, before any group exists
+(when a script imports hf_contextpar before it initialises its group, as the examples do).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import os
 
 import torch
 import torch.distributed as dist
+
+try:  # bind its `group=group.WORLD` defaults while no group exists (see the module docstring)
+    import torch.distributed.nn.functional  # noqa: F401
+except ImportError:  # a torch build without it: nothing binds the group
+    pass
 
 DEFAULT_TIMEOUT_S = 300.0
 _WORLD = object()  # stands for the default group in _created
