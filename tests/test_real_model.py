@@ -71,7 +71,7 @@ def test_retrieves_builtin_needles(model_tok):
             hits += ok
             if not ok:
                 wrong.append((n["arg2"], depth, ans))
-    assert hits >= 33, wrong  # 40 cases; the shipped weights: 35 (7 of 8 needles at every depth)
+    assert hits >= 38, wrong  # 40 cases (the target: 95%); the shipped weights: 40 (every needle, every depth)
 
 
 def test_heldout_perplexity_beats_unigram(model_tok):
@@ -84,4 +84,4 @@ def test_heldout_perplexity_beats_unigram(model_tok):
     with torch.no_grad():
         logits = model(x).logits[0, :-1]
     ppl = math.exp(torch.nn.functional.cross_entropy(logits, x[0, 1:]).item())
-    assert ppl < unigram / 2, (ppl, unigram)  # shipped weights: 116 vs 572
+    assert ppl < unigram / 2, (ppl, unigram)  # shipped weights: 109 vs 572

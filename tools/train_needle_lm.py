@@ -1,13 +1,14 @@
 """Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
 
-The shipped weights, six runs (about two and a half hours on 2 cores; `training.json` records each):
+The shipped weights, seven runs (about three hours on 2 cores; `training.json` records each):
 
     python tools/train_needle_lm.py --out /tmp/bigram                     # from scratch, 1 thread, 42 min
     python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out /tmp/more
     python tools/train_needle_lm.py --init /tmp/more --schedule bigram-more --scale-steps 0.6 --seed 1 --out /tmp/more2
     python tools/train_needle_lm.py --init /tmp/more2 --schedule bigram-deeper --seed 3 --threads 2 --out /tmp/deeper
     python tools/train_needle_lm.py --init /tmp/deeper --schedule bigram-rich --seed 4 --threads 2 --out /tmp/rich
-    python tools/train_needle_lm.py --init /tmp/rich --schedule bigram-forms --seed 5 --threads 2 \
+    python tools/train_needle_lm.py --init /tmp/rich --schedule bigram-forms --seed 5 --threads 2 --out /tmp/forms
+    python tools/train_needle_lm.py --init /tmp/forms --schedule bigram-blend --seed 8 --threads 1 \
         --out hf_contextpar/assets/needle-lm
 
 What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
@@ -957,15 +958,16 @@ SCHEDULES["bigram-deeper"] = dict(SCHEDULES["bigram-more"], grow=2)
 SCHEDULES["bigram-rich"] = dict(SCHEDULES["bigram-more"], rich=0.5)
 # "bigram-forms" (on the bigram-rich weights): half the facts in made-up relations, two more of
 # their forms (the question names the role before the subject: "What mascot did the club choose?",
-# answered from "... chose X as its mascot", which the shipped weights got 2-4 of 6 of at 512 tokens)
-# and a quarter of word / phrase answers with an article in front. The shipped weights (seed 5,
+# answered from "... chose X as its mascot", which the fifth run's weights got 2-4 of 6 of at 512 tokens)
+# and a quarter of word / phrase answers with an article in front. The sixth run (seed 5,
 # 2 threads, 7.8 M tokens; 66 min beside the test suite): 87.5 / 87.5 / 85 / 65%; "a copper heron"
 # now found to 2K; random facts of the "as its <role>" form 33 of 36 at 512 tokens (was 17), of the
 # six older forms 47 of 48 (was 38). "smoked cardamom" still fails: "smoked c" right, then the
 # two-token match lands on the prompt's "intelligent" ("The secret ingredient is smoked celligent").
 SCHEDULES["bigram-forms"] = dict(SCHEDULES["bigram-rich"], generated=0.5, forms=8, articles=0.25)
-# Two tries on the shipped weights (2026-11-24, not kept), probed on the 8 built-in needles x 5 depths
-# at 512 / 1,024 / 2,048 / 4,096 / 8,192 tokens; the shipped weights: 87.5 / 87.5 / 85 / 65 / 35%.
+# Two tries on the sixth run's weights (2026-11-24, not kept), probed on the 8 built-in needles x 5 depths
+# at 512 / 1,024 / 2,048 / 4,096 / 8,192 tokens with 16 new tokens (see bigram-blend); the sixth run:
+# 87.5 / 87.5 / 85 / 65 / 35%.
 # "bigram-long" (seed 6, 2 threads, 1,500 steps, 6.1 M tokens, 48 min, 10 of them paused for benchmarks): the same
 # episodes, but a last stage of 4,096-token sequences (haystacks of 1,024-3,900 tokens between needle
 # and question), where every earlier run stopped at 2,048: flat in length, 75 / 75 / 75 / 75 / 65%
@@ -986,8 +988,13 @@ SCHEDULES["bigram-long"] = dict(SCHEDULES["bigram-forms"], stages=_stages((600, 
 # length, 512 tokens again first (bigram-long had none), to bring the heron back while 4K stays:
 # 75 / 80 / 77.5 / 67.5 / 52.5%; the heron at 1-2K only (2 and 1 of 5 depths).
 SCHEDULES["bigram-mix"] = dict(SCHEDULES["bigram-forms"], lr=3e-4, stages=_stages((200, 512), (200, 1024), (150, 4096)))
-# "bigram-blend" (on the shipped weights): bigram-forms' 512 and 1,024 stages and bigram-long's 4,096
+# "bigram-blend" (on the sixth run's weights, bigram-forms): bigram-forms' 512 and 1,024 stages and bigram-long's 4,096
 # stage with their steps spread over the whole run (`blend`), so no length is trained last and forgotten.
+# The seventh, shipped run (seed 8, 1 thread, 1,400 steps, 5.7 M tokens, 32 min beside other work).
+# "smoked cardamom" is now found to 1K. Its reply, "The secret ingredient is smoked cardamom.", is 18
+# tokens, so probes that stopped at 16 new tokens (`probe` did, until this run) scored it wrong; the
+# harness generates 32. Earlier runs' probe figures may undercount it likewise; the shipped figures
+# (README) come from the harness.
 SCHEDULES["bigram-blend"] = dict(
     SCHEDULES["bigram-forms"], blend=True, stages=_stages((600, 512), (400, 1024), (400, 4096))
 )
@@ -1128,7 +1135,7 @@ def probe(model, tok, lengths=(512, 1024), depths=(10, 50, 90), seed=0) -> dict:
                 gen = model.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
-                    max_new_tokens=16,
+                    max_new_tokens=32,  # as the harness: "... is smoked cardamom." is 18 tokens
                     do_sample=False,
                     pad_token_id=tok.pad_token_id,
                     eos_token_id=tok.eos_token_id,
