@@ -29,10 +29,11 @@ import os
 import torch
 import torch.distributed as dist
 
-try:  # bind its `group=group.WORLD` defaults while no group exists (see the module docstring)
-    import torch.distributed.nn.functional  # noqa: F401
-except ImportError:  # a torch build without it: nothing binds the group
-    pass
+if dist.is_available():  # bind its `group=group.WORLD` defaults while no group exists (module docstring)
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch build without it: nothing binds the group
+        pass
 
 DEFAULT_TIMEOUT_S = 300.0
 _WORLD = object()  # stands for the default group in _created

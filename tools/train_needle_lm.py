@@ -998,6 +998,11 @@ SCHEDULES["bigram-mix"] = dict(SCHEDULES["bigram-forms"], lr=3e-4, stages=_stage
 SCHEDULES["bigram-blend"] = dict(
     SCHEDULES["bigram-forms"], blend=True, stages=_stages((600, 512), (400, 1024), (400, 4096))
 )
+# "bigram-blend2" (on the bigram-blend weights): the same blend with 2,048-token sequences back in
+# (bigram-blend had none, and 2K is where it fell), at half the learning rate.
+SCHEDULES["bigram-blend2"] = dict(
+    SCHEDULES["bigram-forms"], blend=True, lr=3e-4, stages=_stages((300, 512), (300, 1024), (500, 2048), (300, 4096))
+)
 
 
 @torch.no_grad()
