@@ -68,13 +68,15 @@ class ShardLayout:
         # per sliding window: how many leading slots of each rank's columns its layers have dropped
         self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
         self.record_past = False  # generate()'s assisted decoding: keep everything until crop()
+        self.batch = None  # sequences of the committed tokens (None: none committed yet)
 
     def commit(self, plan):
-        self.cols, self.seq_length, self.rotation, self.run = (
+        self.cols, self.seq_length, self.rotation, self.run, self.batch = (
             list(plan.kv_cols),
             plan.seq_length,
             plan.rotation,
             plan.run,
+            plan.batch,
         )
         if self.dropped:
             self.dropped = plan.next_dropped
@@ -93,6 +95,8 @@ class ShardLayout:
     def map_rows(self, fn):
         """Apply a batch reordering (beam search, batch selection) to per-sequence column tables."""
         self.cols = [fn(c) if c.dim() == 2 else c for c in self.cols]
+        if self.batch is not None:
+            self.batch = fn(torch.zeros(self.batch, 1, dtype=torch.long)).shape[0]
 
 
 class ShardedLayer(CacheLayerMixin):
@@ -163,10 +167,15 @@ class ShardedLayer(CacheLayerMixin):
         self._keep(self.first + live)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        store = self.layout.store
+        if store is None:  # e.g. the stock model after remove_context_parallel: it would attend to 1/N of the keys
+            raise ContextParallelError(
+                "this ShardedCache holds one rank's share of a context-parallel KV cache and works only with "
+                "the patched model; after remove_context_parallel, start again without it (or with a new cache)."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store = self.layout.store
-        if store is not None and store.slots is not None:  # batched decode: one token for some sequences
+        if store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
             slots = slots + (self.first - self.dropped())  # layout slot -> buffer index
             n = max(self.n, int(slots.max()) + 1) if slots.numel() else self.n
@@ -178,7 +187,7 @@ class ShardedLayer(CacheLayerMixin):
             self.kv[1, rows, :, slots] = value_states[:, :, 0]
             self._keep(n)
             return self.keys, self.values
-        if store is not None and store.rows is not None and store.rows.numel() < key_states.shape[2]:
+        if store.rows is not None and store.rows.numel() < key_states.shape[2]:
             if store.rows.numel() == 0:  # decode: this token is stored on another rank
                 return self.keys, self.values
             rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token

@@ -334,10 +334,15 @@ def _place_per_sequence(cols, col: int, seq_rows, batch: int):
 def _token_gather(rows, num_new: int, logits_to_keep):
     """Translate logits_to_keep into each rank's local rows and where the gathered rows go."""
     keep = logits_to_keep
-    if isinstance(keep, int):
-        wanted = torch.arange(num_new - keep if keep > 0 else 0, num_new)
+    if isinstance(keep, int):  # what the models do: hidden_states[:, slice(-keep, None)]
+        wanted = torch.arange(num_new)[slice(-keep, None)]
     elif isinstance(keep, torch.Tensor) and keep.dim() == 1 and keep.dtype != torch.bool:
-        wanted = keep.cpu().long() % num_new
+        wanted = keep.cpu().long()
+        if wanted.numel() and not (-num_new <= int(wanted.min()) and int(wanted.max()) < num_new):
+            raise IndexError(  # as indexing the hidden states raises on one process
+                f"logits_to_keep holds an index out of range for {num_new} new tokens: {keep.tolist()}."
+            )
+        wanted = wanted % num_new
     else:
         raise ContextParallelError("under context parallelism logits_to_keep must be an int or a 1D index tensor.")
     world = len(rows)

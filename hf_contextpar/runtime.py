@@ -62,6 +62,11 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
             f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
         )
+    if past and cache.layout.batch != batch:  # one process fails deep in torch (a cat or a broadcast)
+        raise ContextParallelError(
+            f"the cache holds {cache.layout.batch} sequences but the input has {batch}; pass a cache made "
+            "for this batch (or none), or reorder it with the cache's batch methods first."
+        )
     if mask is not None and mask.shape[1] != past + num_new:
         again = (
             " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do "
@@ -179,6 +184,14 @@ class ContextParallelRuntime:
         )
         if self.check_inputs:
             self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids, cache)
+        # the gathers below read the output's fields: a tuple is made from them afterwards
+        as_tuple = not (
+            kwargs["return_dict"]
+            if kwargs.get("return_dict") is not None
+            else getattr(self.model.config, "return_dict", True)
+        )
+        if as_tuple:
+            kwargs["return_dict"] = True
 
         self._shard_inputs(kwargs, plan, position_ids)
         if cache is not None:
@@ -200,13 +213,13 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        self._pending.append((token, step, grad))
+        self._pending.append((token, step, grad, as_tuple))
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         if not self._pending:
             return output
-        token, step, grad = self._pending.pop()
+        token, step, grad, as_tuple = self._pending.pop()
         current_step.reset(token)
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
@@ -215,10 +228,18 @@ class ContextParallelRuntime:
             self.last_forward["bytes_sent"] += self._attention.bytes_sent
             self.last_forward["bytes_received"] += self._attention.bytes_received
             if plan.gather is not None and ok:
+                if isinstance(output, tuple):
+                    raise ContextParallelError(
+                        f"{type(self.model).__name__} returned a tuple although asked for return_dict=True; "
+                        "hf-contextpar gathers every rank's logits from the model's output object, so a model "
+                        "that always returns tuples is not supported."
+                    )
                 if getattr(output, "logits", None) is not None:
                     output.logits = self._gather_rows(output.logits, plan.gather)
                 if getattr(output, "hidden_states", None) is not None:
                     output.hidden_states = tuple(self._gather_rows(h, plan.hidden) for h in output.hidden_states)
+            if as_tuple and ok:
+                output = output.to_tuple()
         except BaseException:
             ok = False
             raise

@@ -41,6 +41,17 @@ def main():
                 model(ids, attention_mask=torch.ones(1, 1, 40, 40))
             elif scenario == "labels":
                 model(ids, labels=ids)
+            elif scenario in ("batch_grows", "batch_shrinks"):  # a cache of another batch size
+                # one process fails in torch; here the decode token (batch_grows) once crashed on the
+                # rank storing it while the others waited, and 3 new tokens for 1 of 2 cached
+                # sequences ran silently, writing that sequence's K/V into both
+                b0, b1, t = (1, 2, 1) if scenario == "batch_grows" else (2, 1, 3)
+                cache = model(ids.expand(b0, -1)).past_key_values
+                model(ids[:, :t].expand(b1, -1), past_key_values=cache)
+            elif scenario == "after_remove":  # the sharded cache once served 1/N of the keys to the stock model
+                out = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True)
+                hf_contextpar.remove_context_parallel(model)
+                model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=3)
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

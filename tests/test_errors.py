@@ -30,6 +30,9 @@ def _results(procs):
         ("mask4d", "2D padding mask"),
         ("labels", "labels are not supported"),
         ("foreign_cache", "cannot be used under context parallelism"),
+        ("batch_grows", "the cache holds 1 sequences but the input has 2"),
+        ("batch_shrinks", "the cache holds 2 sequences but the input has 1"),
+        ("after_remove", "works only with the patched model"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, needle):

@@ -70,6 +70,29 @@ def test_logits_to_keep_maps_to_the_owning_rank():
     assert plan.gather.total == 1
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "keep", [0, 1, 3, 11, 12, 40, -2, -11, [0], [-1, 0, 5, 5], [-11, 10], [], [11], [-12]], ids=str
+)
+def test_logits_to_keep_gathers_what_one_process_keeps(world, keep):
+    """The gathered rows are the rows one process keeps: hidden_states[:, slice(-keep, None)] for an
+    int (negative and past-the-end ints included), hidden_states[:, index] for an index tensor, whose
+    out-of-range entries raise IndexError there too (they once wrapped around here)."""
+    num_new = 11
+    keep = torch.tensor(keep, dtype=torch.long) if isinstance(keep, list) else keep
+    try:
+        want = torch.arange(num_new)[slice(-keep, None) if isinstance(keep, int) else keep]
+    except IndexError:
+        with pytest.raises(IndexError, match="out of range"):
+            plan_for(ShardLayout(0, world), num_new, keep=keep)
+        return
+    plan = plan_for(ShardLayout(0, world), num_new, keep=keep)
+    got = torch.empty(plan.gather.total, dtype=torch.long)
+    for r in range(world):  # every rank's kept rows, put where the gather puts them
+        got[plan.gather.slots[r]] = plan.token_rows[r][plan.keep[r]]
+    assert got.tolist() == want.tolist()
+
+
 def test_partial_prefill_and_decode_keep_shards_level():
     layout = ShardLayout(0, 3)
     for num_new in (10, 1, 1, 7, 1, 2, 30):
