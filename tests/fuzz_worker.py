@@ -37,8 +37,10 @@ Padding kinds and what is compared:
 - Where the reference's own logits are NaN (HF's fp64 eager Gemma2 computes its softmax in fp32
   and NaNs on padded queries; 0 x NaN then reaches real rows, and beam search stops early), its
   tokens mean nothing: a token difference in such a row is "reference_nan", not a failure.
-- A reference that raises (e.g. sampling from NaN probabilities) truncates the case before that
-  turn; a case with no comparable turn is "skipped".
+- A reference that raises truncates the case before that turn, and the patched model must raise at
+  that turn too (one process refusing an input that N processes answer is a silent wrong answer),
+  unless the reference sampled from NaN probabilities (kernel-specific values, above); a case with
+  no comparable turn is "skipped".
 Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
 query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fewer sequences than
 ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
@@ -59,6 +61,7 @@ import random
 import sys
 import time
 import traceback
+import types
 import warnings
 
 import torch
@@ -246,6 +249,10 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # the name the cache goes in and comes out under: transformers 5.24 renamed past_key_values to
     # cache and keeps the old name as an alias (models that predate the rename take the old one only)
     case["cache_name"] = r.choice(["past_key_values", "cache"])
+    # forward turns: the output as a ModelOutput or a tuple (return_dict=False), and which logits
+    # to keep: all (0), an int (negative and past-the-end ones too) or an index tensor
+    case["return_dict"] = r.random() < 0.6
+    case["logits_to_keep"] = r.choice([0, 0, 0, 1, 3, -2, 1000, "index"])
     return case
 
 
@@ -265,7 +272,8 @@ def describe(case: dict) -> str:
         f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
         f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
-        f"cache_name={case.get('cache_name', 'past_key_values')} turns=[{turns}]"
+        f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
+        f"logits_to_keep={case.get('logits_to_keep', 0)} turns=[{turns}]"
     )
 
 
@@ -398,14 +406,22 @@ def conversation(model, case: dict, make_assistant):
         if mode == "forward":
             # a last turn needs no cache, and without one transformers reads packed position_ids as
             # separate sequences (a block-diagonal mask)
-            kw = {"attention_mask": mask, name: cache, "use_cache": t + 1 < len(case["turns"])}
+            use_cache = t + 1 < len(case["turns"])
+            kw = {"attention_mask": mask, name: cache, "use_cache": use_cache}
             if position_ids is not None:
                 kw["position_ids"] = position_ids
-            out = model(new, **kw)
-            valid = comparable[:, None].expand(-1, new.shape[1]).clone()
+            keep, num_new = case.get("logits_to_keep", 0), new.shape[1]
+            if keep == "index":  # a few positions, negative ones and repeats allowed
+                pick = torch.Generator().manual_seed(case["data_seed"] + 1 + t)
+                keep = torch.randint(-num_new, num_new, (min(num_new, 3),), generator=pick)
+            kept = torch.arange(num_new)[slice(-keep, None) if isinstance(keep, int) else keep]
+            out = model(new, **kw, logits_to_keep=keep, return_dict=case.get("return_dict", True))
+            if isinstance(out, tuple):  # (logits, cache) or (logits,): to_tuple() leaves out the Nones
+                out = types.SimpleNamespace(logits=out[0], **{name: out[1] if use_cache else None})
+            valid = comparable[:, None].expand(-1, num_new).clone()
             if mask is not None:
-                valid &= mask[:, -new.shape[1] :].bool()
-            result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid, rows=new.shape[0])
+                valid &= mask[:, -num_new:].bool()
+            result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid[:, kept], rows=new.shape[0])
             seq, cached = full, full.shape[1]
         else:
             kw = generate_kwargs(turn, make_assistant() if mode == "assisted" else None)
@@ -576,8 +592,15 @@ def run_reference(case: dict):
     return turns, None
 
 
-def run_patched(case: dict, ref_turns: list) -> dict:
-    """Every rank: the patched model's turns, compared with the reference's."""
+def undefined_result(ref_error: str) -> bool:
+    """A reference error that comes from a kernel-specific value, not from the input: sampling from NaN
+    probabilities (a query with no visible key, see the module docstring). Ours may run there."""
+    return "probability tensor contains" in ref_error
+
+
+def run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> dict:
+    """Every rank: the patched model's turns, compared with the reference's; where the reference
+    raised at the turn after them, the patched model must raise too."""
     dtype = getattr(torch, case["dtype"])
     rec = dict(outcome="pass", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None)
     decode_rows = None
@@ -620,6 +643,20 @@ def run_patched(case: dict, ref_turns: list) -> dict:
                 )
                 return rec
             rows = mine["tokens"].shape[0] if mine["tokens"] is not None else rows
+        if ref_error is not None and not undefined_result(ref_error):
+            # one process raised at the next turn (e.g. a cache of another batch size): ours must too
+            try:
+                next(turns)
+            except Exception as e:
+                rec["error_type"], rec["error_turn"] = type(e).__name__, rec["turns_compared"] + 1
+                rec["detail"] = f"raised where the reference raised: {type(e).__name__}: {str(e)[:160]}"
+            else:
+                rec.update(
+                    outcome="fail",
+                    detail=f"turn {len(ref_turns) + 1}: the reference raised ({ref_error[:160]}), "
+                    "the patched model returned a result",
+                )
+                return rec
         turns.close()
     except Exception as e:
         rec["error_type"], rec["error_turn"] = type(e).__name__, rec["turns_compared"] + 1
@@ -678,7 +715,7 @@ def run_case(case: dict, rank: int) -> dict:
     dist.broadcast_object_list(box, src=0)
     ref_turns, ref_error = box[0]
     if ref_turns:
-        mine = run_patched(case, ref_turns)
+        mine = run_patched(case, ref_turns, ref_error)
     else:
         mine = dict(
             outcome="skipped", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None, model=None
