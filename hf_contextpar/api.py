@@ -168,7 +168,13 @@ def _agree(runtime, group):
         model=_model_signature(runtime.model),
     )
     everyone = [None] * runtime.world
-    dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
+    try:
+        dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
+    except RuntimeError as e:  # a peer that failed before this point (its own arguments) or timed out
+        raise ContextParallelError(
+            f"apply_context_parallel: a peer rank did not reach the agreement step ({e}). Every rank must call "
+            "apply_context_parallel with the same arguments (its error on that rank says what was wrong)."
+        ) from e
     for key in mine:
         values = [e[0][key] for e in everyone]
         if any(v != values[0] for v in values):

@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .cache import ShardedCache, cache_argument, cache_windows
 from .comm import Comm
@@ -45,6 +46,16 @@ def _int_fingerprint(tensors) -> int:
     flat = torch.cat([t.reshape(-1).long() for t in tensors])
     w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
     return int((flat * w).sum())
+
+
+CHECK_LENGTH = 8
+
+
+def _check_vector(values: list) -> torch.Tensor:
+    """A rank-agreement check's message: always CHECK_LENGTH integers, so ranks that reach different
+    checks (one decoding, one done) exchange equal sizes and see a mismatch. Gloo aborts the process
+    on unequal all-gather sizes instead of raising."""
+    return torch.tensor(values + [0] * (CHECK_LENGTH - len(values)), dtype=torch.long)
 
 
 def _is_packed(position_ids: torch.Tensor) -> bool:
@@ -132,6 +143,12 @@ class ContextParallelRuntime:
         self._rope_modules = []
         self._pending = []  # stack of (step token, step, grad mode) per running forward
 
+    def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
+        raise ContextParallelError(
+            "a model patched by apply_context_parallel cannot be deep-copied (its runtime holds the process "
+            "group): copy it before applying, or remove_context_parallel(model), copy, and apply to each."
+        )
+
     # -- install / uninstall -------------------------------------------------------------
     def install(self):
         m = self.model
@@ -160,6 +177,12 @@ class ContextParallelRuntime:
         for name, value in zip(self._params, args):
             kwargs[name] = value
         self._reject_unsupported(kwargs)
+        if self.model.config._attn_implementation != ATTENTION_NAME:  # else each rank attends to its shard alone
+            raise ContextParallelError(
+                f"the model's attention implementation is {self.model.config._attn_implementation!r}, changed after "
+                "apply_context_parallel; call remove_context_parallel(model), set the implementation, then apply "
+                "again."
+            )
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = embeds if embeds is not None else ids
         if x is None:
@@ -182,14 +205,19 @@ class ContextParallelRuntime:
             logits_to_keep=kwargs.get("logits_to_keep", 0),
             uses_cache=cache is not None,
         )
-        if self.check_inputs:
-            self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids, cache)
         # the gathers below read the output's fields: a tuple is made from them afterwards
         as_tuple = not (
             kwargs["return_dict"]
             if kwargs.get("return_dict") is not None
             else getattr(self.model.config, "return_dict", True)
         )
+        if self.check_inputs:
+            # what, besides the inputs, sets the gathers after the forward (sizes, and whether they run)
+            keep = kwargs.get("logits_to_keep", 0)
+            keep = keep.flatten().tolist() if isinstance(keep, torch.Tensor) else [keep]
+            hidden = kwargs.get("output_hidden_states")
+            outputs = [as_tuple, hidden is None, bool(hidden), *keep]
+            self._check_inputs(batch, num_new, past, ids, embeds, mask, position_ids, cache, outputs)
         if as_tuple:
             kwargs["return_dict"] = True
 
@@ -330,16 +358,17 @@ class ContextParallelRuntime:
             )
         raise ContextParallelError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
 
-    def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids, cache):
+    def _check_inputs(self, batch, num_new, past, ids, embeds, mask, position_ids, cache, outputs):
         """Every rank's input fingerprint, compared before the forward's first message (see
         Comm.check_before_next: over shared memory it costs no collective of its own). So does what,
-        besides its length, sets the cache's message sizes (`ShardedCache.sizing`)."""
-        sizing = cache.sizing() if cache is not None else []
+        besides its length, sets the cache's message sizes (`ShardedCache.sizing`), and `outputs`,
+        the integers that set the output gathers (return_dict, hidden states, logits_to_keep)."""
+        sizing = (cache.sizing() if cache is not None else []) + outputs
         # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
         # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
         # flags. Every rank's fingerprint must have the same length: it is all-gathered.
         ints = [t.to(position_ids.device) for t in (ids, mask) if t is not None]
-        fp = torch.tensor(
+        fp = _check_vector(
             [
                 batch,
                 num_new,
@@ -349,8 +378,7 @@ class ContextParallelRuntime:
                 len(sizing),
                 _int_fingerprint([*ints, position_ids, torch.tensor(sizing, dtype=torch.long)]),
                 _fingerprint(embeds),
-            ],
-            dtype=torch.long,
+            ]
         )
         self.comm.check_before_next(
             fp.to(self._check_device(ids if ids is not None else embeds)),
@@ -364,7 +392,8 @@ class ContextParallelRuntime:
     def check_same_output(self, sequences: torch.Tensor):
         """After generate(): every rank must hold the same sequences (covers what was sampled after
         the last forward, which no forward's input check sees)."""
-        fp = torch.tensor([*sequences.shape, _fingerprint(sequences)], dtype=torch.long)
+        # -1 first, which no input check has: a rank still decoding meets a mismatch, not a size error
+        fp = _check_vector([-1, *sequences.shape, _fingerprint(sequences)])
         self._verify_same(
             self.comm.all_gather(fp.to(self._check_device(sequences)), tag="control"), "generated sequences"
         )
@@ -374,8 +403,9 @@ class ContextParallelRuntime:
             bad = [r for r in range(self.world) if not bool((everyone[r] == everyone[0]).all())]
             raise ContextParallelError(
                 f"context-parallel ranks got different {what} (ranks {bad} differ from rank 0: batch, length, "
-                "cache length or token contents). Every rank must call the model with the same prompt, "
-                "mask and cache; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
+                "cache length, token contents or output arguments). Every rank must call the model with the same "
+                "prompt, mask, cache, logits_to_keep, return_dict and output_hidden_states, and generate() with the "
+                "same settings; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
             )
 
     def _gather_rows(self, local, gather: Gather):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -52,6 +53,22 @@ def main():
                 out = model.generate(ids, max_new_tokens=3, return_dict_in_generate=True)
                 hf_contextpar.remove_context_parallel(model)
                 model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=3)
+            elif scenario == "attn_changed":  # each rank would attend to its own shard alone
+                model.set_attn_implementation("sdpa")
+                model(ids)
+            elif scenario == "keep_differs":  # different gathers after the forward: caught by the input check
+                model(ids, logits_to_keep=1 + rank)
+            elif scenario == "max_new_differs":  # over gloo: a rank done meets one decoding (was a SIGABRT)
+                hf_contextpar.get_runtime(model).comm.close_shm()
+                model.generate(ids, max_new_tokens=3 + 2 * rank)
+            elif scenario == "dropout":
+                for m in model.modules():
+                    if hasattr(m, "attention_dropout"):
+                        m.attention_dropout = 0.5
+                model.train()
+                model(ids)
+            elif scenario == "deepcopy":
+                copy.deepcopy(model)
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

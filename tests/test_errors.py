@@ -33,6 +33,11 @@ def _results(procs):
         ("batch_grows", "the cache holds 1 sequences but the input has 2"),
         ("batch_shrinks", "the cache holds 2 sequences but the input has 1"),
         ("after_remove", "works only with the patched model"),
+        ("attn_changed", "changed after apply_context_parallel"),
+        ("keep_differs", "different inputs"),
+        ("max_new_differs", "different"),  # rank 0 sees different sequences, rank 1 different inputs
+        ("dropout", "attention dropout is not supported"),
+        ("deepcopy", "cannot be deep-copied"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, needle):

@@ -50,6 +50,11 @@ def context_parallel_attention(
             "*ForCausalLM model (or its generate()), not an inner module, or call "
             "hf_contextpar.remove_context_parallel(model) first."
         )
+    if dropout:  # a training-mode module with attention_dropout > 0: one process would drop weights at random
+        raise ContextParallelError(
+            "attention dropout is not supported under context parallelism (inference only): call model.eval() "
+            "or set the config's attention_dropout to 0."
+        )
     if kwargs.get("s_aux") is not None:
         raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
