@@ -20,6 +20,7 @@ import time
 import torch
 
 import hf_contextpar
+from hf_contextpar.cliargs import nonnegative_int, positive_int
 from hf_contextpar.models import DEFAULT_MODEL, DTYPES, is_builtin, load
 
 from . import bookcorpus as bc
@@ -77,10 +78,20 @@ def _prepare_out(args):
         os.makedirs(os.path.dirname(os.path.abspath(args.save_reference)), exist_ok=True)
         return
     os.makedirs(args.out, exist_ok=True)
+    _drop_reports(args.out)
+
+
+def _drop_reports(out: str):
     for name in report.FILES:
-        path = os.path.join(args.out, name)
-        if os.path.exists(path):
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
             os.remove(path)
+
+
+def _weights(model) -> float:
+    """A fingerprint of the weights, so a reference saved for other weights under the same name is refused."""
+    with torch.no_grad():
+        return float(sum(p.double().flatten()[::101].sum() for p in model.parameters()))
 
 
 def _max_positions(model) -> int | None:
@@ -223,7 +234,9 @@ def cmd_needlebench(args) -> int:
         )
         for i, p in enumerate(prompts)
     ]
-    meta = dict(model=args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens, source=source)
+    meta = dict(
+        model=args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens, source=source, weights=_weights(model)
+    )
 
     def ref_fn(model, case):
         tokens, logits = _greedy(model, case["ids"], args.max_new_tokens, tok)
@@ -326,7 +339,7 @@ def cmd_bookcorpus(args) -> int:
     if warning and d.rank == 0:
         print(f"warning: {warning}", file=sys.stderr)
     cases = [dict(index=i, key=f"window/{i}", label=f"window {i}", ids=w) for i, w in enumerate(wins)]
-    meta = dict(model=args.model, dtype=args.dtype, window=args.window, source=source)
+    meta = dict(model=args.model, dtype=args.dtype, window=args.window, source=source, weights=_weights(model))
 
     @torch.no_grad()
     def forward(model, case):
@@ -398,7 +411,7 @@ def _common(p):
     )
     p.add_argument("--tolerance", type=float, help="max |logit diff| allowed (default: by dtype, see --help epilog)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a rank waits for its peers (default 1800)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
 
@@ -425,14 +438,14 @@ def main(argv=None) -> int:
     n.add_argument("--lengths", default="4096,16384", help="prompt lengths in the model's tokens (default 4096,16384)")
     n.add_argument("--depths", default="0,25,50,75,100", help="needle depths in %% of the haystack")
     n.add_argument("--tasks", default=",".join(nb.TASKS), help=f"comma-separated subset of {', '.join(nb.TASKS)}")
-    n.add_argument("--max-new-tokens", type=int, default=32)
+    n.add_argument("--max-new-tokens", type=positive_int, default=32)
     n.add_argument(
         "--needles",
         help="single_retrieval over these needles ('all' or indices, e.g. 0,2): one prompt per needle in every "
         "cell, scores averaged per cell (default: one needle chosen by --seed, as NeedleBench does)",
     )
-    n.add_argument("--num-needles", type=int, default=3, help="needles in multi_retrieval (default 3)")
-    n.add_argument("--reasoning-needles", type=int, default=2, help="facts in multi_reasoning (default 2)")
+    n.add_argument("--num-needles", type=positive_int, default=3, help="needles in multi_retrieval (default 3)")
+    n.add_argument("--reasoning-needles", type=positive_int, default=2, help="facts in multi_reasoning (default 2)")
     n.add_argument(
         "--spacing", type=int, default=10, help="%% of the haystack between consecutive needles (default 10)"
     )
@@ -451,8 +464,8 @@ def main(argv=None) -> int:
     n.set_defaults(func=cmd_needlebench)
     b = sub.add_parser("bookcorpus", help="teacher-forced windows: full logits, NLL, perplexity", epilog=TOLERANCE_HELP)
     _common(b)
-    b.add_argument("--window", type=int, default=8192, help="tokens per window (default 8192)")
-    b.add_argument("--num-windows", type=int, default=4)
+    b.add_argument("--window", type=positive_int, default=8192, help="tokens per window (default 8192)")
+    b.add_argument("--num-windows", type=positive_int, default=4)
     b.add_argument("--dataset-id", default=bc.HUB_ID, help=f"hub dataset with a text column (default {bc.HUB_ID})")
     b.add_argument(
         "--revision",
@@ -462,6 +475,8 @@ def main(argv=None) -> int:
     b.add_argument("--text-column", default="text")
     b.set_defaults(func=cmd_bookcorpus)
     args = p.parse_args(argv)
+    if not args.save_reference and os.environ.get("RANK", "0") == "0":
+        _drop_reports(args.out)  # before anything can fail: OUT/report.json must not outlive a run that did
     try:
         return args.func(args)
     except SystemExit as e:

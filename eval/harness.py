@@ -156,10 +156,18 @@ def load_reference(path: str, kind: str, cases: list, meta: dict) -> dict:
         raise SystemExit(
             f"--reference {path}: no such file. Make it with the same command on one process and --save-reference FILE."
         )
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if saved.get("kind") != kind:
-        raise SystemExit(f"--reference {path} is a {saved.get('kind')} reference, not {kind}.")
-    for k in ("model", "dtype") + (("max_new_tokens",) if kind == "needlebench" else ()):
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # a file that is not a saved reference (torch's message is about checkpoints)
+        raise SystemExit(
+            f"--reference {path} is not a reference saved with --save-reference ({type(e).__name__})."
+        ) from None
+    saved_kind = saved.get("kind") if isinstance(saved, dict) else type(saved).__name__
+    if saved_kind != kind:
+        raise SystemExit(f"--reference {path} is a {saved_kind} reference, not {kind}.")
+    for k in ("model", "dtype", "weights") + (("max_new_tokens",) if kind == "needlebench" else ()):
+        if k == "weights" and k not in saved["meta"]:  # saved before the weights were recorded
+            continue
         if saved["meta"].get(k) != meta.get(k):
             raise SystemExit(
                 f"--reference {path} was made with {k}={saved['meta'].get(k)!r}, this run has {meta.get(k)!r}."

@@ -41,9 +41,12 @@ def run(kind: str, args, extra: list[str]) -> int:
         *extra,
     ]
     print("$ " + " ".join(cmd[1:]), flush=True)
+    report = os.path.join(out, "report.json")
+    if os.path.isfile(report):  # an earlier run's: a run that fails before writing must not pass on it
+        os.remove(report)
     subprocess.run(cmd)
     try:
-        with open(os.path.join(out, "report.json")) as f:
+        with open(report) as f:
             verdict = json.load(f)["summary"]["verdict"]
     except FileNotFoundError:
         print(f"{kind}: could not run (no report); see the output above.")

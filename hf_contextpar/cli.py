@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .api import DECODES, STRATEGIES
 from .cache import returned_cache
+from .cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
 from .models import DEFAULT_MODEL, DTYPES, load
 
 
@@ -94,11 +95,20 @@ def cmd_generate(args):
     model, tok = load(args.model, DTYPES[args.dtype], device)
     task = None
     if args.prompt_file:
-        text = open(args.prompt_file, encoding="utf-8").read()
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
         ids = tok(text, return_tensors="pt").input_ids[:, : args.prompt_tokens]
+        if ids.numel() == 0:
+            raise SystemExit(f"error: --prompt-file {args.prompt_file} holds no text the tokenizer turns into tokens.")
     else:
         task = needle_prompt(tok, args.prompt_tokens, args.depth, args.needle)
         ids = torch.tensor([task.ids])
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and ids.shape[1] + args.max_new_tokens > limit:
+        raise SystemExit(
+            f"error: the prompt ({ids.shape[1]} tokens) plus --max-new-tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context ({limit} positions); use a smaller --prompt-tokens."
+        )
     inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
 
     baseline = None
@@ -194,8 +204,7 @@ def cmd_sweep(args):
     from .calibrate import format_sweep, miss_rate_sweep
 
     model, runtime, device = _setup(args)
-    rates = [float(x) for x in args.miss_rates.split(",")]
-    rows, coeffs = miss_rate_sweep(model, runtime, args.total, rates, repeats=args.repeats, device=device)
+    rows, coeffs = miss_rate_sweep(model, runtime, args.total, args.miss_rates, repeats=args.repeats, device=device)
     if runtime.rank == 0:
         cal = runtime.calibration
         print(
@@ -214,7 +223,9 @@ def cmd_kvr_table(args):
     from .calibrate import kvr_table
 
     model, runtime, device = _setup(args)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
+    if min(lengths) < runtime.world:
+        raise SystemExit(f"error: --lengths must be at least the number of processes ({runtime.world}); got {lengths}")
     log = print if runtime.rank == 0 else None
     table = kvr_table(model, runtime, lengths, points=args.points, repeats=args.repeats, device=device, log=log)
     if runtime.rank == 0:
@@ -243,22 +254,27 @@ def main(argv=None):
     )
     g.add_argument(
         "--prompt-tokens",
-        type=int,
+        type=positive_int,
         default=4096,
         help="prompt length in tokens (a file is truncated to it; default 4096: needle-lm finds needle 0 up to 8K)",
     )
-    g.add_argument("--depth", type=int, default=50, help="where the needle sits, %% of the haystack (default 50)")
+    g.add_argument("--depth", type=percent, default=50, help="where the needle sits, %% of the haystack (default 50)")
     g.add_argument(
         "--needle", type=int, default=0, help="which built-in needle (hf_contextpar.eval.needles.NEEDLES) to hide"
     )
-    g.add_argument("--max-new-tokens", type=int, default=32, help="at most this many new tokens (stops at EOS)")
+    g.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="at most this many new tokens (stops at EOS)"
+    )
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
-    g.add_argument(
-        "--decode", default="auto", choices=DECODES, help="decode algorithm (default: batched pass-Q when B >= N)"
+    g.add_argument(  # one prompt: batched pass-Q decode (B >= N) never applies
+        "--decode",
+        default="auto",
+        choices=[d for d in DECODES if d != "ring_pass_q"],
+        help="decode algorithm (one sequence: replicated sharded-KV decode)",
     )
     g.add_argument("--kvr-partitions", help="KV-Runahead partition table from `kvr-table` (default: even partitions)")
-    g.add_argument("--threads", type=int, default=0, help="torch threads per process (default: torch's)")
+    g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
     g.add_argument(
         "--baseline",
@@ -272,30 +288,34 @@ def main(argv=None):
     def common(sp):
         sp.add_argument("--model", default="tiny-llama_gqa8")
         sp.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-        sp.add_argument("--threads", type=int, default=0)
+        sp.add_argument("--threads", type=nonnegative_int, default=0)
         sp.add_argument("--cpu", action="store_true")
 
     c = sub.add_parser("calibrate", help="measure attention FLOP/s and ring bandwidth for the planner")
     common(c)
-    c.add_argument("--tokens", type=int, default=2048, help="query/key block length for the kernel timing")
-    c.add_argument("--out", help="where to save (default: $HF_CONTEXTPAR_CALIBRATION or ~/.cache/hf_contextpar/)")
+    c.add_argument("--tokens", type=positive_int, default=2048, help="query/key block length for the kernel timing")
+    c.add_argument(
+        "--out",
+        type=writable_file,
+        help="where to save (default: $HF_CONTEXTPAR_CALIBRATION or ~/.cache/hf_contextpar/)",
+    )
     c.set_defaults(func=cmd_calibrate)
     w = sub.add_parser("sweep", help="time pass-KV vs pass-Q over KV-cache miss rates; check the planner")
     common(w)
-    w.add_argument("--total", type=int, default=8192, help="total context T+P")
-    w.add_argument("--miss-rates", default="0.005,0.01,0.025,0.05,0.1,0.25,0.5,1.0")
-    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--total", type=positive_int, default=8192, help="total context T+P")
+    w.add_argument("--miss-rates", type=fractions, default="0.005,0.01,0.025,0.05,0.1,0.25,0.5,1.0")
+    w.add_argument("--repeats", type=positive_int, default=3)
     w.add_argument("--calibration", help="calibration JSON (default: the saved one, else defaults)")
-    w.add_argument("--out", help="write the table as JSON")
+    w.add_argument("--out", type=writable_file, help="write the table as JSON")
     w.set_defaults(func=cmd_sweep)
     k = sub.add_parser(
         "kvr-table", help="search KV-Runahead partitions (KVR-S) at several lengths; save the table (KVR-P)"
     )
     common(k)
-    k.add_argument("--lengths", default="1024,2048,4096", help="context lengths to search")
-    k.add_argument("--points", type=int, default=5, help="grid points per boundary and level")
-    k.add_argument("--repeats", type=int, default=3)
-    k.add_argument("--out", default="kvr_partitions.json")
+    k.add_argument("--lengths", type=positive_ints, default="1024,2048,4096", help="context lengths to search")
+    k.add_argument("--points", type=positive_int, default=5, help="grid points per boundary and level")
+    k.add_argument("--repeats", type=positive_int, default=3)
+    k.add_argument("--out", type=writable_file, default="kvr_partitions.json")
     k.set_defaults(func=cmd_kvr_table)
     r = sub.add_parser("predict", help="predicted TTFT, TTIT, KV and traffic per strategy from the cost model (no run)")
     from .predict import add_arguments
@@ -310,4 +330,4 @@ def main(argv=None):
     selftest_arguments(t)
     t.set_defaults(func=selftest)
     args = p.parse_args(argv)
-    args.func(args)
+    exits_cleanly(args.func)(args)

@@ -33,6 +33,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from .errors import ContextParallelError
+
 # Defaults when nothing was calibrated: a CPU core with gloo over loopback, a GPU with NVLink.
 DEFAULTS = {"cpu": dict(attn_flops=2.0e10, bandwidth=1.0e9), "cuda": dict(attn_flops=3.0e14, bandwidth=1.0e11)}
 PAPER_H = (-1.059, 1.145, 12.112)  # App. D's h(T,P) coefficients (a, b, c), fitted on Meta's H100 cluster
@@ -57,6 +59,15 @@ class Machine:
     source: str = "default"
     h_coefficients: tuple = PAPER_H  # App. D's empirical rule, for planner_rule="empirical"
     details: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        rates = dict(attn_flops=self.attn_flops, gemm_flops=self.gemm_flops, bandwidth=self.bandwidth)
+        rates["memory_bandwidth"] = self.memory_bandwidth
+        if not all(v > 0 for v in rates.values()):  # a division by zero (or a negative time) later
+            raise ContextParallelError(
+                f"a calibration's rates must be positive, got {rates}; measure them again with "
+                "`python -m hf_contextpar calibrate`."
+            )
 
     def as_dict(self) -> dict:
         return asdict(self)

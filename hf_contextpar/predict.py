@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .cliargs import fractions, positive_int, positive_ints
 from .costmodel import (
     PER_FORWARD_COLLECTIVES,
     Machine,
@@ -27,6 +28,7 @@ from .costmodel import (
     predict_ttft,
     ulysses_fits,
 )
+from .errors import ContextParallelError
 from .planner import choose
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
@@ -126,7 +128,10 @@ def machine_of(hardware: str) -> Machine:
     if hardware == "cpu":
         return Machine.resolve(None, "cpu")
     if os.path.isfile(hardware):
-        return Machine.load(hardware)
+        try:
+            return Machine.load(hardware)
+        except (ValueError, KeyError, TypeError, ContextParallelError) as e:  # JSONDecodeError is a ValueError
+            raise SystemExit(f"--hardware {hardware}: not a usable calibration JSON from `calibrate` ({e}).") from None
     raise SystemExit(
         f"--hardware must be one of {sorted(PRESETS)}, 'cpu' (the saved calibration, else defaults) "
         "or a calibration JSON from `python -m hf_contextpar calibrate`."
@@ -259,11 +264,14 @@ def add_arguments(p: argparse.ArgumentParser):
         help=f"hub id, config.json, model directory, built-in model, or one of {sorted(GEOMETRIES)}",
     )
     p.add_argument("--hardware", default="h100-rdma", help=f"{sorted(PRESETS)}, 'cpu', or a calibration JSON")
-    p.add_argument("--world", default="1,2,4,8", help="CP world sizes N, comma-separated")
-    p.add_argument("--tp", type=int, default=1, help="GPUs per CP rank (tensor parallel inside a rank)")
-    p.add_argument("--lengths", default="131072,1048576", help="context lengths, comma-separated")
+    p.add_argument("--world", type=positive_ints, default="1,2,4,8", help="CP world sizes N, comma-separated")
+    p.add_argument("--tp", type=positive_int, default=1, help="GPUs per CP rank (tensor parallel inside a rank)")
+    p.add_argument("--lengths", type=positive_ints, default="131072,1048576", help="context lengths, comma-separated")
     p.add_argument(
-        "--miss-rates", default="1.0", help="KV-cache miss rates T/(T+P), comma-separated (1 = full prefill)"
+        "--miss-rates",
+        type=fractions,
+        default="1.0",
+        help="KV-cache miss rates T/(T+P) in (0, 1], comma-separated (1 = full prefill)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
 
@@ -272,9 +280,9 @@ def run(args) -> str:
     text = report(
         args.model,
         args.hardware,
-        [int(x) for x in args.world.split(",")],
-        [int(x) for x in args.lengths.split(",")],
-        [float(x) for x in args.miss_rates.split(",")],
+        args.world,
+        args.lengths,
+        args.miss_rates,
         args.dtype,
         args.tp,
     )

@@ -188,6 +188,8 @@ class ContextParallelRuntime:
         if x is None:
             raise ContextParallelError("pass input_ids or inputs_embeds to the patched model.")
         batch, num_new = x.shape[0], x.shape[1]
+        if num_new == 0:  # one process fails inside the model too
+            raise ContextParallelError("the input holds no tokens (sequence length 0); pass at least one.")
 
         cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0

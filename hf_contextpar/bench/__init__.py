@@ -23,6 +23,7 @@ import argparse
 
 import torch.distributed as dist
 
+from ..cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
 from ..models import DTYPES
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 
@@ -34,15 +35,17 @@ def main(argv=None):
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"hub id, local dir or tiny-<family> (default {DEFAULT_MODEL})"
     )
-    p.add_argument("--lengths", default="4096,8192,16384", help="prompt lengths, comma-separated")
+    p.add_argument("--lengths", type=positive_ints, default="4096,8192,16384", help="prompt lengths, comma-separated")
     p.add_argument(
         "--strategies", default=None, help="comma-separated (default: every strategy of this build but auto)"
     )
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per config (TTIT over the last n-1)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / N)")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills per config (median)")
+    p.add_argument(
+        "--new-tokens", type=positive_int, default=16, help="tokens generated per config (TTIT over the last n-1)"
+    )
+    p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per rank (default: cores / N)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed prefills per config (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--out", default="bench", help="output directory (bench.json, bench.md, *.png)")
+    p.add_argument("--out", type=writable_dir, default="bench", help="output directory (bench.json, bench.md, *.png)")
     p.add_argument(
         "--kvr-partitions",
         help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "

@@ -106,7 +106,7 @@ def run(args) -> dict | None:
     dtype = DTYPES[args.dtype]
     model, _ = load(args.model, dtype, device)
     shape = costmodel.Shape.from_model(model)
-    lengths = sorted(int(x) for x in args.lengths.split(","))
+    lengths = sorted(args.lengths)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(
         0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)), generator=g

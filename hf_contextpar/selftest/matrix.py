@@ -302,6 +302,11 @@ def run_matrix(model_name, dtypes, rank, world, device, timeout, inject, log) ->
     from ..models import DTYPES, load
 
     cases = cases_for(dtypes)
+    if inject and not any(fnmatch.fnmatch(c.name, inject) for c in cases):
+        raise SystemExit(
+            f"--inject-fault {inject!r} matches no case; the names look like {cases[0].name!r} "
+            "(dtype/kind/variant, with the dtype spelt in full)."
+        )
     names = _gather([c.name for c in cases], world)
     if any(n != names[0] for n in names):
         raise SystemExit(f"selftest: the ranks built different case lists ({[len(n) for n in names]} cases by rank)")
