@@ -159,4 +159,6 @@ def load(name: str, dtype: torch.dtype, device: torch.device):
             f"(HF_HUB_OFFLINE=1 uses the cache only), or a built-in model: "
             + ", ".join(list(BUILTIN_MODELS) + [f"tiny-{f}" for f in TINY_CONFIGS])
         ) from None
+    if not tok("The", add_special_tokens=False).input_ids:  # transformers builds an empty one from a config alone
+        raise SystemExit(f"'{name}' has no usable tokenizer (it turns text into no tokens); add its tokenizer files.")
     return model.to(device).eval(), tok
