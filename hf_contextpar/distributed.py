@@ -59,7 +59,7 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
         dist.init_process_group(backend=_backend_for(device), timeout=td)
         _created.append(_WORLD)
         group = dist.group.WORLD
-    elif timeout is not None:
+    elif _same_on_every_rank(timeout) is not None:
         # A group of our own, so the caller's timeout bounds every wait of ours.
         group = dist.new_group(backend=dist.get_backend(), timeout=td)
         _created.append(group)
@@ -70,6 +70,21 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
     if world == 1:
         return None, 0, 1
     return group, dist.get_rank(group), world
+
+
+def _same_on_every_rank(timeout):
+    """The timeout, after checking every rank passed the same: it decides whether a group is made
+    (`new_group`, a collective every rank must enter), so ranks that differ would wait on each other."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, timeout)
+    if any(t != everyone[0] for t in everyone):
+        from .errors import ContextParallelError
+
+        raise ContextParallelError(
+            f"apply_context_parallel got a different timeout on different ranks ({everyone}, by rank); pass the "
+            "same on every rank."
+        )
+    return timeout
 
 
 def _hook_exit() -> None:

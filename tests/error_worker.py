@@ -69,6 +69,8 @@ def main():
                 model(ids)
             elif scenario == "deepcopy":
                 copy.deepcopy(model)
+            elif scenario == "timeout_differs":  # decides whether a group is made: once on one rank only
+                hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=15.0 if rank == 0 else None)
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

@@ -38,6 +38,7 @@ def _results(procs):
         ("max_new_differs", "different"),  # rank 0 sees different sequences, rank 1 different inputs
         ("dropout", "attention dropout is not supported"),
         ("deepcopy", "cannot be deep-copied"),
+        ("timeout_differs", "different timeout on different ranks"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, needle):
