@@ -91,7 +91,9 @@ def _drop_reports(out: str):
 def _weights(model) -> float:
     """A fingerprint of the weights, so a reference saved for other weights under the same name is refused."""
     with torch.no_grad():
-        return float(sum(p.double().flatten()[::101].sum() for p in model.parameters()))
+        return float(
+            sum(p.flatten()[::101].double().sum() for p in model.parameters())
+        )  # no fp64 copy of a whole tensor
 
 
 def _max_positions(model) -> int | None:
