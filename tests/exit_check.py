@@ -8,8 +8,17 @@ import runpy
 import sys
 
 
+def _thread_name(path):
+    """A thread may exit between listing /proc/self/task and reading its name: it is then not alive."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _report():
-    threads = sorted(open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm"))
+    threads = sorted(_thread_name(p) for p in glob.glob("/proc/self/task/*/comm"))
     print(f"gloo threads at exit: {[t for t in threads if 'gloo' in t]}", file=sys.stderr, flush=True)
 
 
