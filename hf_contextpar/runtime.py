@@ -456,10 +456,30 @@ def _global_rope_forward(self, x, position_ids, *args, **kwargs):
     return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
 
 
+_CANDIDATE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def _refuse_candidates_from_embeds(model, args, kwargs):
+    """Assisted and prompt-lookup decoding from inputs_embeds: transformers crops the attention mask to
+    the (empty) input_ids and drafts from no tokens there, so one process does not return what greedy
+    decoding would (or fails deep in torch). Refused before any collective, from the arguments alone."""
+    if kwargs.get("inputs_embeds") is None:
+        return
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+    asked = [name for name in _CANDIDATE_ARGS if kwargs.get(name) is not None or getattr(config, name, None)]
+    if asked:
+        raise ContextParallelError(
+            f"generate(inputs_embeds=..., {asked[0]}=...): assisted and prompt-lookup decoding from "
+            "inputs_embeds are not supported (transformers drops the prompt's attention mask there, so even "
+            "one process does not return greedy decoding's tokens); pass input_ids, or decode without them."
+        )
+
+
 def _checked_generate(self, *args, **kwargs):
     """model.generate, then one check that every rank returns the same sequences."""
     from .api import get_runtime
 
+    _refuse_candidates_from_embeds(self, args, kwargs)
     out = type(self).generate(self, *args, **kwargs)
     runtime = get_runtime(self)
     if runtime is not None:

@@ -71,6 +71,9 @@ def main():
                 copy.deepcopy(model)
             elif scenario == "timeout_differs":  # decides whether a group is made: once on one rank only
                 hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=15.0 if rank == 0 else None)
+            elif scenario == "lookup_from_embeds":  # one process drafts from no tokens and returns other tokens
+                emb = model.get_input_embeddings()(ids)
+                model.generate(inputs_embeds=emb, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

@@ -26,6 +26,10 @@ Padding kinds and what is compared:
   runs it), "holes" (zeros inside the mask), "all_pad_row" (one row is all padding, the others
   left-padded), "packed" (batch 1, no mask, position_ids restarting at 0: packed sequences,
   which transformers turns into a block-diagonal mask; forward only).
+- A case may feed inputs_embeds instead of input_ids (forward turns, and generate as the only turn).
+- Forward turns return a ModelOutput or a tuple (return_dict=False, as an argument or on the
+  config), the logits logits_to_keep asks for, and, when output_hidden_states is drawn, every
+  layer's hidden states (compared at every valid position, relative to the reference's magnitude).
 - Logits are compared at real (unmasked) positions where the reference is finite. A query with
   no visible key gets a kernel-specific output (HF's eager softmax averages every key, SDPA may
   give NaN): an all-padding row, or a row whose last prompt position is padding with no real key
@@ -38,14 +42,15 @@ Padding kinds and what is compared:
   and NaNs on padded queries; 0 x NaN then reaches real rows, and beam search stops early), its
   tokens mean nothing: a token difference in such a row is "reference_nan", not a failure.
 - A reference that raises truncates the case before that turn, and the patched model must raise at
-  that turn too (one process refusing an input that N processes answer is a silent wrong answer),
-  unless the reference sampled from NaN probabilities (kernel-specific values, above); a case with
-  no comparable turn is "skipped".
+  that turn too, the first turn included (one process refusing an input that N processes answer is
+  a silent wrong answer), unless the reference sampled from NaN probabilities (kernel-specific values,
+  above); a case with no comparable turn and no such refusal is "skipped".
 Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
 query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fewer sequences than
 ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
-and assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
-whole sequence again on top of the cache there; refused with a ContextParallelError).
+assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
+whole sequence again on top of the cache there; refused with a ContextParallelError), and assisted /
+prompt-lookup decoding from inputs_embeds (transformers drafts from no tokens with an empty mask).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, Cache, DynamicCache
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -253,6 +258,13 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # to keep: all (0), an int (negative and past-the-end ones too) or an index tensor
     case["return_dict"] = r.random() < 0.6
     case["logits_to_keep"] = r.choice([0, 0, 0, 1, 3, -2, 1000, "index"])
+    # drawn late as well: every layer's hidden states in forward turns (compared at every valid
+    # position), and return_dict=False set on the config instead of passed (the model reads it there)
+    case["hidden_states"] = r.random() < 0.3
+    case["return_dict_via"] = "config" if r.random() < 0.2 else "argument"
+    # inputs_embeds instead of input_ids: in forward turns, and in generate when it is the only turn
+    # (generate then returns the new tokens alone, so a later turn has no prompt ids to extend)
+    case["embeds"] = r.random() < 0.25
     return case
 
 
@@ -273,7 +285,8 @@ def describe(case: dict) -> str:
         f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
-        f"logits_to_keep={case.get('logits_to_keep', 0)} turns=[{turns}]"
+        f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
+        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)} turns=[{turns}]"
     )
 
 
@@ -393,6 +406,7 @@ def conversation(model, case: dict, make_assistant):
     if case["cache"] == "inplace":
         cache = DynamicCache(config=model.config) if case.get("inplace_config") else DynamicCache()
     seq, cached = None, 0  # the sequence so far, and how many of its tokens the cache holds
+    embed = model.get_input_embeddings()
     for t, turn in enumerate(case["turns"]):
         if t == 0:
             full = ids
@@ -415,19 +429,29 @@ def conversation(model, case: dict, make_assistant):
                 pick = torch.Generator().manual_seed(case["data_seed"] + 1 + t)
                 keep = torch.randint(-num_new, num_new, (min(num_new, 3),), generator=pick)
             kept = torch.arange(num_new)[slice(-keep, None) if isinstance(keep, int) else keep]
-            out = model(new, **kw, logits_to_keep=keep, return_dict=case.get("return_dict", True))
-            if isinstance(out, tuple):  # (logits, cache) or (logits,): to_tuple() leaves out the Nones
-                out = types.SimpleNamespace(logits=out[0], **{name: out[1] if use_cache else None})
+            hidden = bool(case.get("hidden_states"))
+            inputs = {"inputs_embeds": embed(new)} if case.get("embeds") else {"input_ids": new}
+            out = forward(model, case, inputs, kw, keep, hidden)
+            if isinstance(out, tuple):  # (logits, [cache], [hidden states]): to_tuple() leaves out the Nones
+                caches = [x for x in out[1:] if isinstance(x, Cache)]
+                states = [x for x in out[1:] if isinstance(x, tuple)]
+                out = types.SimpleNamespace(
+                    logits=out[0], hidden_states=states[0] if states else None, **{name: (caches or [None])[0]}
+                )
             valid = comparable[:, None].expand(-1, num_new).clone()
             if mask is not None:
                 valid &= mask[:, -num_new:].bool()
             result = dict(mode=mode, tokens=None, logits=out.logits, valid=valid[:, kept], rows=new.shape[0])
+            if hidden:  # (layers + 1, rows, positions, hidden): every position, whatever logits_to_keep
+                result.update(hidden=torch.stack(out.hidden_states), hidden_valid=valid)
             seq, cached = full, full.shape[1]
         else:
             kw = generate_kwargs(turn, make_assistant() if mode == "assisted" else None)
             if mode == "sample":  # the same seed for the reference and on every rank, right before the call
                 torch.manual_seed(case["data_seed"] + t)
-            out = model.generate(full, attention_mask=mask, **{name: cache}, **kw)
+            from_embeds = case.get("embeds") and len(case["turns"]) == 1
+            inputs = {"inputs_embeds": embed(full)} if from_embeds else {"inputs": full}
+            out = model.generate(**inputs, attention_mask=mask, **{name: cache}, **kw)
             if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
                 comparable = comparable & defined  # the first new token comes from the last query
             expand = out.sequences.shape[0] // full.shape[0]
@@ -441,7 +465,7 @@ def conversation(model, case: dict, make_assistant):
                 mode=mode,
                 tokens=out.sequences,
                 rows=full.shape[0],
-                prompt_length=full.shape[1],
+                prompt_length=0 if from_embeds else full.shape[1],  # from embeddings: the new tokens only
                 comparable=comparable.clone(),
                 finite=finite.clone(),
                 logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
@@ -461,6 +485,18 @@ def conversation(model, case: dict, make_assistant):
         yield result
 
 
+def forward(model, case: dict, inputs: dict, kw: dict, keep, hidden: bool):
+    """One forward turn; return_dict=False passed as an argument or set on the config for this call."""
+    kw = dict(kw, **inputs, logits_to_keep=keep, output_hidden_states=hidden)
+    if case.get("return_dict_via") != "config" or case.get("return_dict", True):
+        return model(**kw, return_dict=case.get("return_dict", True))
+    model.config.return_dict = False
+    try:
+        return model(**kw)
+    finally:
+        model.config.return_dict = True
+
+
 # -- comparison -------------------------------------------------------------------------------
 def tolerance(case: dict) -> float:
     """Max |logit diff| against the unpatched single process (as tests/launch.py: Gemma2's fp64
@@ -472,7 +508,7 @@ def tolerance(case: dict) -> float:
 
 def digest(result: dict) -> str:
     h = hashlib.sha1()
-    for key in ("tokens", "logits"):
+    for key in ("tokens", "logits", "hidden"):
         if result.get(key) is not None:
             h.update(result[key].contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -513,7 +549,26 @@ def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
         d = _logit_diff(ref, mine, steps)
         if d > tol:
             return "fail", f"turn {t + 1} ({mine['mode']}): max |logit diff| {d:.3g} > {tol:g}"
+    if ref.get("hidden") is not None:
+        d = _hidden_diff(ref, mine)
+        if d > tol:
+            return "fail", f"turn {t + 1} (forward): hidden states differ by {d:.3g} (relative) > {tol:g}"
     return "ok", ""
+
+
+def _hidden_diff(ref: dict, mine: dict) -> float:
+    """Max |diff| of every layer's hidden states at valid positions where the reference is finite,
+    over the reference's largest magnitude there (at least 1): residual streams grow with depth."""
+    a, b = ref["hidden"], mine.get("hidden")
+    if b is None or a.shape != b.shape:
+        return math.inf
+    valid = ref["hidden_valid"]
+    a, b = a[:, valid].double(), b[:, valid].double()  # (layers + 1, positions, hidden)
+    finite = torch.isfinite(a).all(-1).all(0)
+    a, b = a[:, finite], b[:, finite]
+    if not torch.isfinite(b).all():
+        return math.inf
+    return float((a - b).abs().max() / a.abs().max().clamp(min=1)) if a.numel() else 0.0
 
 
 def _logit_diff(ref: dict, mine: dict, steps: int | None) -> float:
@@ -541,6 +596,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return not ulysses_fits(case)
     if not isinstance(exc, hf_contextpar.ContextParallelError):
         return False
+    if "decoding from inputs_embeds are not supported" in str(exc):  # one process drafts from no tokens
+        return bool(case.get("embeds")) and case["turns"][turn]["mode"] in ("assisted", "lookup")
     if "decode='ring_pass_q' needs" in str(exc):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
     if "packed documents" in str(exc):  # refused: per-document masks are not sharded
@@ -692,7 +749,11 @@ def merge(case: dict, everyone: list[dict], ref_error: str | None) -> dict:
                 "outputs differ between ranks: "
                 + ", ".join(f"rank {i} turn digests {[x[:8] for x in d]}" for i, d in enumerate(digests)),
             )
-    if outcome in ("pass", "near_tie", "reference_nan") and everyone[0]["turns_compared"] == 0:
+    if (
+        outcome in ("pass", "near_tie", "reference_nan")
+        and everyone[0]["turns_compared"] == 0
+        and not everyone[0]["error_type"]
+    ):
         outcome = "skipped"
     if ref_error and outcome != "fail":
         detail = (
@@ -714,7 +775,9 @@ def run_case(case: dict, rank: int) -> dict:
     box = [run_reference(case) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ref_turns, ref_error = box[0]
-    if ref_turns:
+    if ref_turns or (
+        ref_error and not undefined_result(ref_error)
+    ):  # a first turn the reference refused: ours must too
         mine = run_patched(case, ref_turns, ref_error)
     else:
         mine = dict(
