@@ -25,6 +25,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 import hf_contextpar
+from hf_contextpar.cache import cache_argument, returned_cache
 from hf_contextpar.models import builtin_model_path, sample_text
 
 FACTS = [
@@ -111,13 +112,13 @@ def main():
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
+                **{cache_argument(model): cache},  # `cache` from transformers 5.24 on
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 streamer=streamer,
                 return_dict_in_generate=True,
             )
-        cache, ids = out.past_key_values, out.sequences
+        cache, ids = returned_cache(out), out.sequences
         if state.is_main_process and runtime is not None:
             d = runtime.last_decision
             how = f"prefill {d.strategy} (T={d.T}, P={d.P}); " if d else ""

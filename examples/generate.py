@@ -19,6 +19,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_contextpar
+from hf_contextpar.cache import returned_cache
 from hf_contextpar.models import builtin_model_path, sample_text
 
 state = PartialState(cpu=not torch.cuda.is_available())  # initialises the process group (gloo on CPU)
@@ -42,7 +43,7 @@ model = hf_contextpar.apply_context_parallel(model)
 inputs = tok(prompt, return_tensors="pt").to(state.device)
 with torch.no_grad():
     out = model.generate(**inputs, max_new_tokens=24, do_sample=False, return_dict_in_generate=True)
-cache = out.past_key_values
+cache = returned_cache(out)
 print(
     f"rank {state.process_index}/{state.num_processes}: prompt {inputs.input_ids.shape[1]} tokens, "
     f"this rank caches {getattr(cache, 'local_length', cache.get_seq_length())} of them per layer"

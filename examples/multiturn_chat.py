@@ -6,8 +6,9 @@
 The first turn is a long document with two facts hidden in it (a full prefill); every later turn
 is a short question over it: a partial prefill of T new tokens against P cached ones, where the
 planner (strategy="auto", Meta Alg. 5) picks ring pass-KV or ring pass-Q per call. Each turn
-passes the previous turn's past_key_values back in, as with any Hugging Face model. The default
-model is the built-in trained needle-lm (see the README for how often it finds the answer).
+passes the previous turn's cache back in (`past_key_values`, or `cache` from transformers 5.24 on),
+as with any Hugging Face model. The default model is the built-in trained needle-lm (see the
+README for how often it finds the answer).
 """
 
 import os
@@ -17,6 +18,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_contextpar
+from hf_contextpar.cache import cache_argument, returned_cache
 from hf_contextpar.models import builtin_model_path, sample_text
 
 state = PartialState(cpu=not torch.cuda.is_available())  # initialises the process group (gloo on CPU)
@@ -52,12 +54,12 @@ for i, text in enumerate(turns):
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **{cache_argument(model): cache},  # `cache` from transformers 5.24 on
             max_new_tokens=24,
             do_sample=False,
             return_dict_in_generate=True,
         )
-    cache, answer = out.past_key_values, out.sequences[:, ids.shape[1] :]
+    cache, answer = returned_cache(out), out.sequences[:, ids.shape[1] :]
     ids = out.sequences
     if state.is_main_process:
         d = runtime.last_decision if runtime else None
