@@ -1006,6 +1006,10 @@ SCHEDULES["bigram-blend"] = dict(
 SCHEDULES["bigram-blend2"] = dict(
     SCHEDULES["bigram-forms"], blend=True, lr=3e-4, stages=_stages((300, 512), (300, 1024), (500, 2048), (300, 4096))
 )
+# Checkpoint averages (tried 2026-11-25, not kept): the sixth and seventh runs' weights averaged element-wise
+# (in fp64), probed the same way. 0.3 x sixth + 0.7 x seventh: 97.5 / 100 / 82.5 / 70 / 57.5% at 512 / 1,024 /
+# 2,048 / 4,096 / 8,192 tokens (the seventh: 100 / 100 / 77.5 / 70 / 55); half and half: 95 / 82.5 / 67.5% at 1K /
+# 2K / 4K. Two of 40 cases more at 2K and one at 8K, one fewer at 512: not worth new weights.
 
 
 @torch.no_grad()
