@@ -26,7 +26,8 @@ Padding kinds and what is compared:
   runs it), "holes" (zeros inside the mask), "all_pad_row" (one row is all padding, the others
   left-padded), "packed" (batch 1, no mask, position_ids restarting at 0: packed sequences,
   which transformers turns into a block-diagonal mask; forward only).
-- A case may feed inputs_embeds instead of input_ids (forward turns, and generate as the only turn).
+- A case may feed inputs_embeds instead of input_ids (forward turns, and generate as the only turn,
+  there with or without the prompt's input_ids beside them).
 - Forward turns return a ModelOutput or a tuple (return_dict=False, as an argument or on the
   config), the logits logits_to_keep asks for, and, when output_hidden_states is drawn, every
   layer's hidden states (compared at every valid position, relative to the reference's magnitude).
@@ -265,6 +266,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # inputs_embeds instead of input_ids: in forward turns, and in generate when it is the only turn
     # (generate then returns the new tokens alone, so a later turn has no prompt ids to extend)
     case["embeds"] = r.random() < 0.25
+    case["embeds_with_ids"] = r.random() < 0.5  # generate(input_ids=..., inputs_embeds=...): both given
     return case
 
 
@@ -286,7 +288,7 @@ def describe(case: dict) -> str:
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
         f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
-        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)} turns=[{turns}]"
+        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''} turns=[{turns}]"
     )
 
 
@@ -451,6 +453,8 @@ def conversation(model, case: dict, make_assistant):
                 torch.manual_seed(case["data_seed"] + t)
             from_embeds = case.get("embeds") and len(case["turns"]) == 1
             inputs = {"inputs_embeds": embed(full)} if from_embeds else {"inputs": full}
+            if from_embeds and case.get("embeds_with_ids"):
+                inputs["input_ids"] = full
             out = model.generate(**inputs, attention_mask=mask, **{name: cache}, **kw)
             if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
                 comparable = comparable & defined  # the first new token comes from the last query
@@ -465,7 +469,9 @@ def conversation(model, case: dict, make_assistant):
                 mode=mode,
                 tokens=out.sequences,
                 rows=full.shape[0],
-                prompt_length=0 if from_embeds else full.shape[1],  # from embeddings: the new tokens only
+                prompt_length=0
+                if "input_ids" not in inputs and from_embeds
+                else full.shape[1],  # embeds alone: new tokens only
                 comparable=comparable.clone(),
                 finite=finite.clone(),
                 logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
@@ -596,8 +602,9 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return not ulysses_fits(case)
     if not isinstance(exc, hf_contextpar.ContextParallelError):
         return False
-    if "decoding from inputs_embeds are not supported" in str(exc):  # one process drafts from no tokens
-        return bool(case.get("embeds")) and case["turns"][turn]["mode"] in ("assisted", "lookup")
+    if "decoding from inputs_embeds alone are not supported" in str(exc):  # one process drafts from no tokens
+        mode = case["turns"][turn]["mode"]
+        return bool(case.get("embeds")) and not case.get("embeds_with_ids") and mode in ("assisted", "lookup")
     if "decode='ring_pass_q' needs" in str(exc):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
     if "packed documents" in str(exc):  # refused: per-document masks are not sharded
