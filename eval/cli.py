@@ -21,7 +21,7 @@ import torch
 
 import hf_contextpar
 from hf_contextpar.cliargs import nonnegative_int, positive_int
-from hf_contextpar.models import DEFAULT_MODEL, DTYPES, is_builtin, load
+from hf_contextpar.models import DEFAULT_MODEL, DTYPES, is_builtin, load, max_positions
 
 from . import bookcorpus as bc
 from . import needlebench as nb
@@ -72,16 +72,17 @@ def _setup(args):
 
 
 def _prepare_out(args):
-    """Create the output directory and drop a previous run's reports there, so that OUT/report.json exists
-    exactly when this run completed (launchers report every failing status as 1; the report tells which)."""
+    """Create the output directory (an unwritable one fails before the run; main() has already dropped
+    a previous run's reports there)."""
     if args.save_reference:
         os.makedirs(os.path.dirname(os.path.abspath(args.save_reference)), exist_ok=True)
         return
     os.makedirs(args.out, exist_ok=True)
-    _drop_reports(args.out)
 
 
 def _drop_reports(out: str):
+    """Drop a previous run's reports, so that OUT/report.json exists exactly when this run completed
+    (launchers report every failing status as 1; the report tells which)."""
     for name in report.FILES:
         path = os.path.join(out, name)
         if os.path.isfile(path):
@@ -94,10 +95,6 @@ def _weights(model) -> float:
         return float(
             sum(p.flatten()[::101].double().sum() for p in model.parameters())
         )  # no fp64 copy of a whole tensor
-
-
-def _max_positions(model) -> int | None:
-    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
 def _tolerance(args, d, model, first_ids):
@@ -192,7 +189,7 @@ def cmd_needlebench(args) -> int:
         raise SystemExit(f"depths are percentages of the haystack, 0..100; got {bad}.")
     needles = _needle_spec(args.needles)
     d, model, tok = _setup(args)
-    limit = _max_positions(model)
+    limit = max_positions(model)
     if limit is not None and max(lengths) + args.max_new_tokens > limit:
         raise SystemExit(
             f"length {max(lengths)} + {args.max_new_tokens} new tokens exceeds the model's context "
@@ -315,10 +312,10 @@ def _progress(items, desc):
 # -- BookCorpus --------------------------------------------------------------------------------
 def cmd_bookcorpus(args) -> int:
     started = time.perf_counter()
-    if args.window < 2 or args.num_windows < 1:
-        raise SystemExit("--window must be at least 2 tokens and --num-windows at least 1.")
+    if args.window < 2:  # --num-windows is checked while parsing
+        raise SystemExit("--window must be at least 2 tokens.")
     d, model, tok = _setup(args)
-    limit = _max_positions(model)
+    limit = max_positions(model)
     if limit is not None and args.window > limit:
         raise SystemExit(f"--window {args.window} exceeds the model's context (max_position_embeddings = {limit}).")
 

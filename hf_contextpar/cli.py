@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .api import DECODES, STRATEGIES
 from .cache import returned_cache
 from .cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
-from .models import DEFAULT_MODEL, DTYPES, load
+from .models import DEFAULT_MODEL, DTYPES, load, max_positions
 
 
 def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):
@@ -103,7 +103,7 @@ def cmd_generate(args):
     else:
         task = needle_prompt(tok, args.prompt_tokens, args.depth, args.needle)
         ids = torch.tensor([task.ids])
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = max_positions(model)
     if limit and ids.shape[1] + args.max_new_tokens > limit:
         raise SystemExit(
             f"error: the prompt ({ids.shape[1]} tokens) plus --max-new-tokens ({args.max_new_tokens}) exceeds the "

@@ -139,6 +139,11 @@ def heldout_text() -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def max_positions(model) -> int | None:
+    """The positions the model was built for (its text config's max_position_embeddings), if it says."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
 def load(name: str, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer): a built-in model (`needle-lm`, or `tiny-<family>` with random weights and
     the family's reference attention), or any hub id / local directory. For the tools (CLI, eval,

@@ -51,7 +51,8 @@ query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fe
 ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
 assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
 whole sequence again on top of the cache there; refused with a ContextParallelError), and assisted /
-prompt-lookup decoding from inputs_embeds (transformers drafts from no tokens with an empty mask).
+prompt-lookup decoding from inputs_embeds without input_ids (transformers drafts from no tokens with
+an empty mask).
 """
 
 from __future__ import annotations
@@ -469,9 +470,8 @@ def conversation(model, case: dict, make_assistant):
                 mode=mode,
                 tokens=out.sequences,
                 rows=full.shape[0],
-                prompt_length=0
-                if "input_ids" not in inputs and from_embeds
-                else full.shape[1],  # embeds alone: new tokens only
+                # generate from embeddings alone returns the new tokens only
+                prompt_length=0 if "inputs_embeds" in inputs and "input_ids" not in inputs else full.shape[1],
                 comparable=comparable.clone(),
                 finite=finite.clone(),
                 logits=None if mode == "beam" else logits,  # beams' rows do not map to sequences
@@ -782,9 +782,8 @@ def run_case(case: dict, rank: int) -> dict:
     box = [run_reference(case) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     ref_turns, ref_error = box[0]
-    if ref_turns or (
-        ref_error and not undefined_result(ref_error)
-    ):  # a first turn the reference refused: ours must too
+    must_raise = ref_error is not None and not undefined_result(ref_error)  # turn 1 included
+    if ref_turns or must_raise:
         mine = run_patched(case, ref_turns, ref_error)
     else:
         mine = dict(
