@@ -74,6 +74,8 @@ def main():
             elif scenario == "lookup_from_embeds":  # one process drafts from no tokens and returns other tokens
                 emb = model.get_input_embeddings()(ids)
                 model.generate(inputs_embeds=emb, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
+            elif scenario == "zero_tokens":  # one process fails inside the model (a reshape of 0 elements)
+                model(ids[:, :0])
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

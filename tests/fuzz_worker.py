@@ -268,6 +268,9 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # (generate then returns the new tokens alone, so a later turn has no prompt ids to extend)
     case["embeds"] = r.random() < 0.25
     case["embeds_with_ids"] = r.random() < 0.5  # generate(input_ids=..., inputs_embeds=...): both given
+    # a later forward turn that adds no tokens (after a forward turn the input is then empty): one
+    # process fails inside the model, the patched one must refuse it on every rank
+    case["empty_turn"] = r.random() < 0.05
     return case
 
 
@@ -289,7 +292,7 @@ def describe(case: dict) -> str:
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
         f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
-        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''} turns=[{turns}]"
+        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''}{' empty_turn' if case.get('empty_turn') else ''} turns=[{turns}]"
     )
 
 
@@ -414,7 +417,8 @@ def conversation(model, case: dict, make_assistant):
         if t == 0:
             full = ids
         else:
-            chunk = torch.randint(0, 256, (seq.shape[0], turn["chunk"]), generator=g)
+            width = 0 if case.get("empty_turn") and turn["mode"] == "forward" else turn["chunk"]
+            chunk = torch.randint(0, 256, (seq.shape[0], width), generator=g)
             full = torch.cat([seq, chunk], 1)
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(chunk)], 1)

@@ -40,6 +40,7 @@ def _results(procs):
         ("deepcopy", "cannot be deep-copied"),
         ("timeout_differs", "different timeout on different ranks"),
         ("lookup_from_embeds", "decoding from inputs_embeds alone are not supported"),
+        ("zero_tokens", "the input holds no tokens"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, needle):
