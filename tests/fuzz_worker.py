@@ -619,21 +619,33 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     # longer match the cache, which is refused too
     over_filled = [t for t in range(1, turn + 1) if case["turns"][t]["mode"] in ("assisted", "lookup")]
     if "repeats the cached tokens" in str(exc) or "attention_mask covers" in str(exc):
-        return bool(over_filled) or phi3_dropped_the_callers_cache(case, exc)
+        return bool(over_filled) or phi3_dropped_the_callers_cache(case, exc, turn)
     return False
 
 
-def phi3_dropped_the_callers_cache(case: dict, exc: Exception) -> bool:
-    """Phi-3's prepare_inputs_for_generation drops a non-empty-looking cache (DynamicCache(config=...)
-    has its layers from the start) when the prompt crosses original_max_position_embeddings, so the
-    caller's cache object stays empty; a later turn passing it with the whole mask is refused (the
-    reference runs it on the empty cache)."""
-    return (
-        model_type(case["family"]) == "phi3"
-        and case["cache"] == "inplace"
-        and bool(case.get("inplace_config"))
-        and "but the cache holds 0" in str(exc)
-    )
+def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> bool:
+    """Phi-3's prepare_inputs_for_generation drops a non-empty-looking cache (one an earlier turn
+    filled, or DynamicCache(config=...), which has its layers from the start) when the prompt crosses
+    original_max_position_embeddings (at the first step or the decode step that crosses it), so
+    generate() goes on with a fresh cache and the caller's object keeps what it held before. A later
+    turn passing it with the whole sequence's mask is refused; the reference runs it with a mask
+    longer than its keys (e.g. seed 826137 case 1062 on N = 2: mask 78,
+    cache 64 + 2 new tokens), an answer that skips the dropped turn's tokens."""
+    if model_type(case["family"]) != "phi3" or case["cache"] != "inplace" or "attention_mask covers" not in str(exc):
+        return False
+    rope = build_config(case["family"], case["rope"]).rope_parameters
+    crossing = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    cached, width = 0, max(max(case["lengths"]), 1)  # as conversation() builds the sequence
+    for t, spec in enumerate(case["turns"][:turn]):
+        if t > 0:
+            width += 0 if case.get("empty_turn") and spec["mode"] == "forward" else spec["chunk"]
+        if spec["mode"] != "forward":
+            # the drop happens at the step whose sequence first crosses, while the past is short of it
+            if crossing and cached <= crossing < width + spec["new_tokens"] and (t > 0 or case.get("inplace_config")):
+                return True
+            width += spec["new_tokens"]
+        cached = width
+    return False
 
 
 def ulysses_fits(case: dict) -> bool:
