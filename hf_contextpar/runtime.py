@@ -460,22 +460,22 @@ _CANDIDATE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_ear
 
 
 def _refuse_candidates_from_embeds(model, args, kwargs):
-    """Assisted and prompt-lookup decoding from inputs_embeds without input_ids: transformers drafts
-    from the empty input_ids and crops the attention mask to them, so one process returns other tokens
-    than greedy decoding (prompt lookup) or fails inside torch (an assistant). With the prompt's
-    input_ids beside the embeddings the patched model returns what one process returns. Refused
-    before any collective, from the arguments alone."""
-    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if kwargs.get("inputs_embeds") is None or ids is not None:
+    """Assisted and prompt-lookup decoding from inputs_embeds: without input_ids transformers drafts
+    from the empty input_ids and crops the attention mask to them (one process returns other tokens
+    than greedy decoding, or fails inside torch); with them, assisted decoding is not greedy on one
+    process either, and prompt lookup under a padding mask and a caller's cache fed the patched
+    model a mask that does not match its cache (fuzz seed 900766 case 234 on N = 2). Refused before
+    any collective, from the arguments alone."""
+    if kwargs.get("inputs_embeds") is None:
         return
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
     asked = [name for name in _CANDIDATE_ARGS if kwargs.get(name) is not None or getattr(config, name, None)]
     if asked:
         raise ContextParallelError(
-            f"generate(inputs_embeds=..., {asked[0]}=...) without input_ids: assisted and prompt-lookup decoding "
-            "from inputs_embeds alone are not supported (transformers drafts from the empty input_ids and crops "
-            "the attention mask to them: one process returns other tokens than greedy decoding, or fails inside "
-            "torch). Pass the prompt's input_ids as well, or decode without an assistant or prompt lookup."
+            f"generate(inputs_embeds=..., {asked[0]}=...): assisted and prompt-lookup decoding from inputs_embeds "
+            "are not supported (transformers drafts from input_ids and crops the attention mask to them there: "
+            "one process returns other tokens than greedy decoding, or fails inside torch). Pass input_ids "
+            "instead of inputs_embeds, or decode without an assistant or prompt lookup."
         )
 
 

@@ -51,8 +51,8 @@ query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fe
 ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
 assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
 whole sequence again on top of the cache there; refused with a ContextParallelError), and assisted /
-prompt-lookup decoding from inputs_embeds without input_ids (transformers drafts from no tokens with
-an empty mask).
+prompt-lookup decoding from inputs_embeds (with or without input_ids; transformers drafts from
+input_ids and crops the mask to them).
 """
 
 from __future__ import annotations
@@ -606,9 +606,9 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return not ulysses_fits(case)
     if not isinstance(exc, hf_contextpar.ContextParallelError):
         return False
-    if "decoding from inputs_embeds alone are not supported" in str(exc):  # one process drafts from no tokens
+    if "decoding from inputs_embeds are not supported" in str(exc):  # transformers drafts from input_ids
         mode = case["turns"][turn]["mode"]
-        return bool(case.get("embeds")) and not case.get("embeds_with_ids") and mode in ("assisted", "lookup")
+        return bool(case.get("embeds")) and mode in ("assisted", "lookup")
     if "decode='ring_pass_q' needs" in str(exc):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
     if "packed documents" in str(exc):  # refused: per-document masks are not sharded

@@ -39,7 +39,7 @@ def _results(procs):
         ("dropout", "attention dropout is not supported"),
         ("deepcopy", "cannot be deep-copied"),
         ("timeout_differs", "different timeout on different ranks"),
-        ("lookup_from_embeds", "decoding from inputs_embeds alone are not supported"),
+        ("lookup_from_embeds", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "the input holds no tokens"),
     ],
 )
