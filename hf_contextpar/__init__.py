@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from .api import apply_context_parallel, get_runtime, remove_context_parallel
 from .cache import ShardedCache
-from .errors import ContextParallelError, UnsupportedModelError
+from .errors import (
+    CacheMismatchError,
+    CandidateDecodingError,
+    ContextParallelError,
+    DecodeBatchError,
+    HeadsNotDivisibleError,
+    PackedSequenceError,
+    PatchStateError,
+    PeerFailureError,
+    RankMismatchError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
 from .partitions import PartitionTable
 
 __version__ = "0.1.0"
@@ -21,4 +33,13 @@ __all__ = [
     "PartitionTable",
     "ContextParallelError",
     "UnsupportedModelError",
+    "HeadsNotDivisibleError",
+    "UnsupportedInputError",
+    "PackedSequenceError",
+    "CandidateDecodingError",
+    "DecodeBatchError",
+    "CacheMismatchError",
+    "RankMismatchError",
+    "PeerFailureError",
+    "PatchStateError",
 ]
