@@ -20,8 +20,8 @@ import time
 import torch
 
 import hf_contextpar
-from hf_contextpar.cliargs import nonnegative_int, positive_int
-from hf_contextpar.models import DEFAULT_MODEL, DTYPES, is_builtin, load, max_positions
+from hf_contextpar.tools.cliargs import nonnegative_int, positive_int
+from hf_contextpar.tools.models import DEFAULT_MODEL, DTYPES, is_builtin, load, max_positions
 
 from . import bookcorpus as bc
 from . import needlebench as nb

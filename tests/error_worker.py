@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 import hf_contextpar
-from hf_contextpar.models import tiny_model
+from hf_contextpar.tools.models import tiny_model
 
 
 def main():

@@ -82,7 +82,7 @@ from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache import cache_argument  # noqa: E402
-from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
+from hf_contextpar.tools.models import TINY_BASE, tiny_config  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 _BASE = TINY_BASE

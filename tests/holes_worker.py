@@ -17,7 +17,7 @@ from transformers import DynamicCache
 import hf_contextpar
 from hf_contextpar.cache import cache_argument, returned_cache
 from hf_contextpar.errors import ContextParallelError, UnsupportedModelError
-from hf_contextpar.models import tiny_model
+from hf_contextpar.tools.models import tiny_model
 
 ROPES = {
     "dynamic": dict(

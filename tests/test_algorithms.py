@@ -29,7 +29,8 @@ import torch
 from hf_contextpar import step as step_module
 from hf_contextpar.cache import ShardLayout
 from hf_contextpar.plan import Policy, build_plan
-from hf_contextpar.selftest.spec import (
+from hf_contextpar.sharding import partition_sizes
+from hf_contextpar.tools.selftest.spec import (
     CASES,
     DTYPES,
     HEADS,
@@ -40,8 +41,7 @@ from hf_contextpar.selftest.spec import (
     make_padding,
     random_qkv,
 )
-from hf_contextpar.sharding import partition_sizes
-from hf_contextpar.simulated import SimulatedWorld, SimulationError
+from hf_contextpar.tools.simulated import SimulatedWorld, SimulationError
 
 # the package re-exports the function under the module's name, so fetch the module itself
 ring_pass_kv_module = importlib.import_module("hf_contextpar.attention.ring_pass_kv")

@@ -93,7 +93,7 @@ def _bench(tmp_path, n, extra=()):
 def test_bench_gloo_rows(tmp_path):
     """--gloo-rows: each strategy also runs with shared memory off, in the same rounds, its decode
     target judged against gloo's floor."""
-    from hf_contextpar.bench.report import check_targets
+    from hf_contextpar.tools.bench.report import check_targets
 
     _, report = _bench(tmp_path, 2, ["--strategies", "ring_pass_kv", "--gloo-rows", "--peers", "none"])
     rows = {(r["strategy"], r["length"]): r for r in report["rows"] if r["kind"] == "cp"}
@@ -157,7 +157,7 @@ def test_bench_end_to_end(tmp_path):
 
 def _check_peer_rows(report, stdout, n):
     """PyTorch's ring as peer rows: both rotate methods at every length, logits checked, ours/peer ratio."""
-    from hf_contextpar.bench.torch_ring import PEERS
+    from hf_contextpar.tools.bench.torch_ring import PEERS
 
     peers = [r for r in report["rows"] if r["kind"] == "peer" and r["run_N"] == n]
     assert sorted((r["strategy"], r["length"]) for r in peers) == sorted((p, t) for p in PEERS for t in (64, 128))
@@ -198,7 +198,7 @@ def test_torch_ring_peer_exact(n):
 @pytest.mark.parametrize("broken", ["symbol", "module"])
 def test_torch_ring_peer_skipped_with_note(broken, tmp_path, monkeypatch, capsys):
     """A torch without PyTorch's ring (a symbol gone, or the module) skips the peer rows with the reason."""
-    from hf_contextpar.bench import main, torch_ring
+    from hf_contextpar.tools.bench import main, torch_ring
 
     if broken == "symbol":
         mod = torch_ring._torch_cp()
@@ -267,7 +267,7 @@ def test_costmodel_overlap_and_scaling():
 
 
 def test_costmodel_shape_from_model():
-    from hf_contextpar.models import tiny_model
+    from hf_contextpar.tools.models import tiny_model
 
     shape = costmodel.Shape.from_model(tiny_model("llama"))
     # q, o: 64x64; k, v: 64x32; gate, up, down: 64x128
@@ -303,9 +303,11 @@ def test_torch_ring_peer_wrong_logits_fail_loudly(tmp_path, monkeypatch, capsys)
 
     import torch
 
-    from hf_contextpar.bench import main
+    from hf_contextpar.tools.bench import main
 
-    monkeypatch.setattr(importlib.import_module("hf_contextpar.bench.run"), "PEER_TOLERANCE", {torch.float32: -1.0})
+    monkeypatch.setattr(
+        importlib.import_module("hf_contextpar.tools.bench.run"), "PEER_TOLERANCE", {torch.float32: -1.0}
+    )
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     args = ["--model", "tiny-llama", "--lengths", "32", "--repeats", "1", "--new-tokens", "2", "--threads", "1"]

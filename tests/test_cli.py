@@ -60,7 +60,7 @@ BAD_ARGUMENTS = [
 
 
 def test_bad_arguments_are_refused_while_parsing(capsys):
-    from hf_contextpar.cli import main
+    from hf_contextpar.tools.cli import main
 
     cwd = os.getcwd()
     os.chdir(os.path.join(os.path.dirname(__file__), ".."))  # README.md/cal.json: a folder that is a file
@@ -78,7 +78,7 @@ def test_bad_arguments_are_refused_while_parsing(capsys):
 
 
 def test_predict_refuses_a_file_that_is_not_a_calibration(tmp_path):
-    from hf_contextpar.cli import main
+    from hf_contextpar.tools.cli import main
 
     for text in ("not json", '{"attn_flops": 0.0, "bandwidth": 1e9}'):  # the second: what `calibrate --tokens 0` saved
         path = tmp_path / "cal.json"

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_contextpar
-from hf_contextpar.models import tiny_model
+from hf_contextpar.tools.models import tiny_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402

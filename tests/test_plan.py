@@ -235,7 +235,7 @@ def test_kv_interleave_crop_ends_the_open_run():
 @pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])
 def test_kv_interleave_must_be_a_positive_int(bad):
     import hf_contextpar
-    from hf_contextpar.models import tiny_model
+    from hf_contextpar.tools.models import tiny_model
 
     with pytest.raises(ValueError, match="kv_interleave must be a positive int"):
         hf_contextpar.apply_context_parallel(tiny_model("llama"), kv_interleave=bad)

@@ -8,7 +8,7 @@ import pytest
 
 from hf_contextpar.costmodel import Machine, predict_ttft
 from hf_contextpar.planner import choose
-from hf_contextpar.predict import (
+from hf_contextpar.tools.predict import (
     PRESETS,
     kv_bytes_per_rank,
     pass_q_threshold,
@@ -27,7 +27,7 @@ def test_shape_of_a_published_geometry_with_tensor_parallelism():
 
 
 def test_shape_of_a_config_file_and_a_builtin(tmp_path):
-    from hf_contextpar.models import tiny_config
+    from hf_contextpar.tools.models import tiny_config
 
     tiny_config("llama").save_pretrained(tmp_path)
     from_file = shape_of(str(tmp_path / "config.json"), 4)
@@ -110,7 +110,7 @@ def test_sliding_layers_count_their_window_only(tmp_path):
     """A sliding layer keeps window - 1 cached tokens and each query sees at most `window` keys:
     KV per rank, traffic, attention time and decode all follow, and `auto` sees it too."""
     from hf_contextpar.costmodel import Shape, attended_keys, attention_flops, config_windows
-    from hf_contextpar.models import tiny_config
+    from hf_contextpar.tools.models import tiny_config
 
     # the count of query-key pairs: continuous from P to P + T, capped at the window
     assert attended_keys(1000, 3000) == 1000 * 3500

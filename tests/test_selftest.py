@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import free_port  # noqa: E402
 
 from hf_contextpar.api import DECODES, STRATEGIES  # noqa: E402
-from hf_contextpar.cli import main  # noqa: E402
-from hf_contextpar.selftest import spec  # noqa: E402
+from hf_contextpar.tools.cli import main  # noqa: E402
+from hf_contextpar.tools.selftest import spec  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 

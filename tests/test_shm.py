@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hf_contextpar.models import tiny_model
+from hf_contextpar.tools.models import tiny_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402

@@ -77,7 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_contextpar.eval.needlebench import _template  # noqa: E402  (the harness's own prompt)
 
-from hf_contextpar.models import heldout_topic_keys  # noqa: E402
+from hf_contextpar.tools.models import heldout_topic_keys  # noqa: E402
 
 _BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?=\n\n)")
 

@@ -30,7 +30,7 @@ def main():
     from train_needle_lm import training_documents
     from transformers import AutoTokenizer
 
-    from hf_contextpar.models import builtin_model_path, heldout_text
+    from hf_contextpar.tools.models import builtin_model_path, heldout_text
 
     tok = AutoTokenizer.from_pretrained(builtin_model_path(args.model) or args.model)
     ids = tok(heldout_text(), add_special_tokens=False).input_ids[: args.window * args.num_windows]

@@ -19,9 +19,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ... import kernels
+from ...merge import Accumulator, merge_pair
 from ..calibrate import median_seconds
-from ..merge import Accumulator, merge_pair
 
 
 def _head_tail(t: int, n: int) -> list[torch.Tensor]:

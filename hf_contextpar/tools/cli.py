@@ -23,15 +23,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from .api import DECODES, STRATEGIES
-from .cache import returned_cache
+from ..api import DECODES, STRATEGIES
+from ..cache import returned_cache
 from .cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
 from .models import DEFAULT_MODEL, DTYPES, load, max_positions
 
 
 def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):
     """A NeedleBench single-needle prompt (the eval harness's builder and built-in needles), `tokens` long."""
-    from .eval import needlebench as nb
+    from ..eval import needlebench as nb
 
     data = nb.builtin_data()
     if not 0 <= needle < len(data.needles):

@@ -9,11 +9,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import costmodel
+from ... import costmodel
+from ...distributed import DEFAULT_TIMEOUT_S, resolve_group
+from ...shm import open_shm_gather
 from ..calibrate import measure, small_collective_s
-from ..distributed import DEFAULT_TIMEOUT_S, resolve_group
 from ..models import DTYPES, load
-from ..shm import open_shm_gather
 from .measure import PeerSamples, Samples, _cores, small_collective_after_compute_s
 from .report import check_targets, format_report, plot
 from .torch_ring import PEERS, TorchRing
@@ -28,7 +28,7 @@ PEER_TOLERANCE_HALF = 1e-2
 
 
 def _strategies(requested: str | None) -> list[str]:
-    from ..api import STRATEGIES
+    from ...api import STRATEGIES
 
     if not requested:
         return [s for s in STRATEGIES if s != "auto"]

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..cache import cache_argument, returned_cache
+from ...cache import cache_argument, returned_cache
 from ..calibrate import sync
 
 

@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from .comm import CommStats
-from .errors import ContextParallelError
+from ..comm import CommStats
+from ..errors import ContextParallelError
 
 
 class SimulationError(ContextParallelError):
@@ -368,8 +368,8 @@ def run_algorithm(
     as the algorithm returned them, comms[r] = rank r's SimulatedComm (its `stats` and `tagged`
     byte counts).
     """
-    from .attention import ALGORITHMS
-    from .step import Step
+    from ..attention import ALGORITHMS
+    from ..step import Step
 
     fn = algorithm if callable(algorithm) else ALGORITHMS[algorithm or plan.algorithm]
     sim = SimulatedWorld(plan.world, timeout)

@@ -23,8 +23,8 @@ import zlib
 
 import torch
 
-from .. import kernels
-from ..merge import Accumulator, merge_packed, pack_partial
+from ... import kernels
+from ...merge import Accumulator, merge_packed, pack_partial
 from ..simulated import pack_kv
 from . import spec
 

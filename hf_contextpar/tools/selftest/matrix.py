@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..cache import cache_argument, returned_cache
+from ...cache import cache_argument, returned_cache
 
 NEW_TOKENS = 6
 PROMPT = 37  # not a multiple of 2N for N = 2..5
@@ -57,7 +57,7 @@ class Case:
 
 
 def cases_for(dtypes: list[str]) -> list[Case]:
-    from ..api import DECODES, STRATEGIES
+    from ...api import DECODES, STRATEGIES
 
     out = []
     for dtype in dtypes:
@@ -137,7 +137,7 @@ def compare(kind: str, ref: dict, mine: dict, tol: float) -> tuple[bool, float, 
     fuzz test and the eval harness's --allow-near-ties accept): in bf16 a kernel swap alone flips
     those. A later turn after a near-tie starts from different text and is not compared.
     """
-    from ..eval import first_divergence, logits_diff
+    from ...eval import first_divergence, logits_diff
 
     def diff(a, b, mask=None):
         d = logits_diff(a.float(), b.float(), mask)
@@ -216,7 +216,7 @@ def _reference(model, dtype, world, vocab, device):
     """On rank 0: every kind's reference results, and the logit tolerance (eval.compare.tolerance:
     fp32 1e-4; bf16/fp16 max(1e-2, the largest kernel swap over the workloads): a property of the
     model in this dtype, so one workload's luckier draw does not set it)."""
-    from ..eval.compare import tolerance
+    from ...eval.compare import tolerance
 
     refs, swaps = {}, {}
     for kind in KINDS:

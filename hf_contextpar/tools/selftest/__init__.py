@@ -152,9 +152,9 @@ def _print_failures(failed):
 def _run_distributed(args, dtypes, cuda) -> int:
     import torch.distributed as dist
 
+    from ...distributed import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
+    from ...shm import open_shm_gather
     from ..bench.measure import _cores
-    from ..distributed import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
-    from ..shm import open_shm_gather
     from .benchmark import run_benchmark
     from .matrix import run_matrix
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cliargs import fractions, positive_int, positive_ints
-from .costmodel import (
+from ..costmodel import (
     PER_FORWARD_COLLECTIVES,
     Machine,
     Shape,
@@ -28,8 +27,9 @@ from .costmodel import (
     predict_ttft,
     ulysses_fits,
 )
-from .errors import ContextParallelError
-from .planner import choose
+from ..errors import ContextParallelError
+from ..planner import choose
+from .cliargs import fractions, positive_int, positive_ints
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
 # linear layers at Meta's achieved 502 TF/s per H100 at 1M tokens (App. A); HBM3 3.35 TB/s (H100 SXM

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import ShardLayout
-from ..plan import Policy, build_plan
+from ...cache import ShardLayout
+from ...plan import Policy, build_plan
 from ..simulated import local_rows, run_algorithm, shard_inputs
 
 HEAD_DIM = 8
