@@ -126,7 +126,7 @@ def load_data(source: str, data_dir: str | None, builtin_model: bool) -> tuple[N
 
 
 # -- prompts ------------------------------------------------------------------------------
-def _template(context: str, question: str, task: str) -> str:
+def prompt_template(context: str, question: str, task: str) -> str:
     asks = "the questions are" if task == "multi_retrieval" else "the question is"
     return (
         "You are an intelligent AI assistant skilled in answering user questions.\n"
@@ -239,7 +239,7 @@ def build_prompt(
     encode = _encoder(tok, chat)
     wrapped = ["\n" + n + "\n" for n in needles]
     depths = [min(100, depth + i * spacing) for i in range(len(needles))]
-    fixed = len(encode(_template("".join(wrapped), question, task)))
+    fixed = len(encode(prompt_template("".join(wrapped), question, task)))
     budget = length - fixed
     if budget < 16:
         raise DataError(
@@ -256,7 +256,7 @@ def build_prompt(
         context = context[: context.rfind(" ")] if " " in context[-16:] else context  # no half words at the cut
         context_ids = tok(context, add_special_tokens=False).input_ids
         full, at, targets = insert_needles(context, context_ids, tok, wrapped, depths)
-        text = _template(full, question, task)
+        text = prompt_template(full, question, task)
         ids = encode(text)
         if len(ids) <= length:
             return NeedlePrompt(task, length, depth, text, ids, keywords, question, full, wrapped, at, targets)

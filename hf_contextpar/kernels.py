@@ -84,7 +84,7 @@ def _fused(q, k, v, bias, is_causal, scale):
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
         )
         return out, lse
-    if q.device.type == "cuda" and _cuda_kernel_ok(q.dtype, q.device):
+    if q.device.type == "cuda" and cuda_kernel_ok(q.dtype, q.device):
         return _cuda_fused(q, k, v, bias, is_causal, scale)
     return None
 
@@ -103,7 +103,7 @@ def _cuda_fused(q, k, v, bias, is_causal, scale):
     return res[0], res[1][..., : q.shape[2]]
 
 
-def _cuda_kernel_ok(dtype, device) -> bool:
+def cuda_kernel_ok(dtype, device) -> bool:
     """Check the CUDA kernels against the math path once per dtype; fall back to math if they disagree."""
     if dtype not in _cuda_ok:
         ok = dtype in (torch.float16, torch.bfloat16, torch.float32)

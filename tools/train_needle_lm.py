@@ -33,7 +33,7 @@ Why the recipe looks like this:
   ("mar" of "marigold" continued as "marred"), and retrieval fell off with length.
 - RoPE theta 1e9: the induction head matches on its slowest dims, which must not rotate over the
   distances it matches across (at 5e5 half of them turn by more than a radian at 2-16K tokens).
-- The needle tasks are built with the eval harness's own prompt template (`eval.needlebench._template`),
+- The needle tasks are built with the eval harness's own prompt template (`eval.needlebench.prompt_template`),
   needles go in at sentence boundaries wrapped in newlines, the question asks for an answer "in
   the format 'The X is ______.'", exactly as the built-in NeedleBench cases do. The facts are
   random (invented names, numbers, phrases), so the answer can only come from the context.
@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_contextpar.eval.needlebench import _template  # noqa: E402  (the harness's own prompt)
+from hf_contextpar.eval.needlebench import prompt_template  # noqa: E402  (the harness's own prompt)
 
 from hf_contextpar.tools.models import heldout_topic_keys  # noqa: E402
 
@@ -551,7 +551,7 @@ class Episodes:
     def __init__(self, corpus: Corpus, tok, **fact_args):
         self.corpus, self.tok = corpus, tok
         self.fact_args = {"frames": 0.0, **fact_args}  # fact()'s keywords
-        head = _template("\x00", "\x01", "single_retrieval").split("\x00")[0]
+        head = prompt_template("\x00", "\x01", "single_retrieval").split("\x00")[0]
         self.head = tok(head).input_ids  # <s> + instructions + "The document given to you by the user is"
         self.eos = tok.eos_token_id
         self.enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
@@ -597,7 +597,7 @@ class Episodes:
             task = "single_retrieval"
             question, reply = single_question(rng.choice(facts))
         ids, cut_ok = self.document(rng, facts, hay_tokens)
-        tail = _template("\x00", question, task).split("\x00")[1]
+        tail = prompt_template("\x00", question, task).split("\x00")[1]
         tail_ids = self.enc(tail)
         ids += tail_ids
         cut_ok += [False] * len(tail_ids)
@@ -626,7 +626,7 @@ class Episodes:
         ans = [False] * len(ids)
         for f in rng.sample(facts, rng.randint(max(1, n // 2), n)):
             question, reply = single_question(f)
-            tail = self.enc(_template("\x00", question, "single_retrieval").split("\x00")[1])
+            tail = self.enc(prompt_template("\x00", question, "single_retrieval").split("\x00")[1])
             reply = self.enc(reply) + [self.eos]
             ids += tail + reply
             ans += [False] * len(tail) + [True] * len(reply)

@@ -14,7 +14,8 @@ from ...cache import cache_argument, returned_cache
 from ..calibrate import sync
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), or the machine's count where affinity is unknown."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

@@ -14,7 +14,7 @@ from ...distributed import DEFAULT_TIMEOUT_S, resolve_group
 from ...shm import open_shm_gather
 from ..calibrate import measure, small_collective_s
 from ..models import DTYPES, load
-from .measure import PeerSamples, Samples, _cores, small_collective_after_compute_s
+from .measure import PeerSamples, Samples, small_collective_after_compute_s, usable_cores
 from .report import check_targets, format_report, plot
 from .torch_ring import PEERS, TorchRing
 
@@ -99,7 +99,7 @@ def run(args) -> dict | None:
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
     _, rank, world = resolve_group(device=device)  # the library's one process-group start-up
-    cores = _cores()
+    cores = usable_cores()
     threads = args.threads or max(1, cores // world)
     torch.set_num_threads(threads)
     barrier = dist.barrier if world > 1 else None

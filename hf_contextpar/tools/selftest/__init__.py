@@ -154,7 +154,7 @@ def _run_distributed(args, dtypes, cuda) -> int:
 
     from ...distributed import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
     from ...shm import open_shm_gather
-    from ..bench.measure import _cores
+    from ..bench.measure import usable_cores
     from .benchmark import run_benchmark
     from .matrix import run_matrix
 
@@ -170,7 +170,7 @@ def _run_distributed(args, dtypes, cuda) -> int:
         )
         return 2
     if not cuda:
-        torch.set_num_threads(args.threads or max(1, _cores() // world))
+        torch.set_num_threads(args.threads or max(1, usable_cores() // world))
     elif args.threads:
         torch.set_num_threads(args.threads)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -108,7 +108,7 @@ def _backend_checks(records, device, dname, dtype, tol):
     )
 
     def accepted():
-        if not kernels._cuda_kernel_ok(dtype, device):
+        if not kernels.cuda_kernel_ok(dtype, device):
             raise AssertionError(f"kernels rejected the fused CUDA kernels for {dtype}: every block runs the math path")
 
     _check(records, f"backend/kernels_use_fused/{dname}", accepted)

@@ -28,7 +28,7 @@ SCALE = 0.3  # not 1/sqrt(D): an algorithm that drops `scale` must fail
 SOFTCAP = 1.5
 HEADS = {"gqa": (8, 2), "mha": (4, 4)}
 # (dtype, tolerance on every rank's out and LSE) per device type. CUDA: the kernel swap's tolerances
-# (kernels._cuda_kernel_ok); bf16 also rounds each block's output to 8 bits, fp16 to 11.
+# (kernels.cuda_kernel_ok); bf16 also rounds each block's output to 8 bits, fp16 to 11.
 DTYPES = {
     "cpu": {
         "fp64": (torch.float64, 1e-12),
