@@ -1,58 +1,30 @@
-"""Train hf-contextpar's built-in real model, `needle-lm`, from scratch on this CPU.
+"""Train hf-contextpar's built-in model, `needle-lm`, from scratch on this CPU (not imported by the library).
 
-The shipped weights, seven runs (about three hours on 2 cores; `training.json` records each):
+How the shipped weights were made is told once, in the model card next to them,
+hf_contextpar/assets/needle-lm/README.md: the seven runs and their commands, the data, why the recipe
+looks like this, the scores, the limits, and what was tried and not kept (whose figures are in the
+comments of SCHEDULES below). `training.json` beside the weights records every run.
 
-    python tools/train_needle_lm.py --out /tmp/bigram                     # from scratch, 1 thread, 42 min
-    python tools/train_needle_lm.py --init /tmp/bigram --schedule bigram-more --out /tmp/more
-    python tools/train_needle_lm.py --init /tmp/more --schedule bigram-more --scale-steps 0.6 --seed 1 --out /tmp/more2
-    python tools/train_needle_lm.py --init /tmp/more2 --schedule bigram-deeper --seed 3 --threads 2 --out /tmp/deeper
-    python tools/train_needle_lm.py --init /tmp/deeper --schedule bigram-rich --seed 4 --threads 2 --out /tmp/rich
-    python tools/train_needle_lm.py --init /tmp/rich --schedule bigram-forms --seed 5 --threads 2 --out /tmp/forms
-    python tools/train_needle_lm.py --init /tmp/forms --schedule bigram-blend --seed 8 --threads 1 \
-        --out hf_contextpar/assets/needle-lm
+    python tools/train_needle_lm.py --out DIR                           # the first run: from scratch
+    python tools/train_needle_lm.py --init DIR --schedule NAME --out DIR2 # a later run: continue DIR
 
-What it makes: a byte-level BPE tokenizer (digits split one per token) and a small Qwen2 (a Llama
-with QKV bias and per-layer sliding windows; GQA, RoPE) that finds a fact planted thousands of
-tokens back and copies its answer, so that the NeedleBench and BookCorpus harnesses measure
-something real. No hub is needed: the text is what ships with Python (pydoc topics, stdlib
-docstrings) and Debian (license texts).
+Flags:
+  --out DIR          the model directory to write (config, weights, tokenizer, training.json)
+  --init DIR         start from this checkpoint (weights and tokenizer) instead of from scratch
+  --schedule NAME    a recipe from SCHEDULES: model size, data mix and stages (default "bigram", the first run's)
+  --seed S           seed of the data and the initialisation (default 0)
+  --threads N        torch threads (default: the schedule's); the weights depend on it
+  --lr, --warmup     peak learning rate and warm-up steps (default: the schedule's)
+  --scale-steps F    multiply every stage's steps (a quick trial: 0.02)
+  --max-steps N      stop after N steps of the schedule (the learning rate still follows the full one)
+  --vocab N          tokenizer size when training from scratch (default 4096)
+  --work DIR         checkpoints and log (default: needle-lm-train in the temp directory, not next to OUT)
+  --ckpt-every N     steps between checkpoints (default 100)
+  --probe-every N    score the built-in needles every N steps (default 0: never)
+  --copy-init        start layers 0-1 as an induction circuit even where the schedule does not
 
-Why the recipe looks like this:
-- Every answer is a copy (find where the cue occurred, copy what followed: an induction circuit),
-  and that circuit is the long plateau of a small run. Learned from scratch it did not form in any
-  budget this CPU allows (repeats at random distances stayed at chance for 600 steps, in a Llama
-  and in this model alike), and a copy warm-up with the repeat always L/2 back is solved by
-  position, not content (100% copies at 256 tokens, 0% at 512). So the model starts as a copy
-  circuit (`init_copy_circuit`: a previous-token head in layer 0, an induction head in layer 1)
-  and training refines it from step 0 (copy accuracy 0.7 on random-token repeats at step 50).
-- Layer 0 attends to the last 3 tokens only (a sliding window): a RoPE-only previous-token head
-  is periodic in distance and spreads its weight over the whole context (a hand-set one keeps
-  under 10% on the previous token at 16K tokens), a window keeps it exact at any length. Its
-  second head holds the token before the previous one, so the induction head matches two tokens:
-  with one, a multi-token answer went on from wherever its last copied token also occurs
-  ("mar" of "marigold" continued as "marred"), and retrieval fell off with length.
-- RoPE theta 1e9: the induction head matches on its slowest dims, which must not rotate over the
-  distances it matches across (at 5e5 half of them turn by more than a radian at 2-16K tokens).
-- The needle tasks are built with the eval harness's own prompt template (`eval.needlebench.prompt_template`),
-  needles go in at sentence boundaries wrapped in newlines, the question asks for an answer "in
-  the format 'The X is ______.'", exactly as the built-in NeedleBench cases do. The facts are
-  random (invented names, numbers, phrases), so the answer can only come from the context.
-  Dense episodes (several needles of one form, one question after another) carry most of it.
-- The answer frame ("The number is ...") must be copied from the question's format string: with
-  only the relations' own frames the model memorised them and answered every question in one of
-  them; half the facts get a generic or random-word frame, and the continuation puts a third of
-  them in made-up relations (the answer before or after the word asked about, first or last).
-- The loss is on the answers and repeats, plus a down-weighted LM loss on a random quarter of
-  the other tokens (for perplexity on held-out text).
-- Length generalisation: a large RoPE theta and PoSE-style position skips (arXiv 2309.10400):
-  the position ids jump forward at a few sentence boundaries so that a 0.5-2K-token training
-  sequence spans up to 20K positions; relative distances of 16K are seen in training while the
-  local structure stays contiguous. transformers 5 needs an explicit all-ones attention mask with
-  such position ids (else it reads every jump as a new packed sequence).
-
-Reproducible: the data come from seeded `random.Random`s; with the same torch / tokenizers /
-Python versions, text files and thread count the same command gives the same weights
-(`training.json` records the run).
+Reproducible: the data come from seeded `random.Random`s; with the same torch / tokenizers / Python
+versions, text files and thread count the same command gives the same weights.
 """
 
 from __future__ import annotations
