@@ -20,11 +20,13 @@ table and one set of plots.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch.distributed as dist
 
 from ..cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
 from ..models import DTYPES
+from .report import PLOTS_EXTRA
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 
 
@@ -63,9 +65,11 @@ def main(argv=None):
         action="store_true",
         help="also run every strategy with shared memory off (rows '<strategy>+gloo'), in the same rounds",
     )
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no PNGs (needs no matplotlib)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     args = p.parse_args(argv)
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:  # say so before the long run
+        p.error(f"the plots need matplotlib: {PLOTS_EXTRA} (or pass --no-plots)")
     try:
         run(args)
     finally:

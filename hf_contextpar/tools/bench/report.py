@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+PLOTS_EXTRA = 'pip install "hf-contextpar[bench]"'
+
 
 def check_targets(report) -> list[dict]:
     """The issue's targets, evaluated on the largest measured length of each run."""
@@ -246,7 +248,10 @@ def _peer_table(rows) -> list[str]:
 
 def plot(report, out_dir) -> list[str]:
     """ttft.png, speedup.png, kv_memory.png in out_dir; returns their file names."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"the benchmark's plots need matplotlib: {PLOTS_EXTRA}") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
