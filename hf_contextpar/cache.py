@@ -24,7 +24,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .errors import ContextParallelError
+from .errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from .plan import rank_counts, sequence_counts, window_drops
 
 
@@ -63,23 +63,24 @@ class ShardLayout:
         self.cols: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(world)]
         self.seq_length = 0  # committed global length (tokens of finished forwards)
         self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
-        self.run = None  # the decode run left open (plan.ForwardPlan.run), continued by the next decode step
+        self.run = None  # the decode run left open (plan.Storage.run), continued by the next decode step
         self.store = None  # the running forward's plan.Store for this rank; None between forwards
         # per sliding window: how many leading slots of each rank's columns its layers have dropped
         self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
         self.record_past = False  # generate()'s assisted decoding: keep everything until crop()
         self.batch = None  # sequences of the committed tokens (None: none committed yet)
 
-    def commit(self, plan):
+    def commit(self, storage):
+        """Take the layout a forward's plan (`plan.Storage`) leaves."""
         self.cols, self.seq_length, self.rotation, self.run, self.batch = (
-            list(plan.kv_cols),
-            plan.seq_length,
-            plan.rotation,
-            plan.run,
-            plan.batch,
+            list(storage.cols),
+            storage.seq_length,
+            storage.rotation,
+            storage.run,
+            storage.batch,
         )
         if self.dropped:
-            self.dropped = plan.next_dropped
+            self.dropped = storage.dropped
 
     def slots(self, rank: int) -> int:
         return self.cols[rank].shape[-1]
@@ -124,7 +125,7 @@ class ShardedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states):
         if key_states.shape != value_states.shape:
-            raise ContextParallelError(
+            raise UnsupportedModelError(
                 "hf-contextpar packs K and V together and needs them to have the same shape; "
                 f"this model has keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}."
             )
@@ -169,7 +170,7 @@ class ShardedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         store = self.layout.store
         if store is None:  # e.g. the stock model after remove_context_parallel: it would attend to 1/N of the keys
-            raise ContextParallelError(
+            raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel KV cache and works only with "
                 "the patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
@@ -283,17 +284,17 @@ class ShardedCache(Cache):
         return cache
 
     # -- one forward: told the plan at the start, the layout committed at the end ----------------
-    def begin(self, plan):
-        self.layout.store = plan.store[self.layout.rank]
+    def begin(self, storage):
+        self.layout.store = storage.store[self.layout.rank]
         self._sizes = [layer.live for layer in self.layers]
 
-    def end(self, plan, ok: bool = True):
+    def end(self, storage, ok: bool = True):
         """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
         failed, forget what it stored."""
         self.layout.store = None
         if ok:
             before = [layer.dropped() for layer in self.layers]
-            self.layout.commit(plan)
+            self.layout.commit(storage)
             self._trim(before)
         else:
             for layer, live in zip(self.layers, self._sizes):
@@ -350,7 +351,7 @@ class ShardedCache(Cache):
                     "was already reached. Call `activate_past_recording` before `crop` to be able to rollback the cache."
                 )
             if any(now < d for now, d in zip(drops[w], dropped)):
-                raise ContextParallelError(
+                raise CacheMismatchError(
                     f"crop({tokens_to_remove}) goes back further than this cache's sliding layers kept (window {w}): "
                     "the keys it would need again were already dropped. Activate past recording before the "
                     "tokens to be cropped are added, as transformers' assisted decoding does."

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import ContextParallelError
+from .errors import ContextParallelError, PeerFailureError
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Comm:
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, ContextParallelError):
                 raise
-            raise ContextParallelError(
+            raise PeerFailureError(
                 f"context-parallel rank {self.rank}/{self.world}: {what} failed ({type(e).__name__}: {e}). "
                 "If that names a connection, a closed peer or a timeout, another rank exited or stalled: check "
                 "the other ranks' logs (waits end after apply_context_parallel(timeout=...)); otherwise the "

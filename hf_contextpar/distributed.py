@@ -78,9 +78,9 @@ def _same_on_every_rank(timeout):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, timeout)
     if any(t != everyone[0] for t in everyone):
-        from .errors import ContextParallelError
+        from .errors import RankMismatchError
 
-        raise ContextParallelError(
+        raise RankMismatchError(
             f"apply_context_parallel got a different timeout on different ranks ({everyone}, by rank); pass the "
             "same on every rank."
         )

@@ -31,8 +31,9 @@ class DecodeBatchError(UnsupportedInputError):
 
 
 class CacheMismatchError(ContextParallelError, ValueError):
-    """A cache that does not fit the input (its batch, its length against the mask), the group, or
-    context parallelism at all (a static, quantized, offloaded or already filled stock cache)."""
+    """A cache that cannot serve this call: it does not fit the input (its batch, its length against
+    the mask) or the group, it is not one context parallelism can use (a static, quantized, offloaded
+    or already filled stock cache), or a crop reaches keys its sliding layers already dropped."""
 
 
 class RankMismatchError(ContextParallelError):

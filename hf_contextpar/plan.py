@@ -5,8 +5,10 @@ layout, the settings every rank agreed on at apply time), so every rank builds t
 without talking to the others, and it can be tested on one process. For every rank it fixes:
 which new tokens (or which sequences) the rank runs, the global columns of its queries, which
 new K/V it stores, the key columns every rank holds during the forward (hence every message
-size), and how the outputs are gathered back. The runtime executes the plan; the cache is told
-it once (`ShardedCache.begin`) and takes its new layout from it when the forward ends.
+size), and how the outputs are gathered back. It comes in three parts, each read by one consumer:
+`Shards` (the input split and the attention algorithms, through `Step`), `Storage` (the cache:
+told it once by `ShardedCache.begin`, it commits its layout when the forward ends) and `Outputs`
+(the output gather). One small builder per shape of forward fills them.
 
 Three shapes of forward:
 - T >= N new tokens (prefill): head-tail sharding (contiguous partitions for KV-Runahead); each
@@ -17,29 +19,29 @@ Three shapes of forward:
   K/V is stored on one rank ("decode"), or nowhere without a cache ("local").
 Decode placement goes in runs of `Policy.interleave` tokens per rank (vLLM's
 cp_kv_cache_interleave_size; 1 by default): the run a decode forward leaves open is part of the
-layout (`ForwardPlan.run`), so the next forward, one token later, continues it.
+layout (`Storage.run`), so the next forward, one token later, continues it.
 
 Sliding-window layers keep only what a later query can see, as transformers' sliding cache does
 (the last window - 1 columns): on every rank they drop the leading key slots whose columns are all
-older than that (`dropped`, per window, committed by the cache when the forward ends), so their
-K/V blocks, hence their message sizes, are the layout's minus those slots (`kv_cols_for`).
+older than that (`Storage.dropped`, per window, committed by the cache when the forward ends), so their
+K/V blocks, hence their message sizes, are the layout's minus those slots (`Shards.kv_cols_for`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import ContextParallelError
+from .errors import DecodeBatchError, UnsupportedInputError
 from .partitions import even
 from .sharding import contiguous_plan, decode_owners, head_tail_plan
 
 
 @dataclass(frozen=True)
 class Gather:
-    """How to reassemble the kept output rows: per rank, the output slots its rows fill."""
+    """How to reassemble kept output rows: per rank, the output slots its rows fill."""
 
     slots: list  # per rank: LongTensor of output positions its rows fill, in local order
     total: int
@@ -66,31 +68,15 @@ class Policy:
 
 
 @dataclass(frozen=True)
-class ForwardPlan:
-    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
-    world: int
-    batch: int
-    num_new: int
-    past: int
+class Shards:
+    """Who runs what, and which keys every rank holds: what the runtime's input split and the
+    attention algorithms (through `Step`) read."""
+
     token_rows: list | None  # sequence sharding: per rank, indices of the new tokens it runs
     seq_rows: list | None  # batched decode: per rank, the slice of sequences it runs
     q_cols: list  # per rank: global columns of its query rows (1D, ascending)
     kv_cols: list  # per rank: columns of the keys it holds during the forward, 1D or (B, slots) (-1: empty)
-    store: list  # per rank: Store
-    keep: list | None  # per rank: local logits_to_keep (sequence sharding), None: the caller's
-    gather: Gather | None  # logits; None: every rank computed every row
-    hidden: Gather | None  # hidden states (every row)
-    rotation: int  # the layout's batched-decode offset after this forward
-    run: tuple | None  # the decode run left open: (algorithm, rank or offset, tokens placed); None: none
-    rope_length: int  # max position + 1 over the whole forward: what position-dependent RoPE sees
-    padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
-    uses_cache: bool
     window_cols: dict = field(default_factory=dict)  # window -> per rank: the keys its sliding layers hold
-    next_dropped: dict = field(default_factory=dict)  # window -> per rank: slots they have dropped once committed
-
-    @property
-    def seq_length(self) -> int:
-        return self.past + self.num_new
 
     def kv_cols_for(self, window: int | None) -> list:
         """Per rank: the key columns a layer with this cache window holds during the forward."""
@@ -99,6 +85,64 @@ class ForwardPlan:
     def kv_size(self, rank: int, window: int | None = None) -> int:
         """Tokens in rank's K/V block (slots, for per-sequence tables): every message size."""
         return self.kv_cols_for(window)[rank].shape[-1]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What the cache stores in this forward and the layout it commits when the forward ends."""
+
+    store: list  # per rank: Store
+    cols: list  # per rank: the layout's columns once committed (Shards.kv_cols)
+    seq_length: int
+    batch: int
+    rotation: int  # the layout's batched-decode offset after this forward
+    run: tuple | None  # the decode run left open: (algorithm, rank or offset, tokens placed); None: none
+    dropped: dict = field(default_factory=dict)  # window -> per rank: slots its layers have dropped once committed
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Which output rows each rank computes and where they go: what the output gather reads."""
+
+    keep: list | None  # per rank: local logits_to_keep (sequence sharding), None: the caller's
+    logits: Gather | None  # None: every rank computed every row
+    hidden: Gather | None  # hidden states (every row)
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
+    world: int
+    batch: int
+    num_new: int
+    past: int
+    rope_length: int  # max position + 1 over the whole forward: what position-dependent RoPE sees
+    padding: torch.Tensor | None  # (B, past + T) bool, False = padding; None when nothing is padded
+    shards: Shards
+    storage: Storage | None  # None: the forward runs without a cache
+    outputs: Outputs
+
+    @property
+    def seq_length(self) -> int:
+        return self.past + self.num_new
+
+
+@dataclass(frozen=True)
+class _Before:
+    """What the plan reads of the cache's layout (an empty one without a cache)."""
+
+    past: int
+    cols: list
+    rotation: int
+    run: tuple | None
+    dropped: dict
+    record_past: bool
+
+    @staticmethod
+    def of(layout, world: int, uses_cache: bool):
+        if not uses_cache:
+            return _Before(0, [torch.empty(0, dtype=torch.long)] * world, -1, None, {}, False)
+        return _Before(layout.seq_length, layout.cols, layout.rotation, layout.run, layout.dropped, layout.record_past)
 
 
 def build_plan(
@@ -113,113 +157,94 @@ def build_plan(
     uses_cache: bool = True,
 ) -> ForwardPlan:
     """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
-    world = policy.world
-    past = layout.seq_length if uses_cache else 0
-    cols = layout.cols if uses_cache else [torch.empty(0, dtype=torch.long)] * world
-    rotation = layout.rotation if uses_cache else -1
-    open_run = layout.run if uses_cache else None
-    new_cols = torch.arange(past, past + num_new)
-    common = dict(
-        world=world,
+    before = _Before.of(layout, policy.world, uses_cache)
+    new_cols = torch.arange(before.past, before.past + num_new)
+    if num_new >= policy.world:
+        algorithm, shards, storage, outputs = _shard_tokens(policy, before, new_cols, logits_to_keep)
+    else:
+        offset, run = (
+            _rotation(policy, before.cols, before.rotation, batch, before.run)
+            if uses_cache and num_new == 1 and before.past > 0
+            else (None, None)
+        )
+        if offset is not None:
+            algorithm, shards, storage, outputs = _batched_decode(policy, before, new_cols, batch, offset, run)
+        elif uses_cache:
+            algorithm, shards, storage, outputs = _replicated_decode(policy, before, new_cols, batch)
+        else:
+            algorithm, shards, storage, outputs = _local(policy, new_cols)
+    if storage is not None:
+        storage = Storage(
+            **storage, seq_length=before.past + num_new, batch=batch, dropped=_dropped(before, shards.kv_cols, num_new)
+        )
+        if before.dropped:  # sliding layers hold fewer keys: their columns and message sizes
+            cols = {w: [c[..., d:] if d else c for c, d in zip(shards.kv_cols, ds)] for w, ds in before.dropped.items()}
+            shards = replace(shards, window_cols=cols)
+    return ForwardPlan(
+        algorithm=algorithm,
+        world=policy.world,
         batch=batch,
         num_new=num_new,
-        past=past,
-        padding=padding,
-        uses_cache=uses_cache,
+        past=before.past,
         rope_length=int(position_ids.max()) + 1,
-    )
-
-    if num_new >= world:  # shard the new tokens
-        algorithm, rows = _prefill(policy, cols, num_new, past)
-        q_cols = [new_cols[r] for r in rows]
-        keep, gather = _token_gather(rows, num_new, logits_to_keep)
-        return _finish(
-            layout,
-            algorithm=algorithm,
-            token_rows=rows,
-            seq_rows=None,
-            q_cols=q_cols,
-            kv_cols=_append(cols, q_cols),
-            store=[Store()] * world,
-            keep=keep,
-            gather=gather,
-            hidden=Gather(list(rows), num_new),
-            rotation=rotation,
-            run=None,
-            **common,
-        )
-
-    offset, run = (
-        _rotation(policy, cols, rotation, batch, open_run) if uses_cache and num_new == 1 and past > 0 else (None, None)
-    )
-    if offset is not None:  # batched ring pass-Q decode
-        seq_rows = [slice((r - offset) % world, None, world) for r in range(world)]
-        kv_cols, store = _place_per_sequence(cols, past, seq_rows, batch)
-        everyone = torch.arange(batch)
-        gather = Gather([everyone[s] for s in seq_rows], batch, dim=0)
-        return _finish(
-            layout,
-            algorithm="ring_pass_q_decode",
-            token_rows=None,
-            seq_rows=seq_rows,
-            q_cols=[new_cols] * world,
-            kv_cols=kv_cols,
-            store=store,
-            keep=None,
-            gather=gather,
-            hidden=gather,
-            rotation=offset,
-            run=run,
-            **common,
-        )
-
-    if uses_cache:  # replicated: every rank runs every new token, each is stored on one rank
-        continuing = open_run[1:] if open_run is not None and open_run[0] == "decode" else None
-        owned, run = decode_owners(num_new, sequence_counts(cols, batch), policy.interleave, continuing)
-        return _finish(
-            layout,
-            algorithm="decode",
-            token_rows=None,
-            seq_rows=None,
-            q_cols=[new_cols] * world,
-            kv_cols=_append(cols, [new_cols[o] for o in owned]),
-            store=[Store(rows=o) for o in owned],
-            keep=None,
-            gather=None,
-            hidden=None,
-            rotation=rotation,
-            run=("decode", *run) if run is not None else None,
-            **common,
-        )
-    return _finish(
-        layout,
-        algorithm="local",
-        token_rows=None,
-        seq_rows=None,
-        q_cols=[new_cols] * world,
-        kv_cols=[new_cols] * world,
-        store=[Store()] * world,
-        keep=None,
-        gather=None,
-        hidden=None,
-        rotation=rotation,
-        run=None,
-        **common,
+        padding=padding,
+        shards=shards,
+        storage=storage,
+        outputs=outputs,
     )
 
 
-def _finish(layout, **fields) -> ForwardPlan:
-    """The plan, with the key columns of its sliding layers and what they keep once it is committed:
-    a window's layers drop every leading slot older than length - window + 1 (`window_drops`), except
-    while the cache records the past (transformers keeps every token until crop() then)."""
-    if not fields["uses_cache"] or not layout.dropped:
-        return ForwardPlan(**fields)
-    cols, dropped = fields["kv_cols"], layout.dropped
-    return ForwardPlan(
-        **fields,
-        window_cols={w: [c[..., d:] if d else c for c, d in zip(cols, ds)] for w, ds in dropped.items()},
-        next_dropped=dropped if layout.record_past else window_drops(cols, fields["past"] + fields["num_new"], dropped),
+def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
+    """Prefill (T >= N): each rank runs and stores its share of the new tokens."""
+    algorithm, rows = _prefill(policy, before.cols, new_cols.numel(), before.past)
+    q_cols = [new_cols[r] for r in rows]
+    kv_cols = _append(before.cols, q_cols)
+    keep, gather = _token_gather(rows, new_cols.numel(), logits_to_keep)
+    shards = Shards(token_rows=rows, seq_rows=None, q_cols=q_cols, kv_cols=kv_cols)
+    storage = dict(store=[Store()] * policy.world, cols=kv_cols, rotation=before.rotation, run=None)
+    return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
+
+
+def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offset: int, run):
+    """Batched ring pass-Q decode (Alg. 4): sequence b runs on rank (b + offset) mod N, which stores its K/V."""
+    world = policy.world
+    seq_rows = [slice((r - offset) % world, None, world) for r in range(world)]
+    kv_cols, store = _place_per_sequence(before.cols, before.past, seq_rows, batch)
+    everyone = torch.arange(batch)
+    gather = Gather([everyone[s] for s in seq_rows], batch, dim=0)
+    shards = Shards(token_rows=None, seq_rows=seq_rows, q_cols=[new_cols] * world, kv_cols=kv_cols)
+    storage = dict(store=store, cols=kv_cols, rotation=offset, run=run)
+    return "ring_pass_q_decode", shards, storage, Outputs(keep=None, logits=gather, hidden=gather)
+
+
+def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
+    """Every rank runs every new token; each token's K/V is stored on one rank."""
+    continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
+    owned, run = decode_owners(new_cols.numel(), sequence_counts(before.cols, batch), policy.interleave, continuing)
+    kv_cols = _append(before.cols, [new_cols[o] for o in owned])
+    shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
+    storage = dict(
+        store=[Store(rows=o) for o in owned],
+        cols=kv_cols,
+        rotation=before.rotation,
+        run=("decode", *run) if run is not None else None,
     )
+    return "decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
+
+
+def _local(policy: Policy, new_cols):
+    """No cache and fewer tokens than ranks: every rank runs every token on its own."""
+    shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=[new_cols] * policy.world)
+    return "local", shards, None, Outputs(keep=None, logits=None, hidden=None)
+
+
+def _dropped(before: _Before, cols, num_new: int) -> dict:
+    """Per window, per rank: what the sliding layers hold once the forward is committed. A window's
+    layers drop every leading slot older than length - window + 1 (`window_drops`), except while
+    the cache records the past (transformers keeps every token until crop() then)."""
+    if not before.dropped or before.record_past:
+        return before.dropped
+    return window_drops(cols, before.past + num_new, before.dropped)
 
 
 def window_drops(cols, length: int, windows) -> dict:
@@ -291,7 +316,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
         return None, None
     if batch < world:
         if policy.decode == "ring_pass_q":
-            raise ContextParallelError(
+            raise DecodeBatchError(
                 f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {world} ranks); "
                 "use decode='auto', which falls back to replicated sharded-KV decode."
             )
@@ -344,7 +369,7 @@ def _token_gather(rows, num_new: int, logits_to_keep):
             )
         wanted = wanted % num_new
     else:
-        raise ContextParallelError("under context parallelism logits_to_keep must be an int or a 1D index tensor.")
+        raise UnsupportedInputError("under context parallelism logits_to_keep must be an int or a 1D index tensor.")
     world = len(rows)
     owner = torch.empty(num_new, dtype=torch.long)
     local_pos = torch.empty(num_new, dtype=torch.long)

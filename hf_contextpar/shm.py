@@ -30,7 +30,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .errors import ContextParallelError
+from .errors import PeerFailureError, RankMismatchError
 
 SLOT_BYTES = 1 << 20  # per rank and slot; larger gathers use gloo
 _LINE = 8  # int64s per cache line: each (rank, slot) header entry on its own line
@@ -98,7 +98,7 @@ class ShmGather:
         for r in range(self.world):
             if self._head[(r * 2 + s) * _LINE + 1] != n:
                 sizes = [int(self._head[(q * 2 + s) * _LINE + 1]) for q in range(self.world)]
-                raise ContextParallelError(
+                raise RankMismatchError(
                     f"context-parallel rank {self.rank}/{self.world}: the ranks' all-gather #{k} sizes differ "
                     f"({sizes} bytes, by rank): they are running different collectives. Every rank must get the "
                     "same inputs and calls."
@@ -137,7 +137,7 @@ class ShmGather:
                     why = (
                         f"rank(s) {dead} exited" if dead else f"no word from rank(s) {missing} in {self.timeout:.0f} s"
                     )
-                    raise ContextParallelError(
+                    raise PeerFailureError(
                         f"context-parallel rank {self.rank}/{self.world}: shared-memory all-gather #{k} failed: "
                         f"{why}. Check the other ranks' logs (waits end after apply_context_parallel(timeout=...))."
                     )

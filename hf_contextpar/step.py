@@ -38,19 +38,19 @@ class Step:
 
     @property
     def q_cols(self) -> torch.Tensor:
-        return self.plan.q_cols[self.comm.rank]
+        return self.plan.shards.q_cols[self.comm.rank]
 
     @property
     def q_cols_all(self) -> list:
-        return self.plan.q_cols
+        return self.plan.shards.q_cols
 
     @property
     def kv_cols(self) -> list:
         """Per rank: the key columns the running layer holds (a sliding layer keeps fewer)."""
-        return self.plan.kv_cols_for(self.windows[self.layer])
+        return self.plan.shards.kv_cols_for(self.windows[self.layer])
 
     def kv_size(self, rank: int, layer: int | None = None) -> int:
-        return self.plan.kv_size(rank, self.windows[self.layer if layer is None else layer])
+        return self.plan.shards.kv_size(rank, self.windows[self.layer if layer is None else layer])
 
     @property
     def padding(self):
@@ -58,10 +58,10 @@ class Step:
 
     @property
     def batch_rows(self):
-        return self.plan.seq_rows
+        return self.plan.shards.seq_rows
 
     def batch_size(self, rank) -> int:
-        return len(range(self.plan.batch)[self.plan.seq_rows[rank]])
+        return len(range(self.plan.batch)[self.plan.shards.seq_rows[rank]])
 
     def key_valid(self, rank, rows=slice(None)):
         """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""

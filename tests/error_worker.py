@@ -82,7 +82,7 @@ def main():
                 model(ids, past_key_values=cache)
         print("RESULT no error", flush=True)
     except hf_contextpar.ContextParallelError as e:
-        print(f"RESULT ContextParallelError {e}", flush=True)
+        print(f"RESULT {type(e).__name__} {e}", flush=True)
     if dist.is_initialized() and scenario not in ("dies", "stalls"):
         dist.destroy_process_group()
 

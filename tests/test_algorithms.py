@@ -104,7 +104,7 @@ def test_random_forward_sequences(seed):
             position_ids=torch.arange(past, past + num_new).expand(batch, -1),
             padding=pad if pad is not None and not bool(pad.all()) else None,
         )
-        layout.commit(plan)
+        layout.commit(plan.storage)
         plans.append(plan)
         past += num_new
     window = rng.choice([None, max(1, past // 3)])
@@ -129,7 +129,9 @@ def test_a_skipped_last_ring_hop_fails(monkeypatch):
 
 def test_a_wrong_message_size_is_an_error(monkeypatch):
     """A receive sized from the wrong rank's key count is reported, not silently truncated."""
-    monkeypatch.setattr(step_module.Step, "kv_size", lambda self, r: self.plan.kv_size((r + 1) % self.plan.world))
+    monkeypatch.setattr(
+        step_module.Step, "kv_size", lambda self, r: self.plan.shards.kv_size((r + 1) % self.plan.world)
+    )
     with pytest.raises(SimulationError, match="ring_shift receive #"):
         check_case(CASES[0], 3, 16, "gqa", "causal", torch.float64, 1e-12)
 

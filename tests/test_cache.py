@@ -28,12 +28,12 @@ def forward(cache: ShardedCache, dyn: DynamicCache, num_new: int, seed: int):
         position_ids=torch.arange(past, past + num_new).expand(B, -1),
         padding=None,
     )
-    cache.begin(plan)
+    cache.begin(plan.storage)
     for layer in range(LAYERS):
         k, v = torch.randn(2, B, H, num_new, D, generator=g, dtype=torch.float64)
         cache.update(k, v, layer)
         dyn.update(k, v, layer)
-    cache.end(plan)
+    cache.end(plan.storage)
 
 
 def same(cache: ShardedCache, dyn: DynamicCache):
@@ -134,9 +134,9 @@ def test_failed_forward_leaves_no_trace():
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(4, 6).expand(B, -1), padding=None
     )
-    cache.begin(plan)
+    cache.begin(plan.storage)
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)  # layer 0 stored, then the forward failed
-    cache.end(plan, ok=False)
+    cache.end(plan.storage, ok=False)
     same(cache, dyn)
 
 
@@ -264,9 +264,9 @@ def test_sliding_beam_methods_and_failed_forward():
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(10, 12).expand(B, -1), padding=None
     )
-    cache.begin(plan)
+    cache.begin(plan.storage)
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)
-    cache.end(plan, ok=False)
+    cache.end(plan.storage, ok=False)
     same_kept(cache, dyn)
     forward(cache, dyn, 1, 2)
     same_kept(cache, dyn)

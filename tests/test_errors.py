@@ -23,30 +23,32 @@ def _results(procs):
 
 
 @pytest.mark.parametrize(
-    "scenario,needle",
+    "scenario,error,needle",
     [
-        ("mismatch", "different inputs"),
-        ("mismatch_decode", "different inputs"),  # caught by the check that runs under the decode step
-        ("mask4d", "2D padding mask"),
-        ("labels", "labels are not supported"),
-        ("foreign_cache", "cannot be used under context parallelism"),
-        ("batch_grows", "the cache holds 1 sequences but the input has 2"),
-        ("batch_shrinks", "the cache holds 2 sequences but the input has 1"),
-        ("after_remove", "works only with the patched model"),
-        ("attn_changed", "changed after apply_context_parallel"),
-        ("keep_differs", "different inputs"),
-        ("max_new_differs", "different"),  # rank 0 sees different sequences, rank 1 different inputs
-        ("dropout", "attention dropout is not supported"),
-        ("deepcopy", "cannot be deep-copied"),
-        ("timeout_differs", "different timeout on different ranks"),
-        ("lookup_from_embeds", "decoding from inputs_embeds are not supported"),
-        ("zero_tokens", "the input holds no tokens"),
+        ("mismatch", "RankMismatchError", "different inputs"),
+        ("mismatch_decode", "RankMismatchError", "different inputs"),  # the check under the decode step
+        ("mask4d", "UnsupportedInputError", "2D padding mask"),
+        ("labels", "UnsupportedInputError", "labels are not supported"),
+        ("foreign_cache", "CacheMismatchError", "cannot be used under context parallelism"),
+        ("batch_grows", "CacheMismatchError", "the cache holds 1 sequences but the input has 2"),
+        ("batch_shrinks", "CacheMismatchError", "the cache holds 2 sequences but the input has 1"),
+        ("after_remove", "PatchStateError", "works only with the patched model"),
+        ("attn_changed", "PatchStateError", "changed after apply_context_parallel"),
+        ("keep_differs", "RankMismatchError", "different inputs"),
+        ("max_new_differs", "RankMismatchError", "different"),  # rank 0: different sequences, rank 1: inputs
+        ("dropout", "UnsupportedModelError", "attention dropout is not supported"),
+        ("deepcopy", "PatchStateError", "cannot be deep-copied"),
+        ("timeout_differs", "RankMismatchError", "different timeout on different ranks"),
+        ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
+        ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
     ],
 )
-def test_bad_input_is_rejected_on_every_rank(scenario, needle):
+def test_bad_input_is_rejected_on_every_rank(scenario, error, needle):
+    """Each refusal has its type (a subclass of ContextParallelError), on every rank."""
+    assert issubclass(getattr(hf_contextpar, error), hf_contextpar.ContextParallelError)
     procs = launch(2, [WORKER, scenario], timeout=300)
     for rank, lines in enumerate(_results(procs)):
-        assert lines and lines[-1].startswith("ContextParallelError") and needle in lines[-1], (
+        assert lines and lines[-1].startswith(error + " ") and needle in lines[-1], (
             rank,
             procs[rank][2][-2000:],
         )
@@ -58,7 +60,7 @@ def test_lost_rank_fails_the_others_within_the_timeout(scenario, code, limit):
     procs = launch(2, [WORKER, scenario], timeout=300, env={"CP_TIMEOUT": "8"})
     assert procs[1][0] == code
     lines = _results(procs)[0]
-    assert any(line.startswith("ContextParallelError") for line in lines), procs[0][2][-2000:]
+    assert any(line.startswith("PeerFailureError ") for line in lines), procs[0][2][-2000:]
     elapsed = float(next(line for line in lines if line.startswith("elapsed")).split()[1])
     assert elapsed < limit
 

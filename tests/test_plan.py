@@ -46,18 +46,18 @@ def test_fresh_prefill_covers_every_token_once(world, num_new):
     layout = ShardLayout(0, world)
     plan = plan_for(layout, num_new)
     if num_new < world:
-        assert plan.algorithm == "decode" and plan.token_rows is None
-        stores = [s.rows.tolist() for s in plan.store]
+        assert plan.algorithm == "decode" and plan.shards.token_rows is None
+        stores = [s.rows.tolist() for s in plan.storage.store]
         assert sorted(sum(stores, [])) == list(range(num_new))
     else:
         assert plan.algorithm == "ring_pass_kv"
-        rows = torch.cat(plan.token_rows).sort().values
+        rows = torch.cat(plan.shards.token_rows).sort().values
         assert torch.equal(rows, torch.arange(num_new))
-        sizes = [r.numel() for r in plan.token_rows]
+        sizes = [r.numel() for r in plan.shards.token_rows]
         assert max(sizes) - min(sizes) <= 1
         # the gather puts every kept row back in place
-        assert sorted(torch.cat(plan.gather.slots).tolist()) == list(range(num_new))
-    layout.commit(plan)
+        assert sorted(torch.cat(plan.outputs.logits.slots).tolist()) == list(range(num_new))
+    layout.commit(plan.storage)
     assert stored_columns(layout, 1) == [list(range(num_new))]
     assert plan.rope_length == num_new
 
@@ -65,9 +65,9 @@ def test_fresh_prefill_covers_every_token_once(world, num_new):
 def test_logits_to_keep_maps_to_the_owning_rank():
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 11, keep=1)  # only the last position's logits
-    owners = [r for r in range(3) if plan.keep[r].numel()]
-    assert len(owners) == 1 and 10 in plan.token_rows[owners[0]][plan.keep[owners[0]]].tolist()
-    assert plan.gather.total == 1
+    owners = [r for r in range(3) if plan.outputs.keep[r].numel()]
+    assert len(owners) == 1 and 10 in plan.shards.token_rows[owners[0]][plan.outputs.keep[owners[0]]].tolist()
+    assert plan.outputs.logits.total == 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -87,9 +87,9 @@ def test_logits_to_keep_gathers_what_one_process_keeps(world, keep):
             plan_for(ShardLayout(0, world), num_new, keep=keep)
         return
     plan = plan_for(ShardLayout(0, world), num_new, keep=keep)
-    got = torch.empty(plan.gather.total, dtype=torch.long)
+    got = torch.empty(plan.outputs.logits.total, dtype=torch.long)
     for r in range(world):  # every rank's kept rows, put where the gather puts them
-        got[plan.gather.slots[r]] = plan.token_rows[r][plan.keep[r]]
+        got[plan.outputs.logits.slots[r]] = plan.shards.token_rows[r][plan.outputs.keep[r]]
     assert got.tolist() == want.tolist()
 
 
@@ -97,7 +97,7 @@ def test_partial_prefill_and_decode_keep_shards_level():
     layout = ShardLayout(0, 3)
     for num_new in (10, 1, 1, 7, 1, 2, 30):
         plan = plan_for(layout, num_new)
-        layout.commit(plan)
+        layout.commit(plan.storage)
         counts = layout.counts()
         assert max(counts) - min(counts) <= 1
     assert stored_columns(layout, 1) == [list(range(52))]
@@ -105,7 +105,7 @@ def test_partial_prefill_and_decode_keep_shards_level():
 
 def test_no_cache_short_forward_is_local():
     plan = plan_for(ShardLayout(0, 4), 3, uses_cache=False)
-    assert plan.algorithm == "local" and plan.gather is None
+    assert plan.algorithm == "local" and plan.outputs.logits is None
 
 
 def test_one_token_prompt_with_batch_ge_n_is_replicated():
@@ -117,15 +117,15 @@ def test_one_token_prompt_with_batch_ge_n_is_replicated():
 def test_batched_decode_after_a_prefill_and_a_turn_after_it():
     world, batch = 3, 4
     layout = ShardLayout(0, world)
-    layout.commit(plan_for(layout, 9, batch=batch))
+    layout.commit(plan_for(layout, 9, batch=batch).storage)
     algorithms = []
     for _ in range(8):
         plan = plan_for(layout, 1, batch=batch)
         algorithms.append(plan.algorithm)
-        if plan.seq_rows is not None:
-            ran = sorted(sum((list(range(batch))[s] for s in plan.seq_rows), []))
+        if plan.shards.seq_rows is not None:
+            ran = sorted(sum((list(range(batch))[s] for s in plan.shards.seq_rows), []))
             assert ran == list(range(batch))  # every sequence runs on exactly one rank
-        layout.commit(plan)
+        layout.commit(plan.storage)
         spread = layout.sequence_counts(batch)
         assert int((spread.max(1).values - spread.min(1).values).max()) <= 1
     assert "ring_pass_q_decode" in algorithms
@@ -135,14 +135,14 @@ def test_batched_decode_after_a_prefill_and_a_turn_after_it():
         plan = plan_for(layout, 7, batch=batch, policy=Policy(world, prefill=lambda t, p, s=strategy: s))
         assert plan.algorithm == {"kv_runahead": "ring_pass_kv", "ulysses": "allgather_kv"}.get(strategy, strategy)
         for r in range(world):
-            assert plan.kv_size(r) == plan.kv_cols[r].shape[-1]
-    layout.commit(plan)
+            assert plan.shards.kv_size(r) == plan.shards.kv_cols[r].shape[-1]
+    layout.commit(plan.storage)
     assert stored_columns(layout, batch) == [list(range(24))] * batch
 
 
 def test_ring_pass_q_decode_below_n_sequences_is_an_error():
     layout = ShardLayout(0, 4)
-    layout.commit(plan_for(layout, 8, batch=2))
+    layout.commit(plan_for(layout, 8, batch=2).storage)
     with pytest.raises(ContextParallelError, match="at least one sequence per rank"):
         plan_for(layout, 1, batch=2, policy=Policy(4, decode="ring_pass_q"))
 
@@ -151,8 +151,8 @@ def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
     policy = Policy(3, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t: [t - 2, 1, 1])
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 10, policy=policy)
-    assert [r.tolist() for r in plan.token_rows] == [list(range(8)), [8], [9]]
-    layout.commit(plan)
+    assert [r.tolist() for r in plan.shards.token_rows] == [list(range(8)), [8], [9]]
+    layout.commit(plan.storage)
     assert plan_for(layout, 6, policy=policy).algorithm == "ring_pass_kv"
 
 
@@ -175,7 +175,7 @@ def test_random_forward_sequences_store_each_token_once(seed):
     for _ in range(12):
         num_new = rng.choice([1, 1, 1, 2, world, 2 * world + 1, 17])
         plan = plan_for(layout, num_new, batch=batch, policy=Policy(world, decode=rng.choice(["auto", "replicated"])))
-        layout.commit(plan)
+        layout.commit(plan.storage)
         assert stored_columns(layout, batch) == [list(range(layout.seq_length))] * batch
         counts = layout.sequence_counts(batch)
         assert int((counts.max(1).values - counts.min(1).values).max()) <= 2
@@ -196,12 +196,12 @@ def test_kv_interleave_places_runs_of_k_and_keeps_shards_within_k(k, world, batc
     decode and T < N forwards."""
     policy = Policy(world, decode=decode, interleave=k)
     layout = ShardLayout(0, world)
-    layout.commit(plan_for(layout, 11, batch=batch, policy=policy))
+    layout.commit(plan_for(layout, 11, batch=batch, policy=policy).storage)
     owners = []  # per decode step, the rank that stored sequence 0's token
     for num_new in [1] * (3 * k * world + 2) + [9, 1, 1, world - 1, 1, 1]:
         before = layout.sequence_counts(batch)
         plan = plan_for(layout, num_new, batch=batch, policy=policy)
-        layout.commit(plan)
+        layout.commit(plan.storage)
         if num_new == 1:
             owners.append(int((layout.sequence_counts(batch) - before)[0].argmax()))
         # a partial prefill levels the ranks' largest shards, so over per-sequence tables (after
@@ -222,14 +222,14 @@ def test_kv_interleave_crop_ends_the_open_run():
 
     policy = Policy(2, interleave=4)
     cache = ShardedCache(1, 0, 2)
-    cache.layout.commit(plan_for(cache.layout, 10, policy=policy))
+    cache.layout.commit(plan_for(cache.layout, 10, policy=policy).storage)
     for _ in range(3):
-        cache.layout.commit(plan_for(cache.layout, 1, policy=policy))
+        cache.layout.commit(plan_for(cache.layout, 1, policy=policy).storage)
     assert cache.layout.run == ("decode", 0, 3) and cache.layout.counts() == [8, 5]
     cache.crop(-3)
     assert cache.layout.run is None and cache.layout.counts() == [5, 5]
     plan = plan_for(cache.layout, 1, policy=policy)
-    assert plan.run == ("decode", 0, 1)
+    assert plan.storage.run == ("decode", 0, 1)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])

@@ -15,7 +15,7 @@ from contextvars import ContextVar
 
 import torch
 
-from ..errors import ContextParallelError
+from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
 from .kv_runahead import kv_runahead
@@ -45,22 +45,22 @@ def context_parallel_attention(
 ):
     step = current_step.get()
     if step is None:
-        raise ContextParallelError(
+        raise PatchStateError(
             "hf_contextpar attention ran outside a context-parallel forward. Call the patched "
             "*ForCausalLM model (or its generate()), not an inner module, or call "
             "hf_contextpar.remove_context_parallel(model) first."
         )
     if dropout:  # a training-mode module with attention_dropout > 0: one process would drop weights at random
-        raise ContextParallelError(
+        raise UnsupportedModelError(
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
     if kwargs.get("s_aux") is not None:
-        raise ContextParallelError("attention sinks (s_aux) are not supported by hf-contextpar.")
+        raise UnsupportedModelError("attention sinks (s_aux) are not supported by hf-contextpar.")
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
         layer = step.cache.layers[module.layer_idx]
         if layer.window is not None and sliding_window != layer.window:
-            raise ContextParallelError(
+            raise CacheMismatchError(
                 f"layer {module.layer_idx}'s cache keeps a sliding window of {layer.window} tokens but its attention "
                 f"uses sliding_window={sliding_window}; the cache was made for another config. Pass no cache or "
                 "DynamicCache(config=model.config) for this model."

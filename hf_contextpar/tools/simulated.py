@@ -317,9 +317,9 @@ class _Pending:
 # -- inputs as the runtime and the sharded cache lay them out ---------------------------------
 def local_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
     """Rank's query rows of x (B, H, S, ...), indexed by global column: its sequences, its columns."""
-    if plan.seq_rows is not None:
-        x = x[plan.seq_rows[rank]]
-    return x.index_select(2, plan.q_cols[rank].to(x.device))
+    if plan.shards.seq_rows is not None:
+        x = x[plan.shards.seq_rows[rank]]
+    return x.index_select(2, plan.shards.q_cols[rank].to(x.device))
 
 
 def pack_kv(cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
@@ -339,11 +339,11 @@ def shard_inputs(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty:
     """Per rank: its queries and its K/V block, from whole-sequence q (B, H, S, D) and k, v (B, Hkv, S, D).
 
     Queries are rows of global columns (only the plan's new columns are used); every rank's K/V
-    is what its sharded cache holds during the forward (`plan.kv_cols`), or this forward's own
+    is what its sharded cache holds during the forward (`plan.shards.kv_cols`), or this forward's own
     K/V for the "local" algorithm, whose kv_cols are the new columns too.
     """
     qs = [local_rows(plan, r, q).contiguous() for r in range(plan.world)]
-    kvs = [pack_kv(plan.kv_cols[r], k, v, empty) for r in range(plan.world)]
+    kvs = [pack_kv(plan.shards.kv_cols[r], k, v, empty) for r in range(plan.world)]
     return qs, kvs
 
 

@@ -143,7 +143,7 @@ def plans_for(case: Case, n: int, length: int, padding):
         if test:
             tested.append(plan)
         if uses_cache:
-            layout.commit(plan)
+            layout.commit(plan.storage)
 
     if case.kind == "fresh":
         forward(length, True)
@@ -192,8 +192,8 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
     to batch B, per-rank key counts kv_size(r) (partial prefill, per-sequence tables) and decode.
     e: bytes per element of Q/K/V; pe: of the partial (out, LSE) (fp32, fp64 for fp64 models)."""
     n, b, d = plan.world, plan.batch, HEAD_DIM
-    kv = [plan.kv_size(r) for r in range(n)]
-    qn = [c.numel() for c in plan.q_cols]
+    kv = [plan.shards.kv_size(r) for r in range(n)]
+    qn = [c.numel() for c in plan.shards.q_cols]
     kv_row, q_row, part_row = 2 * b * kv_heads * d * e, b * heads * d * e, b * heads * (d + 1) * pe
     nxt, KV, Q = (rank + 1) % n, sum(kv), sum(qn)
     alg = plan.algorithm
@@ -216,7 +216,7 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
         both = (n - 1) * b * heads * plan.num_new * (d + 1) * pe
         return both, both
     if alg == "ring_pass_q_decode":  # one query per sequence travels; partials come home
-        rows = [len(range(b)[s]) for s in plan.seq_rows]
+        rows = [len(range(b)[s]) for s in plan.shards.seq_rows]
         one_q, one_part = heads * d * e, heads * (d + 1) * pe
         return (
             (b - rows[nxt]) * one_q + (b - rows[rank]) * one_part,
@@ -238,10 +238,10 @@ def prepare(case: Case, n: int, length: int, heads: str, mask: str, dtype, devic
     window = max(1, total // 3) if mask in ("window", "all") else None  # narrow enough to cut every case
     _require(case.algorithm in [p.algorithm for p in plans], f"{case.name}: no {case.algorithm} plan")
     if case.uneven:
-        _require(len({c.numel() for c in plans[0].q_cols}) > 1, "the KV-Runahead partition came out even")
+        _require(len({c.numel() for c in plans[0].shards.q_cols}) > 1, "the KV-Runahead partition came out even")
     if case.kind == "batched_decode":  # the case is about per-sequence column tables
         _require(
-            any(p.algorithm == case.algorithm and any(c.dim() == 2 for c in p.kv_cols) for p in plans),
+            any(p.algorithm == case.algorithm and any(c.dim() == 2 for c in p.shards.kv_cols) for p in plans),
             f"{case.name}: no per-sequence column tables",
         )
     return plans, random_qkv(plans, heads_for(case, n, heads), dtype, device, gen), padding, window, softcap
@@ -318,7 +318,7 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
                 got == (layers * sent, layers * recv),
                 f"{where}: traffic {got}, expected {(layers * sent, layers * recv)}",
             )
-        if plan.gather is None:  # every rank computed every row: merged in one order, so bit-identical
+        if plan.outputs.logits is None:  # every rank computed every row: merged in one order, so bit-identical
             for r in range(1, n):
                 for (out0, lse0), (out, lse) in zip(outputs[0], outputs[r]):
                     _require(same(out, out0) and same(lse, lse0), f"plan {i}: rank {r}'s output is not rank 0's")

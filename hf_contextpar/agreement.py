@@ -1,0 +1,144 @@
+"""Rank agreement: every decision that changes which collectives run is the same on every rank.
+
+Once at apply (`agree_at_apply`: settings and model shape compared, machine facts taken from rank
+0), before each forward (`RankCheck.inputs`: a fingerprint of the inputs, riding on the forward's
+first collective) and after generate() (`RankCheck.outputs`: the returned sequences). A mismatch
+is a `RankMismatchError` on every rank, never a hang or gloo's size abort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import PeerFailureError, RankMismatchError
+
+CHECK_LENGTH = 8
+
+
+def fingerprint(t: torch.Tensor | None) -> int:
+    """Cheap order-sensitive hash of a tensor's contents (0 for None)."""
+    if t is None:
+        return 0
+    if t.is_floating_point():
+        return int(t.double().sum().view(torch.int64)) ^ int((t.double().flatten()[::97] * 3.1).sum().view(torch.int64))
+    return int_fingerprint([t])
+
+
+def int_fingerprint(tensors) -> int:
+    """One order-sensitive hash of integer tensors' contents, read as one vector: five ops whatever
+    their number (the input check runs before every decode step). Callers fix the boundaries (the
+    shapes go into the check beside it)."""
+    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
+    return int((flat * w).sum())
+
+
+def check_vector(values: list) -> torch.Tensor:
+    """A rank-agreement check's message: always CHECK_LENGTH integers, so ranks that reach different
+    checks (one decoding, one done) exchange equal sizes and see a mismatch. Gloo aborts the process
+    on unequal all-gather sizes instead of raising."""
+    return torch.tensor(values + [0] * (CHECK_LENGTH - len(values)), dtype=torch.long)
+
+
+def model_signature(model) -> tuple:
+    text = model.config.get_text_config(decoder=True)
+    p = next(model.parameters())
+    return (
+        text.model_type,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+        getattr(text, "num_key_value_heads", None),
+        getattr(text, "head_dim", None),
+        text.vocab_size,
+        str(p.dtype),
+        sum(q.numel() for q in model.parameters()),
+    )
+
+
+def agree_at_apply(runtime, group):
+    """Make every decision that changes which collectives run the same on every rank, once, at apply.
+
+    Each rank's settings and model shape are compared (a mismatch is an error on every rank); the
+    machine facts that drive per-call choices (the planner's calibration, KV-Runahead's partition
+    table) are taken from rank 0, since each rank may have read a different file or none."""
+    import torch.distributed as dist
+
+    mine = dict(
+        strategy=runtime.strategy,
+        decode=runtime.decode,
+        planner_rule=runtime.planner_rule,
+        check_inputs=runtime.check_inputs,
+        kv_interleave=runtime.kv_interleave,
+        model=model_signature(runtime.model),
+    )
+    everyone = [None] * runtime.world
+    try:
+        dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
+    except RuntimeError as e:  # a peer that failed before this point (its own arguments) or timed out
+        raise PeerFailureError(
+            f"apply_context_parallel: a peer rank did not reach the agreement step ({e}). Every rank must call "
+            "apply_context_parallel with the same arguments (its error on that rank says what was wrong)."
+        ) from e
+    for key in mine:
+        values = [e[0][key] for e in everyone]
+        if any(v != values[0] for v in values):
+            raise RankMismatchError(
+                f"apply_context_parallel got a different {key} on different ranks ({values}, by rank). Every rank "
+                "must load the same model and call apply_context_parallel with the same arguments."
+            )
+    runtime.calibration, runtime.partitions = everyone[0][1], everyone[0][2]
+
+
+class RankCheck:
+    """The per-call checks that every rank got the same inputs and returned the same sequences."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def inputs(self, inputs, sizing: list):
+        """Every rank's input fingerprint, compared before the forward's first message (see
+        Comm.check_before_next: over shared memory it costs no collective of its own). `sizing`: the
+        integers that, besides the inputs, set the message sizes and the output gathers (the cache's
+        `ShardedCache.sizing`, return_dict, hidden states, logits_to_keep)."""
+        # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
+        # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
+        # flags. Every rank's fingerprint must have the same length: it is all-gathered.
+        ids, mask, position_ids = inputs.ids, inputs.mask, inputs.position_ids
+        ints = [t.to(position_ids.device) for t in (ids, mask) if t is not None]
+        fp = check_vector(
+            [
+                inputs.batch,
+                inputs.num_new,
+                inputs.past,
+                ids is not None,
+                mask is not None,
+                len(sizing),
+                int_fingerprint([*ints, position_ids, torch.tensor(sizing, dtype=torch.long)]),
+                fingerprint(inputs.embeds),
+            ]
+        )
+        self.comm.check_before_next(
+            fp.to(_check_device(ids if ids is not None else inputs.embeds)),
+            lambda everyone: self.verify(everyone, "inputs"),
+        )
+
+    def outputs(self, sequences: torch.Tensor):
+        """After generate(): every rank must hold the same sequences (covers what was sampled after
+        the last forward, which no forward's input check sees)."""
+        # -1 first, which no input check has: a rank still decoding meets a mismatch, not a size error
+        fp = check_vector([-1, *sequences.shape, fingerprint(sequences)])
+        self.verify(self.comm.all_gather(fp.to(_check_device(sequences)), tag="control"), "generated sequences")
+
+    def verify(self, everyone, what: str):
+        if not bool((everyone == everyone[0]).all()):
+            bad = [r for r in range(everyone.shape[0]) if not bool((everyone[r] == everyone[0]).all())]
+            raise RankMismatchError(
+                f"context-parallel ranks got different {what} (ranks {bad} differ from rank 0: batch, length, "
+                "cache length, token contents or output arguments). Every rank must call the model with the same "
+                "prompt, mask, cache, logits_to_keep, return_dict and output_hidden_states, and generate() with the "
+                "same settings; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
+            )
+
+
+def _check_device(t):
+    return t.device if t is not None and t.device.type == "cuda" else "cpu"

@@ -1,0 +1,270 @@
+"""The input contract: what a patched model accepts, read once per call, and every refusal.
+
+At apply (`check_model`, `check_ulysses`) the model is checked against what the algorithms
+implement; before each forward (`InputContract.read`) the caller's arguments become one checked
+`Inputs` record and the cache the forward runs with; before generate() (`refuse_candidate_decoding`)
+the decoding modes that one process does not run exactly from embeddings are refused. Every
+refusal raises a typed `ContextParallelError` (errors.py) from the arguments alone, before any
+collective, so every rank given the same arguments refuses the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from .cache import ShardedCache, cache_argument, cache_windows
+from .costmodel import ulysses_fits
+from .errors import (
+    CacheMismatchError,
+    CandidateDecodingError,
+    HeadsNotDivisibleError,
+    PackedSequenceError,
+    PatchStateError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
+from .patches import resolve as resolve_family
+
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+# -- the model, at apply ---------------------------------------------------------------------
+def check_model(model):
+    """The model's family patch, after refusing what the algorithms do not implement."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."
+        )
+    text = config.get_text_config(decoder=True)
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if layer_types - _ATTENTION_LAYER_TYPES:
+        raise UnsupportedModelError(
+            f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
+            "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
+        )
+    window = getattr(text, "sliding_window", None)
+    if window is not None and window < 2 and (not layer_types or "sliding_attention" in layer_types):
+        raise UnsupportedModelError(
+            f"sliding_window={window}: each token would attend to itself only, and transformers' own cached decode "
+            "differs from a full recompute there (its sliding cache keeps window - 1 = 0 tokens), so there is no "
+            "single-process result to match. Use a window of at least 2."
+        )
+    if getattr(text, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention=True makes every token attend to later tokens too; hf-contextpar's "
+            "algorithms implement causal (and sliding-window causal) attention only."
+        )
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        raise UnsupportedModelError(
+            "attention sinks (learned per-head sink logits) are not supported by hf-contextpar."
+        )
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
+        )
+    return resolve_family(config)
+
+
+def check_ulysses(config, world: int):
+    """Ulysses moves whole heads: N must divide the query heads and the KV heads (no KV head is repeated)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not ulysses_fits(heads, kv_heads, world):
+        raise HeadsNotDivisibleError(
+            f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
+            f"heads and {kv_heads} KV heads, which {world} does not divide. Use strategy='ring_pass_kv' (or any "
+            f"other strategy), or a number of processes that divides {kv_heads}."
+        )
+
+
+# -- one forward -----------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    """A forward's inputs, checked: what the plan, the rank check and the output gather read."""
+
+    ids: torch.Tensor | None
+    embeds: torch.Tensor | None
+    batch: int
+    num_new: int
+    cache: ShardedCache | None
+    past: int
+    mask: torch.Tensor | None  # the caller's 2D mask (batch, past + num_new)
+    padding: torch.Tensor | None  # the mask as bool, None when nothing is padded
+    position_ids: torch.Tensor  # (batch, num_new), global
+    logits_to_keep: int | torch.Tensor
+    output_hidden_states: bool | None
+    as_tuple: bool  # the caller wants a tuple: the gathers read the output object, made a tuple after
+
+
+class InputContract:
+    """Reads a forward's arguments into `Inputs` for one patched model on one rank."""
+
+    def __init__(self, model, rank: int, world: int, attention_name: str):
+        self.model, self.rank, self.world = model, rank, world
+        self.attention_name = attention_name
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        # the sliding layers of the cache the unpatched model makes when given none
+        self.windows = cache_windows(DynamicCache(config=model.config))
+        self.params = list(inspect.signature(model.forward).parameters)
+        # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
+        self.cache_arg = cache_argument(model)
+        self.cache_names = ("cache", "past_key_values") if self.cache_arg == "cache" else ("past_key_values",)
+
+    def read(self, args, kwargs) -> tuple[dict, Inputs]:
+        """(the forward's keyword arguments without the cache, its checked Inputs)."""
+        kwargs = dict(kwargs)
+        for name, value in zip(self.params, args):
+            kwargs[name] = value
+        if kwargs.get("labels") is not None:
+            raise UnsupportedInputError(
+                "labels are not supported under context parallelism: compute the loss from the gathered "
+                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
+            )
+        if kwargs.get("output_attentions"):
+            raise UnsupportedInputError("output_attentions=True is not supported under context parallelism.")
+        implementation = self.model.config._attn_implementation
+        if implementation != self.attention_name:  # else each rank attends to its shard alone
+            raise PatchStateError(
+                f"the model's attention implementation is {implementation!r}, changed after apply_context_parallel; "
+                "call remove_context_parallel(model), set the implementation, then apply again."
+            )
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        x = embeds if embeds is not None else ids
+        if x is None:
+            raise UnsupportedInputError("pass input_ids or inputs_embeds to the patched model.")
+        batch, num_new = x.shape[0], x.shape[1]
+        if num_new == 0:  # one process fails inside the model too
+            raise UnsupportedInputError("the input holds no tokens (sequence length 0); pass at least one.")
+
+        cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
+        past = cache.layout.seq_length if cache is not None else 0
+        mask = kwargs.get("attention_mask")
+        position_ids = _checked_positions(kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device)
+        return_dict = kwargs.get("return_dict")
+        inputs = Inputs(
+            ids=ids,
+            embeds=embeds,
+            batch=batch,
+            num_new=num_new,
+            cache=cache,
+            past=past,
+            mask=mask,
+            padding=None if mask is None or bool(mask.all()) else mask.bool(),
+            position_ids=position_ids,
+            logits_to_keep=kwargs.get("logits_to_keep", 0),
+            output_hidden_states=kwargs.get("output_hidden_states"),
+            as_tuple=not (return_dict if return_dict is not None else getattr(self.model.config, "return_dict", True)),
+        )
+        return kwargs, inputs
+
+    def _take_cache(self, kwargs):
+        """The caller's cache (removed from kwargs). Given under both names, transformers 5.24 takes
+        `cache` and ignores `past_key_values` (with a warning): so does this."""
+        present = [name for name in self.cache_names if name in kwargs]
+        cache = kwargs[present[0]] if present else None
+        for name in present:
+            del kwargs[name]
+        return cache
+
+    def _resolve_cache(self, cache, use_cache):
+        """The ShardedCache this forward runs with (None: no cache), or a refusal."""
+        if use_cache is None:
+            use_cache = getattr(self.model.config.get_text_config(decoder=True), "use_cache", True)
+        if isinstance(cache, ShardedCache):
+            if cache.layout.world != self.world or cache.layout.rank != self.rank:
+                raise CacheMismatchError("this ShardedCache belongs to a different context-parallel group.")
+            return cache
+        if cache is None:
+            return ShardedCache(self.num_layers, self.rank, self.world, self.windows) if use_cache else None
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            if getattr(cache, "offloading", False):
+                raise CacheMismatchError(
+                    "an offloaded cache (cache_implementation='offloaded') is not supported under context "
+                    "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
+                    "Drop cache_implementation."
+                )
+            # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
+            # the object itself becomes the sharded cache, so the caller's reference carries the state
+            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world)
+        if isinstance(cache, Cache):
+            raise CacheMismatchError(
+                f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "
+                "ShardedCache. Pass no cache or an empty DynamicCache() (generate()'s default) and pass back "
+                "the cache the patched model returned (output.cache; output.past_key_values before transformers "
+                "5.24); static, sliding-window (static), quantized and "
+                "offloaded caches (cache_implementation other than 'dynamic') are not supported, nor a cache "
+                "filled without context parallelism."
+            )
+        raise CacheMismatchError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
+
+
+def _is_packed(position_ids: torch.Tensor) -> bool:
+    """transformers' rule (masking_utils.find_packed_sequence_indices): a row whose positions do not
+    go up by exactly one holds several packed documents."""
+    first = position_ids[:, :1] - 1
+    return bool((torch.diff(position_ids, prepend=first, dim=-1) != 1).any())
+
+
+def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past: int, device):
+    """The forward's global position ids (B, T), after refusing inputs whose mask the plan cannot
+    reproduce: a 4D or wrongly sized mask, and packed documents."""
+    if mask is not None and mask.dim() != 2:
+        raise UnsupportedInputError(
+            "hf-contextpar needs the 2D padding mask (batch, past + new tokens); got a "
+            f"{mask.dim()}D attention_mask. Pass the tokenizer's attention_mask instead of a prepared mask."
+        )
+    if past and cache.layout.batch != batch:  # one process fails deep in torch (a cat or a broadcast)
+        raise CacheMismatchError(
+            f"the cache holds {cache.layout.batch} sequences but the input has {batch}; pass a cache made "
+            "for this batch (or none), or reorder it with the cache's batch methods first."
+        )
+    if mask is not None and mask.shape[1] != past + num_new:
+        again = (
+            " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do "
+            "that over a cache filled by an earlier call; start them with no cache)"
+            if mask.shape[1] == num_new
+            else ""
+        )
+        raise CacheMismatchError(
+            f"attention_mask covers {mask.shape[1]} tokens but the cache holds {past} and the input adds "
+            f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
+        )
+    if position_ids is None:
+        return (torch.arange(num_new, device=device) + past).unsqueeze(0).expand(batch, -1)
+    if mask is None and cache is None and _is_packed(position_ids):
+        raise PackedSequenceError(
+            "these position_ids restart inside a row, which transformers reads as packed documents "
+            "(a block-diagonal mask); hf-contextpar does not shard packed sequences. Run each document "
+            "as its own row (with padding and an attention_mask), or pass an all-ones attention_mask if "
+            "the jumps in position_ids are not document boundaries."
+        )
+    return position_ids.expand(batch, -1)
+
+
+# -- generate() ------------------------------------------------------------------------------
+_CANDIDATE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def refuse_candidate_decoding(model, args, kwargs):
+    """Assisted and prompt-lookup decoding from inputs_embeds: without input_ids transformers drafts
+    from the empty input_ids and crops the attention mask to them (one process returns other tokens
+    than greedy decoding, or fails inside torch); with them, assisted decoding is not greedy on one
+    process either, and prompt lookup under a padding mask and a caller's cache fed the patched
+    model a mask that does not match its cache (fuzz seed 900766 case 234 on N = 2)."""
+    if kwargs.get("inputs_embeds") is None:
+        return
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+    asked = [name for name in _CANDIDATE_ARGS if kwargs.get(name) is not None or getattr(config, name, None)]
+    if asked:
+        raise CandidateDecodingError(
+            f"generate(inputs_embeds=..., {asked[0]}=...): assisted and prompt-lookup decoding from inputs_embeds "
+            "are not supported (transformers drafts from input_ids and crops the attention mask to them there: "
+            "one process returns other tokens than greedy decoding, or fails inside torch). Pass input_ids "
+            "instead of inputs_embeds, or decode without an assistant or prompt lookup."
+        )

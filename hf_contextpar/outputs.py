@@ -1,0 +1,42 @@
+"""Output gathering: every rank ends a forward with the whole output, in the original order.
+
+A rank computes the logits of its own rows (its tokens, or its sequences in batched decode) and
+the hidden states of its tokens; the plan's `Outputs` says where each rank's rows go. One padded
+all-gather per tensor puts them back together, identical on every rank.
+"""
+
+from __future__ import annotations
+
+from .errors import UnsupportedModelError
+from .plan import Gather, Outputs
+
+
+def gather_outputs(output, outputs: Outputs, comm, model_name: str):
+    """The forward's output with its logits and hidden states gathered from every rank (in place)."""
+    if outputs.logits is None:  # every rank computed every row
+        return output
+    if isinstance(output, tuple):
+        raise UnsupportedModelError(
+            f"{model_name} returned a tuple although asked for return_dict=True; hf-contextpar gathers every "
+            "rank's logits from the model's output object, so a model that always returns tuples is not supported."
+        )
+    if getattr(output, "logits", None) is not None:
+        output.logits = gather_rows(output.logits, outputs.logits, comm)
+    if getattr(output, "hidden_states", None) is not None:
+        output.hidden_states = tuple(gather_rows(h, outputs.hidden, comm) for h in output.hidden_states)
+    return output
+
+
+def gather_rows(local, gather: Gather, comm):
+    """Rows (dim 1, or 0 for batch rows) held by each rank -> all of them in order, identical on every rank."""
+    if gather.dim == 0:
+        return gather_rows(local.transpose(0, 1), Gather(gather.slots, gather.total), comm).transpose(0, 1)
+    counts = [s.numel() for s in gather.slots]
+    width = max(counts)
+    padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
+    padded[:, : local.shape[1]] = local
+    everyone = comm.all_gather(padded, tag="control")
+    out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
+    for r, slots in enumerate(gather.slots):
+        out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]
+    return out
