@@ -15,6 +15,10 @@ decode floor (one per layer), and C, BW and the collective latency feed the roof
 same rounds: prefill only, its logits checked against the unpatched model, ring_pass_kv / peer TTFT.
 Rows for other world sizes already in DIR/bench.json are kept, so an N=1 and an N=2 run fill one
 table and one set of plots.
+
+    python -m hf_contextpar.bench --report bench/bench.json     # the markdown report again, no run
+    python -m hf_contextpar.bench --report docs/bench.json --template docs/benchmarks.template.md \
+        > docs/benchmarks.md                                      # how docs/benchmarks.md is made
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.distributed as dist
 
 from ..cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
 from ..models import DTYPES
-from .report import PLOTS_EXTRA
+from .report import PLOTS_EXTRA, report_markdown
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 
 
@@ -47,7 +51,9 @@ def main(argv=None):
     p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per rank (default: cores / N)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed prefills per config (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--out", type=writable_dir, default="bench", help="output directory (bench.json, bench.md, *.png)")
+    p.add_argument(
+        "--out", type=writable_dir, default=None, help="output directory (bench.json, bench.md, *.png; default bench)"
+    )
     p.add_argument(
         "--kvr-partitions",
         help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`): "
@@ -67,7 +73,32 @@ def main(argv=None):
     )
     p.add_argument("--no-plots", action="store_true", help="write no PNGs (needs no matplotlib)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
+    p.add_argument(
+        "--report",
+        metavar="JSON",
+        help="print the markdown report of an existing bench.json and exit (no run; every other option but "
+        "--template is ignored)",
+    )
+    p.add_argument(
+        "--template",
+        metavar="MD",
+        help="with --report: a markdown file whose line '<!-- report -->' the report replaces (docs/benchmarks.md "
+        "is made from docs/benchmarks.template.md this way)",
+    )
     args = p.parse_args(argv)
+    if args.report is not None:
+        try:
+            print(report_markdown(args.report, args.template), end="")
+        except (OSError, ValueError) as e:
+            p.error(str(e))
+        return
+    if args.template is not None:
+        p.error("--template goes with --report")
+    if args.out is None:  # made here, not as the default, so that --report makes no folder
+        try:
+            args.out = writable_dir("bench")
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:  # say so before the long run
         p.error(f"the plots need matplotlib: {PLOTS_EXTRA} (or pass --no-plots)")
     try:
