@@ -1,50 +1,14 @@
-"""Metrics for "does context parallelism change anything?"."""
+"""Metrics for "does context parallelism change anything?": per generation and per teacher-forced
+window. What counts as the same (tolerances, the near-tie rule, the kernel-swap bound) is the
+oracle's (`oracle`); `tolerance`, `logits_diff` and `first_divergence` are re-exported from it."""
 
 from __future__ import annotations
 
 import torch
-from hf_contextpar.patches import REGISTRY
 
+from .oracle import first_divergence, logits_diff, tolerance
 
-def logits_diff(a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None = None) -> float:
-    """Max |a - b| over (B, T, V) logits, ignoring padded positions (their values are kernel-specific)."""
-    if a.shape != b.shape:
-        raise ValueError(f"logit shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    d = (a.double() - b.double()).abs()
-    if attention_mask is not None:
-        d = d[attention_mask.bool()[:, -a.shape[1] :]]
-    return float(d.max()) if d.numel() else 0.0
-
-
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    """First sequence index where token tensors (B, T) differ in any row, or None if identical."""
-    if a.shape != b.shape:
-        return min(a.shape[-1], b.shape[-1])
-    diff = (a != b).any(dim=0).nonzero()
-    return int(diff[0]) if diff.numel() else None
-
-
-# -- tolerances -------------------------------------------------------------------------------
-FLOAT_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
-LOW_PRECISION_FLOOR = 1e-2
-
-
-def tolerance(dtype: torch.dtype, model_type: str = "", kernel_swap: float | None = None) -> tuple[float, str]:
-    """(max |logit diff| allowed, how it was chosen) for a model of `dtype`.
-
-    fp64 1e-10 and fp32 1e-4 are far above what a reordered sum costs and far below what a
-    wrong mask or a missing block costs. A family whose transformers reference is fp32-limited in
-    fp64 (Gemma2's eager softmax) gets its registry entry's `fp64_tolerance`. bf16/fp16 get what swapping the attention kernel
-    alone changes on one process (`kernel_swap`, measured by the harness: the unpatched model
-    with eager vs SDPA attention), with a floor of 1e-2 for models where that happens to be tiny.
-    """
-    if dtype in FLOAT_TOL:
-        family = REGISTRY.get(model_type)
-        if dtype == torch.float64 and family is not None and family.fp64_tolerance != FLOAT_TOL[dtype]:
-            return family.fp64_tolerance, f"fp64, {model_type} (transformers' own reference is fp32-limited)"
-        return FLOAT_TOL[dtype], f"{str(dtype).split('.')[-1]} fixed tolerance"
-    ks = kernel_swap if kernel_swap is not None else 0.0
-    return max(ks, LOW_PRECISION_FLOOR), f"max(attention kernel swap {ks:.3g}, floor {LOW_PRECISION_FLOOR:g})"
+__all__ = ["compare_generation", "first_divergence", "logits_diff", "step_logits_diff", "tolerance", "window_metrics"]
 
 
 # -- generation --------------------------------------------------------------------------------
@@ -64,8 +28,8 @@ def compare_generation(
     After the first divergent token the two runs condition on different text, so their later
     logits are not comparable; the divergent step itself still is (same prefix), so it is included.
     `divergence_margin` is how much the reference preferred its own token over the context-parallel
-    one at that step: when it is within twice the tolerance the step was a near-tie that any change
-    of summation order (a different attention kernel on one process, too) can flip.
+    one at that step: within `oracle.near_tie`'s bound (twice the tolerance) the step was a near-tie
+    that any change of summation order (a different attention kernel on one process, too) can flip.
     """
     div = first_divergence(ref_tokens[None], cp_tokens[None])
     steps = ref_tokens.numel() if div is None else div + 1

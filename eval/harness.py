@@ -12,18 +12,19 @@ come from a saved single-process run instead (for models that fit only when shar
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import hf_contextpar
 from hf_contextpar.distributed import resolve_group
 
 from .needlebench import DataError
+from .oracle import fingerprint, kernel_swap
+
+__all__ = ["Dist", "fingerprint", "kernel_swap", "load_reference", "on_rank0", "run_rounds", "save_reference"]
 
 
 class Dist:
@@ -83,34 +84,12 @@ def on_rank0(d: Dist, fn):
     return value
 
 
-def fingerprint(ids) -> str:
-    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).numpy().tobytes()).hexdigest()[:16]
-
-
-def kernel_swap(model, ids: torch.Tensor) -> float | None:
-    """Max |logit diff| of the unpatched model between its attention kernel and the other of eager/SDPA:
-    what a kernel change alone moves low-precision logits by (the bf16/fp16 tolerance)."""
-    from .compare import logits_diff
-
-    original = model.config._attn_implementation
-    other = "sdpa" if original == "eager" else "eager"
-    with torch.no_grad():
-        a = model(ids).logits
-        try:
-            model.set_attn_implementation(other)
-        except (ValueError, ImportError):
-            return None
-        try:
-            b = model(ids).logits
-        finally:
-            model.set_attn_implementation(original)
-    return logits_diff(a, b)
-
-
 def run_rounds(
     d: Dist, model, cases: list, *, strategy: str, reference: dict | None, ref_fn, cp_fn, compare_fn, desc: str
 ) -> list:
     """The loop described in the module docstring. Returns every case's record, in case order, on every rank."""
+    from tqdm import tqdm
+
     mine = []
     patched = False
     bar = tqdm(total=len(cases), desc=desc, disable=d.rank != 0, dynamic_ncols=True)

@@ -4,7 +4,8 @@ The engine is every module of hf_contextpar/ (api, runtime, plan, attention/, ..
 patches, apart from hf_contextpar/tools/ (the command line, benchmark, self-test, prediction,
 calibration, built-in models, simulated ranks), the `python -m hf_contextpar.bench` entry point
 (hf_contextpar/bench.py) and `python -m hf_contextpar` (__main__.py). The tools and the eval
-harness use the engine's public names; the engine imports neither them nor the harness.
+harness use the engine's public names; the engine imports neither them nor the harness. And no
+module of hf_contextpar/ runs over 400 lines.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"hf_contextpar": "hf_contextpar", "eval": "hf_contextpar.eval", "patches": "hf_contextpar.patches"}
 # what the engine must not import: the tools, the eval harness, the bench entry point
 FORBIDDEN = ("hf_contextpar.tools", "hf_contextpar.eval", "eval", "hf_contextpar.bench")
+MAX_LINES = 400
 NOT_ENGINE = ("hf_contextpar.tools", "hf_contextpar.bench", "hf_contextpar.__main__", "hf_contextpar.eval")
 
 
@@ -112,6 +114,15 @@ def test_engine_imports_no_tool():
 
 def test_no_private_names_across_modules():
     assert not private_violations(), "\n".join(private_violations())
+
+
+def test_no_module_over_400_lines():
+    long = [
+        f"{path.relative_to(ROOT)}: {n} lines"
+        for path in sorted((ROOT / "hf_contextpar").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"split these by job (at most {MAX_LINES} lines a module): " + ", ".join(long)
 
 
 def test_rules_catch_violations(tmp_path):

@@ -1,0 +1,161 @@
+"""The exactness oracle: what "the context-parallel model is the stock model" means, in one place.
+
+Everything that compares a context-parallel run with the unpatched single process reads it from
+here: the eval harness (`hf_contextpar.eval`), the self-test (`hf_contextpar selftest`), the fuzz
+test and the exactness / geometry matrices (tests/).
+
+- **Tolerance** on max |logit diff| (`tolerance`, `logit_tolerance`): fp64 1e-10, or the family's
+  `FamilyPatch.fp64_tolerance` where transformers' own fp64 reference is fp32-limited (Gemma2's
+  eager softmax: 1e-5); fp32 1e-4. Far above what a reordered sum costs, far below what a wrong
+  mask or a missing block costs. bf16/fp16: the **kernel-swap bound** (`kernel_swap_bound`), what
+  swapping the unpatched model's attention kernel between eager and SDPA alone changes
+  (`kernel_swap`), with a floor of 1e-2.
+- **Near-tie rule** (`near_tie`): a generated token may differ from the reference's only at a step
+  where the reference's margin (its top-2 logits, `top2_margin`; the harness: its token over ours)
+  is at most `NEAR_TIE_FACTOR` x the tolerance, with every earlier logit within tolerance; after it
+  the runs condition on different text and are not compared.
+- **Digests** (`digest`): bit-exact fingerprints of a run's outputs, compared between ranks (every
+  rank must return the same bytes); `fingerprint`: a prompt's ids (saved references).
+
+Light on purpose: torch and the family registry only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+
+import torch
+from hf_contextpar.patches import REGISTRY
+
+# -- tolerances -------------------------------------------------------------------------------
+FLOAT_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+LOW_PRECISION_FLOOR = 1e-2
+NEAR_TIE_FACTOR = 2.0
+
+
+def _dtype(dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name ("float64", "bfloat16")."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def kernel_swap_bound(kernel_swap: float | None) -> float:
+    """The bf16/fp16 tolerance: what a kernel swap alone changes (None: not measurable), at least the floor."""
+    return max(kernel_swap if kernel_swap is not None else 0.0, LOW_PRECISION_FLOOR)
+
+
+def tolerance(dtype, model_type: str = "", kernel_swap: float | None = None) -> tuple[float, str]:
+    """(max |logit diff| allowed, how it was chosen) for a model of `dtype` (a torch dtype or its name)
+    and `config.model_type`; `kernel_swap` is the measured kernel swap (low precision only)."""
+    dtype = _dtype(dtype)
+    if dtype in FLOAT_TOL:
+        family = REGISTRY.get(model_type)
+        if dtype == torch.float64 and family is not None and family.fp64_tolerance != FLOAT_TOL[dtype]:
+            return family.fp64_tolerance, f"fp64, {model_type} (transformers' own reference is fp32-limited)"
+        return FLOAT_TOL[dtype], f"{str(dtype).split('.')[-1]} fixed tolerance"
+    ks = kernel_swap if kernel_swap is not None else 0.0
+    return kernel_swap_bound(kernel_swap), f"max(attention kernel swap {ks:.3g}, floor {LOW_PRECISION_FLOOR:g})"
+
+
+def _short(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")  # 1e-5, 1e-10
+
+
+def describe_tolerances(swap_on: str = "") -> str:
+    """The rules of `tolerance` in words (the harness's --help), read from the same numbers."""
+    wider = ", ".join(
+        f"{p.description.split(':')[0]} {_short(p.fp64_tolerance)}"
+        for p in REGISTRY.values()
+        if p.fp64_tolerance != FLOAT_TOL[torch.float64]
+    )
+    return (
+        f"float64 {_short(FLOAT_TOL[torch.float64])}{f' ({wider})' if wider else ''}, "
+        f"float32 {_short(FLOAT_TOL[torch.float32])}, bfloat16/float16 max(the diff that switching the unpatched "
+        f"model between eager and SDPA attention causes{swap_on}, {_short(LOW_PRECISION_FLOOR)})"
+    )
+
+
+def logit_tolerance(model_type: str, dtype, kernel_swap: float | None = None) -> float:
+    """`tolerance`'s number alone."""
+    return tolerance(dtype, model_type, kernel_swap)[0]
+
+
+# -- the near-tie rule ------------------------------------------------------------------------
+def top2_margin(row: torch.Tensor) -> float:
+    """How much the best of a (V,) logit row beats the second best."""
+    top = row.double().topk(2).values
+    return float(top[0] - top[1])
+
+
+def near_tie(margin: float | None, tol: float) -> bool:
+    """Is a token divergence at a step with this reference margin a near-tie (any change of summation
+    order, a kernel swap on one process too, can flip it)?"""
+    return margin is not None and margin <= NEAR_TIE_FACTOR * tol
+
+
+# -- differences ------------------------------------------------------------------------------
+def logits_diff(a: torch.Tensor, b: torch.Tensor, attention_mask: torch.Tensor | None = None) -> float:
+    """Max |a - b| over (B, T, V) logits, ignoring padded positions (their values are kernel-specific)."""
+    if a.shape != b.shape:
+        raise ValueError(f"logit shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    d = (a.double() - b.double()).abs()
+    if attention_mask is not None:
+        d = d[attention_mask.bool()[:, -a.shape[1] :]]
+    return float(d.max()) if d.numel() else 0.0
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """First sequence index where token tensors (B, T) differ in any row, or None if identical."""
+    if a.shape != b.shape:
+        return min(a.shape[-1], b.shape[-1])
+    diff = (a != b).any(dim=0).nonzero()
+    return int(diff[0]) if diff.numel() else None
+
+
+# -- the kernel swap --------------------------------------------------------------------------
+@contextmanager
+def other_attention_kernel(model):
+    """The unpatched model with the other of eager / SDPA attention inside the block (yields True),
+    restored after; yields False, changing nothing, where the model has no other kernel."""
+    original = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa" if original == "eager" else "eager")
+    except (ValueError, ImportError):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        model.set_attn_implementation(original)
+
+
+def kernel_swap(model, ids: torch.Tensor) -> float | None:
+    """Max |logit diff| of the unpatched model between its attention kernel and the other of eager/SDPA:
+    what a kernel change alone moves low-precision logits by (the bf16/fp16 tolerance)."""
+    with torch.no_grad():
+        a = model(ids).logits
+        with other_attention_kernel(model) as swapped:
+            if not swapped:
+                return None
+            b = model(ids).logits
+    return logits_diff(a, b)
+
+
+# -- digests ----------------------------------------------------------------------------------
+def digest(tensors) -> str:
+    """sha1 of the tensors' bytes, in order (None skipped; half types widened to fp32): equal exactly
+    when every tensor is bitwise equal."""
+    h = hashlib.sha1()
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.detach().cpu().contiguous()
+        if t.dtype in (torch.bfloat16, torch.float16):  # numpy has no bf16
+            t = t.float()
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(ids) -> str:
+    """A prompt's fingerprint (a saved reference's `prompt_sha`: keep it stable)."""
+    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).numpy().tobytes()).hexdigest()[:16]
