@@ -1,4 +1,4 @@
-"""One rank of the simulator's fidelity check: the specification's plans (hf_contextpar.selftest.spec) run with the real
+"""One rank of the simulator's fidelity check: the specification's plans (hf_contextpar.tools.selftest.spec) run with the real
 `Comm` over gloo and on simulated ranks in this process; (out, LSE) must be bit-identical and the
 byte and call counts equal. Writes OUT/rank{r}.json."""
 

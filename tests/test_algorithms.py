@@ -1,8 +1,8 @@
 """Every attention algorithm as a specification (issue 12), in ring-flash-attention's shape.
 
-The specification lives in `hf_contextpar.selftest.spec` (one copy, shared with `python -m
+The specification lives in `hf_contextpar.tools.selftest.spec` (one copy, shared with `python -m
 hf_contextpar selftest --simulated`): whole-sequence Q, K, V are cut the way a plan says, the
-plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.simulated`, one thread per
+plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.tools.simulated`, one thread per
 rank), and every rank's (out, LSE) must equal plain whole-sequence attention and its traffic the
 analytical bytes. This file runs it as a CPU matrix.
 

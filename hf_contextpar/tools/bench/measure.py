@@ -1,5 +1,5 @@
 """What the benchmark measures per configuration: TTFT, TTIT, KV bytes, peak memory, traffic and
-exposed communication, on every rank (the machine facts come from `hf_contextpar.calibrate`)."""
+exposed communication, on every rank (the machine facts come from `hf_contextpar.tools.calibrate`)."""
 
 from __future__ import annotations
 

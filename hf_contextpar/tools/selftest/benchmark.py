@@ -1,5 +1,5 @@
 """The self-test's short benchmark: prefill TTFT and decode TTIT at one length, N ranks against one
-process, with the benchmark's own measurements (`hf_contextpar.bench.measure.Samples`).
+process, with the benchmark's own measurements (`hf_contextpar.tools.bench.measure.Samples`).
 
 Rank 0 alone times the unpatched model with the same threads per process while the others wait,
 then every rank times the patched model (the planner's strategy); medians of `repeats` after a

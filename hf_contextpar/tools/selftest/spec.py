@@ -2,7 +2,7 @@
 
 Whole-sequence Q, K, V are cut the way a plan says (`plan.build_plan` over a `cache.ShardLayout`
 that went through the forwards before it), the plan's algorithm runs unmodified on N simulated
-ranks (`hf_contextpar.simulated`, one thread per rank), and every rank's (out, LSE) for its own
+ranks (`hf_contextpar.tools.simulated`, one thread per rank), and every rank's (out, LSE) for its own
 query rows must equal plain whole-sequence attention written out here (`reference`), and its
 traffic must equal the analytical bytes (`expected_traffic`: the formulas of
 tests/strategy_worker.py, which the multi-process tests check against the real `Comm`,
