@@ -9,8 +9,8 @@ Cases, per dtype (float32, bfloat16, float16):
   again on it (partial prefill over a sharded cache a batched decode filled; batch 2, one row
   left-padded), for ring pass-KV, ring pass-Q and the planner.
 A case passes when every rank's logits are within the project's tolerance of the reference
-(`hf_contextpar.eval.compare.tolerance`: fp32 1e-4; bf16/fp16 max(1e-2, what swapping the
-unpatched model's attention kernel between eager and SDPA changes)), every generated token is
+(the exactness oracle, `hf_contextpar.eval.oracle.tolerance`: fp32 1e-4; bf16/fp16 max(1e-2, what
+swapping the unpatched model's attention kernel between eager and SDPA changes)), every generated token is
 identical, and every rank got bit-identical results. Ulysses where N does not divide the heads
 must be refused with UnsupportedModelError (the documented contract), and that counts as a pass.
 
@@ -28,7 +28,6 @@ library.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -133,11 +132,11 @@ def compare(kind: str, ref: dict, mine: dict, tol: float) -> tuple[bool, float, 
 
     Logits: the prompt's at real positions, and every generated step's up to the first token that
     differs (after it the two runs condition on different text). Tokens: identical, except at a
-    near-tie, where the reference preferred its token by at most twice the tolerance (what the
+    near-tie (`oracle.near_tie`: the reference's top-2 margin at most twice the tolerance; what the
     fuzz test and the eval harness's --allow-near-ties accept): in bf16 a kernel swap alone flips
     those. A later turn after a near-tie starts from different text and is not compared.
     """
-    from ...eval import first_divergence, logits_diff
+    from ...eval.oracle import first_divergence, logits_diff, near_tie, top2_margin
 
     def diff(a, b, mask=None):
         d = logits_diff(a.float(), b.float(), mask)
@@ -167,9 +166,8 @@ def compare(kind: str, ref: dict, mine: dict, tol: float) -> tuple[bool, float, 
         if div is None:
             continue
         row = int((ta[:, div] != tb[:, div]).nonzero()[0])
-        top = sb[row, step].double().topk(2).values
-        margin = float(top[0] - top[1])
-        if margin <= 2 * tol:
+        margin = top2_margin(sb[row, step])
+        if near_tie(margin, tol):
             notes.append(f"{where}near-tie at new token {step} (row {row}, reference margin {margin:.3g})")
             break
         problems.append(f"{where}tokens differ at new token {step} (row {row}, reference margin {margin:.3g})")
@@ -186,11 +184,9 @@ def perturbed(res: dict, tol: float) -> dict:
 
 
 def digest(res: dict) -> str:
-    h = hashlib.sha1()
-    for key in ("logits", "tokens", "steps"):
-        for t in res[key]:
-            h.update(t.contiguous().float().numpy().tobytes())
-    return h.hexdigest()
+    from ...eval.oracle import digest as tensors_digest
+
+    return tensors_digest(t for key in ("logits", "tokens", "steps") for t in res[key])
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -199,24 +195,21 @@ KINDS = ("greedy", "padded", "second_turn")
 
 def _kernel_swap(model, kind, inputs, ref) -> float | None:
     """Max |logit diff| between the unpatched model's attention kernel and the other of eager/SDPA
-    on this workload (as eval.harness.kernel_swap, over the whole workload): the low-precision bound."""
-    original = model.config._attn_implementation
-    try:
-        model.set_attn_implementation("sdpa" if original == "eager" else "eager")
-    except (ValueError, ImportError):
-        return None
-    try:
+    on this workload (as eval.oracle.kernel_swap, over the whole workload): the low-precision bound."""
+    from ...eval.oracle import other_attention_kernel
+
+    with other_attention_kernel(model) as swapped:
+        if not swapped:
+            return None
         other = run_workload(model, kind, inputs)
-    finally:
-        model.set_attn_implementation(original)
     return compare(kind, ref, other, math.inf)[1]
 
 
 def _reference(model, dtype, world, vocab, device):
-    """On rank 0: every kind's reference results, and the logit tolerance (eval.compare.tolerance:
+    """On rank 0: every kind's reference results, and the logit tolerance (eval.oracle.tolerance:
     fp32 1e-4; bf16/fp16 max(1e-2, the largest kernel swap over the workloads): a property of the
     model in this dtype, so one workload's luckier draw does not set it)."""
-    from ...eval.compare import tolerance
+    from ...eval.oracle import tolerance
 
     refs, swaps = {}, {}
     for kind in KINDS:
