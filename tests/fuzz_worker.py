@@ -46,13 +46,16 @@ Padding kinds and what is compared:
   that turn too, the first turn included (one process refusing an input that N processes answer is
   a silent wrong answer), unless the reference sampled from NaN probabilities (kernel-specific values,
   above); a case with no comparable turn and no such refusal is "skipped".
-Expected errors (the documented contract, counted as passes): Ulysses when N does not divide the
-query or KV heads (UnsupportedModelError at apply), decode="ring_pass_q" with fewer sequences than
-ranks (ContextParallelError; conversely a decode that runs anyway is a failure), packed sequences,
-assisted / prompt-lookup decoding over a cache an earlier turn filled (transformers feeds the
-whole sequence again on top of the cache there; refused with a ContextParallelError), and assisted /
-prompt-lookup decoding from inputs_embeds (with or without input_ids; transformers drafts from
-input_ids and crops the mask to them).
+Expected errors (the documented contract, counted as passes), matched by type (hf_contextpar.errors),
+never by message: Ulysses when N does not divide the query or KV heads (HeadsNotDivisibleError at
+apply), a sliding window of 1 (UnsupportedModelError at apply), decode="ring_pass_q" with fewer
+sequences than ranks (DecodeBatchError; conversely a decode that runs anyway is a failure), packed
+sequences (PackedSequenceError), assisted / prompt-lookup decoding over a cache an earlier turn
+filled (transformers feeds the whole sequence again on top of the cache there; CacheMismatchError,
+as for the later turns whose masks then no longer match the cache, and for Phi-3's dropped caller
+cache), and assisted / prompt-lookup decoding from inputs_embeds (with or without input_ids;
+transformers drafts from input_ids and crops the mask to them: CandidateDecodingError).
+Tolerances, the near-tie rule and the digests are the exactness oracle's (hf_contextpar.eval.oracle).
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -78,6 +80,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from geometries import GEOMETRIES, geometry_config  # noqa: E402
+from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
+from hf_contextpar.eval.oracle import logit_tolerance, near_tie, top2_margin  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 
 import hf_contextpar  # noqa: E402
@@ -509,19 +513,13 @@ def forward(model, case: dict, inputs: dict, kw: dict, keep, hidden: bool):
 
 # -- comparison -------------------------------------------------------------------------------
 def tolerance(case: dict) -> float:
-    """Max |logit diff| against the unpatched single process (as tests/launch.py: Gemma2's fp64
-    reference computes its softmax in fp32)."""
-    if case["dtype"] == "float32":
-        return 1e-4
-    return 1e-5 if model_type(case["family"]) == "gemma2" else 1e-10
+    """Max |logit diff| against the unpatched single process: the oracle's for the case's dtype and
+    model type (Gemma2's fp64 reference computes its softmax in fp32)."""
+    return logit_tolerance(model_type(case["family"]), case["dtype"])
 
 
 def digest(result: dict) -> str:
-    h = hashlib.sha1()
-    for key in ("tokens", "logits", "hidden"):
-        if result.get(key) is not None:
-            h.update(result[key].contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return tensors_digest(result.get(key) for key in ("tokens", "logits", "hidden"))
 
 
 def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
@@ -550,9 +548,12 @@ def compare_turn(case: dict, t: int, ref: dict, mine: dict) -> tuple[str, str]:
             d = _logit_diff(ref, mine, steps)
             if d > tol:
                 return "fail", f"{where}; logits differ by {d:.3g} (tolerance {tol:g})"
-            top = ref["logits"][row, step].double().topk(2).values
-            margin = float(top[0] - top[1])
-            if case["dtype"] == "float32" and mine["mode"] in ("greedy", "assisted", "lookup") and margin <= 2 * tol:
+            margin = top2_margin(ref["logits"][row, step])
+            if (
+                case["dtype"] == "float32"
+                and mine["mode"] in ("greedy", "assisted", "lookup")
+                and near_tie(margin, tol)
+            ):
                 return "near_tie", f"{where}; reference margin {margin:.3g} <= 2 x tolerance"
             return "fail", f"{where}; logits within {d:.3g}, reference margin {margin:.3g}"
     if ref["logits"] is not None:
@@ -598,28 +599,28 @@ def _logit_diff(ref: dict, mine: dict, steps: int | None) -> float:
 
 
 def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: int) -> bool:
-    """The documented refusals. `turn`: index of the turn that raised."""
-    n = case["n"]
-    if isinstance(exc, hf_contextpar.UnsupportedModelError) and "sliding_window=1:" in str(exc):
-        return case.get("window") == 1
-    if isinstance(exc, hf_contextpar.UnsupportedModelError) and case["strategy"] == "ulysses":
-        return not ulysses_fits(case)
-    if not isinstance(exc, hf_contextpar.ContextParallelError):
-        return False
-    if "decoding from inputs_embeds are not supported" in str(exc):  # transformers drafts from input_ids
-        mode = case["turns"][turn]["mode"]
-        return bool(case.get("embeds")) and mode in ("assisted", "lookup")
-    if "decode='ring_pass_q' needs" in str(exc):
-        return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < n
-    if "packed documents" in str(exc):  # refused: per-document masks are not sharded
+    """The documented refusals, told apart by type (hf_contextpar.errors), never by message. `turn`:
+    index of the turn that raised."""
+    if isinstance(exc, hf_contextpar.HeadsNotDivisibleError):  # at apply
+        return case["strategy"] == "ulysses" and not ulysses_fits(case)
+    if isinstance(exc, hf_contextpar.UnsupportedModelError):  # at apply: the one a drawn model can meet
+        return (
+            case.get("window") == 1
+            and getattr(build_config(case["family"], case["rope"], 1), "sliding_window", None) == 1
+        )
+    if isinstance(exc, hf_contextpar.CandidateDecodingError):  # transformers drafts from input_ids
+        return bool(case.get("embeds")) and case["turns"][turn]["mode"] in ("assisted", "lookup")
+    if isinstance(exc, hf_contextpar.DecodeBatchError):
+        return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < case["n"]
+    if isinstance(exc, hf_contextpar.PackedSequenceError):  # per-document masks are not sharded
         return case["padding"] == "packed"
-    # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds the
-    # whole sequence again on top of the cache: refused where the mask shows it, and where it does not
-    # (the reference then holds the context twice, as the patched model does), later turns' masks no
-    # longer match the cache, which is refused too
-    over_filled = [t for t in range(1, turn + 1) if case["turns"][t]["mode"] in ("assisted", "lookup")]
-    if "repeats the cached tokens" in str(exc) or "attention_mask covers" in str(exc):
-        return bool(over_filled) or phi3_dropped_the_callers_cache(case, exc, turn)
+    if isinstance(exc, hf_contextpar.CacheMismatchError):
+        # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds
+        # the whole sequence again on top of the cache: refused where the mask shows it, and where it
+        # does not (the reference then holds the context twice, as the patched model does), later
+        # turns' masks no longer match the cache, which is refused too
+        over_filled = any(case["turns"][t]["mode"] in ("assisted", "lookup") for t in range(1, turn + 1))
+        return over_filled or phi3_dropped_the_callers_cache(case, exc, turn)
     return False
 
 
@@ -631,7 +632,11 @@ def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> boo
     turn passing it with the whole sequence's mask is refused; the reference runs it with a mask
     longer than its keys (e.g. seed 826137 case 1062 on N = 2: mask 78,
     cache 64 + 2 new tokens), an answer that skips the dropped turn's tokens."""
-    if model_type(case["family"]) != "phi3" or case["cache"] != "inplace" or "attention_mask covers" not in str(exc):
+    if (
+        model_type(case["family"]) != "phi3"
+        or case["cache"] != "inplace"
+        or not isinstance(exc, hf_contextpar.CacheMismatchError)
+    ):
         return False
     rope = build_config(case["family"], case["rope"]).rope_parameters
     crossing = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
@@ -697,7 +702,7 @@ def run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> di
         if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
             hf_contextpar.get_runtime(cp).comm.close_shm()
         if case["strategy"] == "ulysses" and not ulysses_fits(case):
-            rec.update(outcome="fail", detail="expected UnsupportedModelError for Ulysses, got none")
+            rec.update(outcome="fail", detail="expected HeadsNotDivisibleError for Ulysses, got none")
             return rec
         rows = case["batch"]
         turns = conversation(cp, case, lambda: build_model(case, dtype))
@@ -719,7 +724,7 @@ def run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> di
                 rec.update(
                     outcome="fail",
                     detail=f"turn {t + 1}: decode='ring_pass_q' with {decode_rows} sequences "
-                    f"< {case['n']} ranks ran instead of raising ContextParallelError",
+                    f"< {case['n']} ranks ran instead of raising DecodeBatchError",
                 )
                 return rec
             rows = mine["tokens"].shape[0] if mine["tokens"] is not None else rows
