@@ -51,19 +51,22 @@ def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = Non
 _matrices: dict = {}
 
 
-def tolerance(family: str, dtype: str) -> float:
-    """Max |logit diff| against the unpatched single process: fp64 the family's (~1e-10), fp32 1e-4."""
-    from hf_contextpar.patches import REGISTRY
+def tolerance(model_type: str, dtype: str, kernel_swap: float | None = None) -> float:
+    """Max |logit diff| against the unpatched single process: the exactness oracle's for the family's
+    model type and the dtype's name (bf16/fp16: the kernel-swap bound, from the measured kernel swap)."""
+    from hf_contextpar.eval.oracle import logit_tolerance
 
-    return REGISTRY[family].fp64_tolerance if dtype == "float64" else 1e-4
+    return logit_tolerance(model_type, dtype, kernel_swap)
 
 
-def matrix(worker: str, n: int, tmp_path_factory) -> list[list[dict]]:
-    """Every rank's records from tests/<worker> on n ranks, launched once per session and (worker, n)."""
-    if (worker, n) not in _matrices:
+def matrix(worker: str, n: int, tmp_path_factory, args: tuple[str, ...] = ()) -> list[list[dict]]:
+    """Every rank's records from `tests/<worker> OUT *args` on n ranks, launched once per session and
+    (worker, n, args)."""
+    key = (worker, n, tuple(args))
+    if key not in _matrices:
         path = os.path.join(os.path.dirname(__file__), worker)
-        _matrices[worker, n] = run_matrix(n, path, tmp_path_factory.mktemp(f"{worker[:-3]}{n}"))
-    return _matrices[worker, n]
+        _matrices[key] = run_matrix(n, path, tmp_path_factory.mktemp(f"{worker[:-3]}{n}"), args)
+    return _matrices[key]
 
 
 def write_records(out_dir, records: list[dict]):
@@ -107,11 +110,11 @@ def run_cases(cases):
     write_records(sys.argv[1], records)
 
 
-def run_matrix(n: int, worker: str, out_dir) -> list[list[dict]]:
-    """Launch `worker OUT` on n ranks and return every rank's OUT/rank{r}.json records."""
+def run_matrix(n: int, worker: str, out_dir, args: tuple[str, ...] = ()) -> list[list[dict]]:
+    """Launch `worker OUT *args` on n ranks and return every rank's OUT/rank{r}.json records."""
     import json
 
-    procs = launch(n, [worker, str(out_dir)], timeout=1200)
+    procs = launch(n, [worker, str(out_dir), *args], timeout=1200)
     for rank, (rc, _, err) in enumerate(procs):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
     return [json.load(open(os.path.join(str(out_dir), f"rank{r}.json"))) for r in range(n)]

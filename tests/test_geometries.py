@@ -11,13 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from geometries import GEOMETRIES, geometry_model_type  # noqa: E402
-from launch import matrix  # noqa: E402
-
-
-def tolerance(name: str, dtype: str) -> float:
-    if dtype == "float32":
-        return 1e-4
-    return 1e-5 if geometry_model_type(name) == "gemma2" else 1e-10  # Gemma2's reference softmax runs in fp32
+from launch import matrix, tolerance  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(GEOMETRIES))
@@ -31,6 +25,6 @@ def test_geometry_exact(n, name, tmp_path_factory):
         for r in mine:
             where = f"rank {rank} {r}"
             if r["case"] == "prefill_logits":
-                assert r["max_diff"] <= tolerance(name, r["dtype"]), where
+                assert r["max_diff"] <= tolerance(geometry_model_type(name), r["dtype"]), where
             else:
                 assert r["tokens_equal"] and r["ranks_agree"], where
