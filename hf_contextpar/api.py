@@ -6,7 +6,7 @@ from . import attention
 from .agreement import agree_at_apply
 from .contract import check_model, check_ulysses
 from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
-from .errors import PatchStateError
+from .errors import PatchStateError, UnsupportedModelError
 from .runtime import ContextParallelRuntime
 from .shm import open_shm_gather
 
@@ -68,6 +68,7 @@ def apply_context_parallel(
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1:
         return model
+    runtime = None
     try:
         if strategy == "ulysses":
             check_ulysses(model.config, world)
@@ -86,13 +87,22 @@ def apply_context_parallel(
         )
         agree_at_apply(runtime, group)
         runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
+        attention.register()
+        runtime.original_attn = model.config._attn_implementation
+        model.set_attn_implementation(attention.NAME)
+        if model.config._attn_implementation != attention.NAME:  # the same model on every rank: all refuse
+            raise UnsupportedModelError(
+                f"{type(model).__name__} does not take an attention implementation from transformers' "
+                "AttentionInterface (transformers keeps its own attention for it: it is not written against "
+                "ALL_ATTENTION_FUNCTIONS), so hf-contextpar cannot put its attention in. This model cannot run "
+                "under context parallelism."
+            )
     except BaseException:
+        if runtime is not None:
+            runtime.comm.close_shm()
         release_group(group)  # a group made for this call only
         raise
-    attention.register()
-    runtime.original_attn = model.config._attn_implementation
     runtime.family_undo = family.apply(model) if family.apply is not None else None
-    model.set_attn_implementation(attention.NAME)
     runtime.install()
     setattr(model, _ATTR, runtime)
     return model

@@ -110,6 +110,7 @@ class ShardedLayer(CacheLayerMixin):
         self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D)
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
+        self.handed = False  # updated in the running forward, and its K/V not yet attended to
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
@@ -176,6 +177,7 @@ class ShardedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.handed = True
         if store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
             slots = slots + (self.first - self.dropped())  # layout slot -> buffer index
@@ -286,6 +288,8 @@ class ShardedCache(Cache):
     # -- one forward: told the plan at the start, the layout committed at the end ----------------
     def begin(self, storage):
         self.layout.store = storage.store[self.layout.rank]
+        for layer in self.layers:
+            layer.handed = False
         self._sizes = [layer.live for layer in self.layers]
 
     def end(self, storage, ok: bool = True):

@@ -121,14 +121,15 @@ class Shape:
 
     @classmethod
     def from_model(cls, model) -> Shape:
-        """The shape of a loaded model (its first decoder layer's linear weights)."""
+        """The shape of a loaded model (its decoder's linear weights per layer, whatever the decoder
+        calls its layers)."""
         import torch
 
         text = model.config.get_text_config(decoder=True)
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        layer = model.get_decoder().layers[0]
-        weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        linear = [m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+        weights = sum(linear) // max(1, text.num_hidden_layers)
         elem = next(model.parameters()).element_size()
         kv = getattr(text, "num_key_value_heads", None) or heads
         return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config))

@@ -28,6 +28,7 @@ class Step:
     num_layers: int
     layer: int = 0  # index of the attention layer running now
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
+    attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers

@@ -14,12 +14,56 @@ from transformers import DynamicCache
 import hf_contextpar
 from hf_contextpar.tools.models import tiny_model
 
+# families a user might register by hand that hf-contextpar cannot serve exactly: each must be refused
+# on every rank (at apply or at the first forward), never give another answer than one process
+_SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=256)
+REGISTERED = {
+    # two attention calls per layer, each on half of V (differential attention)
+    "registered_diffllama": ("diffllama", dict(_SMALL, num_attention_heads=4, num_key_value_heads=2)),
+    # K/V repeated to every head after the cache update: attention sees other tensors than the cache's
+    "registered_jetmoe": (
+        "jetmoe",
+        dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, num_local_experts=2),
+    ),
+    # attention not written against transformers' AttentionInterface: the switch does not take
+    "registered_gpt_neo": (
+        "gpt_neo",
+        dict(num_layers=2, hidden_size=32, num_heads=2, vocab_size=256, attention_types=[[["global", "local"], 1]]),
+    ),
+}
+
+
+def registered(scenario):
+    """A tiny model of a family registered by hand, as a user would opt in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_contextpar import patches
+
+    model_type, config = REGISTERED[scenario]
+    patches.register(patches.FamilyPatch(model_type, "registered by hand"))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()
+
 
 def main():
     scenario = sys.argv[1]
     rank = int(os.environ["RANK"])
-    model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=float(os.environ.get("CP_TIMEOUT", "60")))
+    timeout = float(os.environ.get("CP_TIMEOUT", "60"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    try:
+        if scenario in REGISTERED:
+            model = hf_contextpar.apply_context_parallel(registered(scenario), timeout=timeout)
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4)
+            print("RESULT no error", flush=True)
+            return
+    except hf_contextpar.ContextParallelError as e:
+        print(f"RESULT {type(e).__name__} {e}", flush=True)
+        return
+    finally:
+        if scenario in REGISTERED and dist.is_initialized():
+            dist.destroy_process_group()
+    model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=timeout)
     try:
         with torch.no_grad():
             if scenario == "mismatch":

@@ -41,6 +41,9 @@ def _results(procs):
         ("timeout_differs", "RankMismatchError", "different timeout on different ranks"),
         ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
+        ("registered_diffllama", "UnsupportedModelError", "more than once per forward"),
+        ("registered_jetmoe", "UnsupportedModelError", "other keys or values than its cache"),
+        ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, error, needle):

@@ -57,8 +57,17 @@ def context_parallel_attention(
         )
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError("attention sinks (s_aux) are not supported by hf-contextpar.")
+    idx = module.layer_idx
+    if idx in step.attended or (step.cache is not None and not _handed(step.cache.layers[idx], key, value)):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than its cache "
+            f"layer {idx} holds, or more than once per forward: hf-contextpar takes each layer's K/V from its "
+            "sharded cache, so this model cannot run exactly under context parallelism. Remove its "
+            "hf_contextpar.patches.register() entry."
+        )
+    step.attended.add(idx)
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
-        layer = step.cache.layers[module.layer_idx]
+        layer = step.cache.layers[idx]
         if layer.window is not None and sliding_window != layer.window:
             raise CacheMismatchError(
                 f"layer {module.layer_idx}'s cache keeps a sliding window of {layer.window} tokens but its attention "
@@ -76,6 +85,20 @@ def context_parallel_attention(
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = query.new_zeros(query.shape)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _handed(layer, key, value) -> bool:
+    """The layer's cache was updated in this forward and these are the K/V its update returned."""
+    if not layer.handed:
+        return False
+    layer.handed = False
+    return _same_view(key, layer.keys) and _same_view(value, layer.values)
+
+
+def _same_view(a, b) -> bool:
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    )
 
 
 def context_parallel_mask(
