@@ -3,7 +3,7 @@
     python tools/unigram_baseline.py [--model needle-lm] [--window 8192 --num-windows 4]
 
 Two baselines over the same tokens the eval harness scores (`--source builtin`: the held-out pydoc
-topics, `hf_contextpar.models.heldout_text()`, cut into windows as `eval bookcorpus` does):
+topics, `hf_contextpar.tools.models.heldout_text()`, cut into windows as `eval bookcorpus` does):
 the training text's unigram distribution (add-one smoothed), and the held-out text's own
 unigram distribution (an oracle no causal model is given). Compare with the perplexity that
 `python -m hf_contextpar.eval bookcorpus` reports.
