@@ -84,8 +84,7 @@ class ContextParallelRuntime:
             m.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
         ]
         self._rope_modules = patch_rope(m)
-        if self.check_inputs:
-            m.generate = self._generate
+        m.generate = self._generate
 
     def uninstall(self):
         for h in self._handles:
@@ -96,10 +95,12 @@ class ContextParallelRuntime:
         self.model.__dict__.pop("generate", None)
 
     def _generate(self, *args, **kwargs):
-        """model.generate, then one check that every rank returns the same sequences."""
+        """model.generate, after refusing what one process does not run exactly, then (check_inputs)
+        one check that every rank returns the same sequences."""
         refuse_candidate_decoding(self.model, args, kwargs)
         out = type(self.model).generate(self.model, *args, **kwargs)
-        self.ranks.outputs(out if isinstance(out, torch.Tensor) else out.sequences)
+        if self.check_inputs:
+            self.ranks.outputs(out if isinstance(out, torch.Tensor) else out.sequences)
         return out
 
     # -- hooks -------------------------------------------------------------------------

@@ -63,7 +63,8 @@ def main():
     finally:
         if scenario in REGISTERED and dist.is_initialized():
             dist.destroy_process_group()
-    model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=timeout)
+    check = not scenario.endswith("_unchecked")  # the refusals that hold without the input check too
+    model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=timeout, check_inputs=check)
     try:
         with torch.no_grad():
             if scenario == "mismatch":
@@ -115,7 +116,9 @@ def main():
                 copy.deepcopy(model)
             elif scenario == "timeout_differs":  # decides whether a group is made: once on one rank only
                 hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=15.0 if rank == 0 else None)
-            elif scenario == "lookup_from_embeds":  # one process drafts from no tokens and returns other tokens
+            elif scenario.startswith(
+                "lookup_from_embeds"
+            ):  # one process drafts from no tokens and returns other tokens
                 emb = model.get_input_embeddings()(ids)
                 model.generate(inputs_embeds=emb, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
             elif scenario == "zero_tokens":  # one process fails inside the model (a reshape of 0 elements)

@@ -40,6 +40,7 @@ def _results(procs):
         ("deepcopy", "PatchStateError", "cannot be deep-copied"),
         ("timeout_differs", "RankMismatchError", "different timeout on different ranks"),
         ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
+        ("lookup_from_embeds_unchecked", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
         ("registered_diffllama", "UnsupportedModelError", "more than once per forward"),
         ("registered_jetmoe", "UnsupportedModelError", "other keys or values than its cache"),
