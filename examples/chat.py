@@ -11,8 +11,8 @@ decoded. Rank 0 reads the questions from standard input and broadcasts each one 
 line or end of input ends the chat.
 
 With the built-in needle-lm the default document is English text shipped with Python with a few
-invented facts hidden in it; it was trained on NeedleBench-style questions (the README says how
-often it finds the answer yet), so ask about those facts and add the answer format, e.g. "What is the pass key? Please answer in the format
+invented facts hidden in it; it was trained on NeedleBench-style questions (its model card,
+hf_contextpar/assets/needle-lm/README.md, says how often it finds the answer yet), so ask about those facts and add the answer format, e.g. "What is the pass key? Please answer in the format
 'The pass key is ______.'" (a question without a format gets one appended).
 """
 

@@ -7,7 +7,7 @@
 The built-in trained model (needle-lm, shipped inside the package) reads about 8,000 tokens of
 English text with one fact hidden in the middle and answers a question about it, and says whether
 the answer is right. The fact is one of NeedleBench's built-in needles, the one needle-lm finds at
-every depth to 8K; the README's table says how often it finds the others (an invented "night
+every depth to 8K; its model card (hf_contextpar/assets/needle-lm/README.md) says how often it finds the others (an invented "night
 ferry leaves from pier 4096" it got wrong at 4K and 8K). Every rank runs the same code with the
 same prompt; all get the same tokens, each caching only its share.
 """

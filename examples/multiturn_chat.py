@@ -7,8 +7,8 @@ The first turn is a long document with two facts hidden in it (a full prefill); 
 is a short question over it: a partial prefill of T new tokens against P cached ones, where the
 planner (strategy="auto", Meta Alg. 5) picks ring pass-KV or ring pass-Q per call. Each turn
 passes the previous turn's cache back in (`past_key_values`, or `cache` from transformers 5.24 on),
-as with any Hugging Face model. The default model is the built-in trained needle-lm (see the
-README for how often it finds the answer).
+as with any Hugging Face model. The default model is the built-in trained needle-lm (see its
+model card, hf_contextpar/assets/needle-lm/README.md, for how often it finds the answer).
 """
 
 import os

@@ -803,8 +803,8 @@ SCHEDULES = {
             (100, 2048, 2, (256, 1900), 0.25, 20000, 0.7, 0.1, 0.0, 0.0, 0.5, 0.3),
         ],
     ),
-    # Tries of 2026-11-23 (wide model, lr 2e-3, warm-up 30; none reached retrieval; the README's
-    # needle-lm section has the figures). "fixed-warmup": random-token repeats only, then dense
+    # Tries of 2026-11-23 (wide model, lr 2e-3, warm-up 30; none reached retrieval; the model card,
+    # hf_contextpar/assets/needle-lm/README.md, has the figures). "fixed-warmup": random-token repeats only, then dense
     # episodes: copy accuracy 1.00 at step 250, but by position (0.00 at 512 tokens), and the
     # first episode steps left nothing of it. "spread-warmup": spans at random distances, so only
     # an induction head helps: still at chance (loss 8.31 = ln 4096) after 630 steps, 1.3 M tokens.
@@ -966,7 +966,7 @@ SCHEDULES["bigram-mix"] = dict(SCHEDULES["bigram-forms"], lr=3e-4, stages=_stage
 # "smoked cardamom" is now found to 1K. Its reply, "The secret ingredient is smoked cardamom.", is 18
 # tokens, so probes that stopped at 16 new tokens (`probe` did, until this run) scored it wrong; the
 # harness generates 32. Earlier runs' probe figures may undercount it likewise; the shipped figures
-# (README) come from the harness.
+# (the model card, hf_contextpar/assets/needle-lm/README.md) come from the harness.
 SCHEDULES["bigram-blend"] = dict(
     SCHEDULES["bigram-forms"], blend=True, stages=_stages((600, 512), (400, 1024), (400, 4096))
 )
