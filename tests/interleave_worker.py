@@ -17,7 +17,7 @@ from hf_contextpar.eval import logits_diff
 from launch import run_cases, tolerance
 
 import hf_contextpar
-from hf_contextpar.errors import ContextParallelError
+from hf_contextpar.errors import ContextParallelError, DecodeBatchError
 from hf_contextpar.tools.models import tiny_model
 
 KS = (1, 2, 3, 16)
@@ -80,7 +80,7 @@ def cases(n):
                         worst, same, agree, spread = conversation(ref, cp, lengths, k)
                     except ContextParallelError as e:
                         refused = decode == "ring_pass_q" and len(lengths) < n
-                        return dict(ok=refused and "at least one sequence per rank" in str(e), error=str(e)[:200])
+                        return dict(ok=refused and isinstance(e, DecodeBatchError), error=str(e)[:200])
                     finally:
                         hf_contextpar.remove_context_parallel(cp)
                     batched = runtime.algorithm_counts["ring_pass_q_decode"]
