@@ -91,7 +91,7 @@ def test_forward_with_autograd_on(n, tmp_path_factory):
     for rank, records in enumerate(results(n, tmp_path_factory)):
         _no_errors(records, rank)
         (r,) = [r for r in records if r["case"] == "grad_mode"]
-        assert r["max_diff"] <= 1e-4 and r["grad_enabled"], r
+        assert r["max_diff"] <= tolerance("llama", "float32") and r["grad_enabled"], r
 
 
 def test_search_finds_the_minimum_of_a_known_cost():
