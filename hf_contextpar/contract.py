@@ -59,10 +59,6 @@ def check_model(model):
             "use_bidirectional_attention=True makes every token attend to later tokens too; hf-contextpar's "
             "algorithms implement causal (and sliding-window causal) attention only."
         )
-    if any(hasattr(m, "sinks") for m in model.modules()):
-        raise UnsupportedModelError(
-            "attention sinks (learned per-head sink logits) are not supported by hf-contextpar."
-        )
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."

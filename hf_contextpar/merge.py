@@ -152,10 +152,23 @@ def merge_packed(stacked):
     return merge_stacked(stacked[..., :-1], stacked[..., -1])
 
 
-def merge_packed_out(stacked):
+def merge_packed_out(stacked, sink=None):
     """`merge_packed`'s output alone, for decode, whose caller needs no LSE: the weights exp(L_s - L)
     are a softmax over dim 0, one op, so a layer's merge is four ops instead of `merge_stacked`'s
     dozen (each op's overhead is the cost for one token). A row no partial saw (every L_s = -inf)
-    gets NaN weights from the softmax: they become 0, so the row stays 0, as in `merge_stacked`."""
-    weights = torch.softmax(stacked[..., -1], dim=0).nan_to_num_(0.0)
+    gets NaN weights from the softmax: they become 0, so the row stays 0, as in `merge_stacked`.
+    `sink` (H,): attention sinks enter as one more partial, (0, sink), in the same softmax."""
+    lses = stacked[..., -1]
+    if sink is not None:
+        lses = torch.cat([lses, sink.to(lses.dtype).view(1, 1, -1, 1).expand(1, *lses.shape[1:])])
+    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)[: stacked.shape[0]]
     return (stacked[..., :-1] * weights.unsqueeze(-1)).sum(dim=0)
+
+
+def with_sink(out, lse, sink):
+    """Attention with sinks (gpt-oss: a learned per-head logit in the softmax denominator, with no
+    value) from the merged attention over every key: the sink is one more partial, (0, s), merged
+    once, so O * exp(L - logaddexp(L, s)) = O * sigmoid(L - s). out (B, H, T, D), lse (B, H, T),
+    sink (H,). A row that saw no key (L = -inf, O = 0) stays 0, as with the sink alone."""
+    weight = torch.sigmoid(lse - sink.to(lse.dtype).view(1, -1, 1))
+    return out * weight.unsqueeze(-1).to(out.dtype)

@@ -29,6 +29,7 @@ class Step:
     layer: int = 0  # index of the attention layer running now
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
+    sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers

@@ -81,6 +81,20 @@ for _patch in [
     ),
     FamilyPatch("phi3", "Phi-3: fused QKV, sliding window", tiny=dict(sliding_window=40, num_key_value_heads=4)),
     FamilyPatch("olmo2", "OLMo 2: QK-norm, post-norm blocks", tiny={}),
+    # transformers runs gpt-oss's sinks in eager attention only (no sdpa); its MoE's grouped matmul has no
+    # fp64 CPU kernel, so the tiny model's experts run eagerly
+    FamilyPatch(
+        "gpt_oss",
+        "gpt-oss: attention sinks, alternating sliding/global layers, MoE",
+        tiny=dict(
+            num_local_experts=2,  # both experts for every token: bf16 noise cannot flip the routing
+            num_experts_per_tok=2,
+            sliding_window=24,
+            layer_types=["sliding_attention", "full_attention"],
+            experts_implementation="eager",
+        ),
+        reference_attn="eager",
+    ),
 ]:
     register(_patch)
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))

@@ -335,7 +335,8 @@ def _family_config(family: str, rope: str):
 def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     """The case's unpatched model, seeded: the same weights on every rank and for the reference."""
     config = build_config(case["family"], case["rope"], case.get("window"))
-    impl = "eager" if config.model_type == "gemma2" else "sdpa"  # HF runs Gemma2's soft-capping only in eager
+    # the family's reference kernel (HF runs Gemma2's soft-capping and gpt-oss's sinks only in eager)
+    impl = REGISTRY[config.model_type].reference_attn if config.model_type in REGISTRY else "sdpa"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl).eval()
 

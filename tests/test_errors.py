@@ -84,21 +84,6 @@ def _from_config(model_type, **kw):
         (lambda: _from_config("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64), "not supported by hf-contextpar"),
         (
             lambda: _from_config(
-                "gpt_oss",
-                num_hidden_layers=1,
-                hidden_size=32,
-                intermediate_size=32,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=16,
-                num_local_experts=2,
-                vocab_size=64,
-                layer_types=["full_attention"],
-            ),
-            "sinks",
-        ),
-        (
-            lambda: _from_config(
                 "qwen3_next",
                 num_hidden_layers=2,
                 hidden_size=32,

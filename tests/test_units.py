@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from hf_contextpar.kernels import _math, attend
-from hf_contextpar.merge import Accumulator, merge_packed, merge_packed_out, merge_pair, merge_stacked, pack_partial
+from hf_contextpar.merge import (
+    Accumulator,
+    merge_packed,
+    merge_packed_out,
+    merge_pair,
+    merge_stacked,
+    pack_partial,
+    with_sink,
+)
 from hf_contextpar.sharding import decode_owners, head_tail_plan
 
 
@@ -151,6 +159,31 @@ def test_decode_merge_equals_the_full_merge(dtype):
     got = merge_packed_out(stacked)
     assert not got.isnan().any() and (got[0, :, 1] == 0).all()
     assert (got - want).abs().max() < (1e-13 if dtype == torch.float64 else 1e-6)
+
+
+def _softmax_with_sink(q, k, v, scale, sink):
+    """gpt-oss's eager attention: the sink is one more logit per head, dropped after the softmax."""
+    logits = q @ k.transpose(-1, -2) * scale
+    logits = torch.cat([logits, sink.view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)], -1)
+    return torch.softmax(logits, -1)[..., :-1] @ v
+
+
+def test_sinks_enter_the_merge_once():
+    """Attention with sinks = the merged attention over key splits, then `with_sink`; and decode's
+    merge with the sink as one more partial. A row no split saw stays 0 (the sink takes it all)."""
+    torch.manual_seed(1)
+    q = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 24, 8, dtype=torch.float64), torch.randn(2, 3, 24, 8, dtype=torch.float64)
+    sink = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
+    want = _softmax_with_sink(q, k, v, 0.5, sink)
+    parts = [_math(q, k[..., a:b, :], v[..., a:b, :], None, 0.5, None) for a, b in [(0, 5), (5, 17), (17, 24)]]
+    out, lse = merge_stacked(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert (with_sink(out, lse, sink) - want).abs().max() < 1e-13
+    stacked = torch.stack([pack_partial(p, q.shape, torch.float64, "cpu") for p in parts])
+    assert (merge_packed_out(stacked, sink) - want).abs().max() < 1e-13
+    empty = torch.zeros(2, 3, 5, 8, dtype=torch.float64), torch.full((2, 3, 5), -math.inf, dtype=torch.float64)
+    assert (with_sink(*empty, sink) == 0).all()
+    assert (merge_packed_out(torch.stack([pack_partial(None, q.shape, torch.float64, "cpu")] * 2), sink) == 0).all()
 
 
 def test_merge_keeps_empty_rows_finite():

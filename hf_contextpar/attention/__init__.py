@@ -16,6 +16,7 @@ from contextvars import ContextVar
 import torch
 
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from ..merge import with_sink
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
 from .kv_runahead import kv_runahead
@@ -55,8 +56,6 @@ def context_parallel_attention(
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError("attention sinks (s_aux) are not supported by hf-contextpar.")
     idx = module.layer_idx
     if idx in step.attended or (step.cache is not None and not _handed(step.cache.layers[idx], key, value)):
         raise UnsupportedModelError(
@@ -80,10 +79,12 @@ def context_parallel_attention(
     else:  # no cache: this forward's own K/V are the block
         kv_local = torch.stack([key, value])
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    step.layer = module.layer_idx
+    step.layer, step.sinks = idx, kwargs.get("s_aux")
     out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = query.new_zeros(query.shape)
+    elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
+        out = with_sink(out, lse, step.sinks)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

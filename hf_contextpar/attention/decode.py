@@ -3,7 +3,8 @@
 Every rank computes the same new token(s); the K/V of each is stored on one rank. Each rank
 attends the replicated queries to its own slice, then one all-gather of (out, LSE) and a merge
 in rank order give every rank bit-identical attention outputs, hence identical logits. The merged
-LSE is not returned: nothing after the last merge of a layer reads it.
+LSE is not returned (nothing after the last merge of a layer reads it), so attention sinks enter
+that merge here.
 """
 
 from __future__ import annotations
@@ -17,4 +18,4 @@ def sharded_kv_decode(step, q, kv_local, **attn):
     k, v = unpack_kv(kv_local)
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
     packed = pack_partial(res, q.shape, acc_dtype(q.dtype), q.device)
-    return merge_packed_out(step.comm.all_gather(packed)), None  # no caller reads a decode LSE
+    return merge_packed_out(step.comm.all_gather(packed), step.sinks), None  # no caller reads a decode LSE

@@ -6,7 +6,8 @@ head: rank j gets every token of query heads [j H/N, (j+1) H/N) and of the match
 With every column in hand, the rows are put in global order and one causal attention runs over
 the whole sequence; a second all-to-all sends each rank its tokens' outputs for all heads.
 Needs N to divide both H and H_kv (checked by apply_context_parallel). No LSE merge: each head
-sees all its keys at once.
+sees all its keys at once, so no LSE is returned and attention sinks (of this rank's heads) are
+applied here, before the outputs go back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 def ulysses(step, q, kv_local, **attn):
     from ..kernels import attend, unpack_kv
+    from ..merge import with_sink
 
     comm, world = step.comm, step.comm.world
     b, h, t, d = q.shape
@@ -33,7 +35,10 @@ def ulysses(step, q, kv_local, **attn):
     k, v = unpack_kv(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)))
     key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
     res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
-    out = res[0] if res is not None else qh.new_zeros(qh.shape, dtype=torch.float32)
+    if res is None:
+        out = qh.new_zeros(qh.shape, dtype=torch.float32)
+    else:
+        out = res[0] if step.sinks is None else with_sink(*res, step.sinks[comm.rank * hq : (comm.rank + 1) * hq])
     # head-sharded -> sequence-sharded: rank i gets its own tokens back, for our heads
     out = out.to(q.dtype).index_select(2, q_order.argsort().to(q.device))
     back = comm.all_to_all(list(out.split(q_sizes, dim=2)), [(b, hq, t, d)] * world)
