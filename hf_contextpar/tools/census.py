@@ -1,0 +1,385 @@
+"""The model census (issue 32): every decoder-only text model type of the installed transformers, run
+through `apply_context_parallel` against the unpatched model on one process.
+
+The families are transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, less what `scope` drops with
+a stated reason (encoder-only models, halves of encoder-decoder models, multimodal wrappers;
+`census_configs.scope`). Each
+family gets a tiny random config (`census_configs`: the generic small sizes its config knows, plus a
+short table of per-family overrides), fp64
+where the unpatched model runs in it (else fp32), is registered by hand
+(`patches.register(FamilyPatch(model_type, "census"))`) where the registry does not know it, and is
+compared, on every rank, with the unpatched copy of the same weights: one forward of a 61-token
+prompt, a greedy generate of 8 tokens, and a second turn (7 more tokens, 8 generated) over the
+returned cache. Outcomes:
+
+- exact: every max |logit diff| within the exactness oracle's tolerance, tokens identical (or a
+  divergence the oracle's near-tie rule allows);
+- refused: a ContextParallelError of the same type on every rank at apply or at the first forward;
+- crash: any other exception from the patched run (or a refusal after the first forward, or ranks
+  that disagree);
+- differs: no error, another answer;
+- skipped: the unpatched model itself fails on one process with the tiny config (the reason given).
+
+    torchrun --nproc_per_node 2 -m hf_contextpar.tools.census [--families a,b] [--strategy auto]
+        [--json out.json] [--markdown out.md] [--resume]
+    python -m hf_contextpar.tools.census --from-json docs/census.json --markdown docs/census.md
+    python -m hf_contextpar.tools.census --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import re
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import hf_contextpar
+from hf_contextpar import patches
+from hf_contextpar.eval.oracle import FLOAT_TOL, first_divergence, logits_diff, near_tie, tolerance, top2_margin
+from hf_contextpar.tools.census_configs import MAX_PARAMS, OVERRIDES, build, scope, tiny_config
+
+PROMPT, NEW_TOKENS, SECOND_TURN = 61, 8, 7
+TIMEOUT_S = 60.0  # what a rank waits for its peers inside one family's patched run
+FP32_NOISE = FLOAT_TOL[torch.float32]
+
+
+@torch.no_grad()
+def conversation(model, ids, more, steps: list):
+    """Forward logits, then greedy generate with its per-step logits, then (`more` not None) a second turn
+    over its cache; `steps` gets each step's name as it starts."""
+    steps.append("forward")
+    out = {"forward": model(ids).logits}
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1)
+    gen.update(return_dict_in_generate=True, output_logits=True)
+    steps.append("generate")
+    first = model.generate(ids, **gen)
+    out["tokens1"], out["logits1"] = first.sequences, torch.stack(first.logits, 1)
+    if more is not None:
+        steps.append("second turn")
+        turn2 = torch.cat([first.sequences, more], 1)
+        second = model.generate(turn2, past_key_values=first.past_key_values, **gen)
+        out["tokens2"], out["logits2"] = second.sequences, torch.stack(second.logits, 1)
+    return out
+
+
+def compare(ref: dict, cp: dict, tol: float) -> dict:
+    """The oracle's verdict on the patched run against the reference."""
+    worst = logits_diff(cp["forward"], ref["forward"])
+    for turn in ("1", "2")[: 2 if "tokens2" in ref else 1]:
+        a, b = ref[f"tokens{turn}"], cp[f"tokens{turn}"]
+        k = first_divergence(a, b)
+        la, lb = ref[f"logits{turn}"], cp[f"logits{turn}"]
+        step = None if k is None else k - (a.shape[1] - la.shape[1])
+        upto = la.shape[1] if step is None else step
+        worst = max(worst, logits_diff(lb[:, :upto], la[:, :upto]) if upto else 0.0)
+        if step is not None:
+            tie = worst <= tol and near_tie(top2_margin(la[0, step]), tol)
+            return dict(max_diff=worst, tokens_equal=False, near_tie=tie, diverged=f"turn {turn} step {step}")
+    return dict(max_diff=worst, tokens_equal=True, near_tie=False, diverged=None)
+
+
+def _first_line(e: BaseException) -> str:
+    """The message's first line (with the next where it ends in a colon, as a validation error's does)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+    return " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+
+
+def _short(path: str) -> str:
+    """A file of transformers / torch from site-packages on, one of ours from the checkout's root."""
+    if "site-packages/" in path:
+        return path.split("site-packages/")[-1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(hf_contextpar.__file__)))
+    return os.path.relpath(path, root) if path.startswith(root) else path
+
+
+def _error(e: BaseException, stage: str) -> dict:
+    tb = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in tb if "hf_contextpar" in f.filename and "tools/census" not in f.filename]
+    where = ours[-1] if ours else (tb[-1] if tb else None)
+    frames = traceback.format_exception(e)
+    return dict(
+        stage=stage,
+        type=type(e).__name__,
+        refusal=isinstance(e, hf_contextpar.ContextParallelError),
+        last_line=f"{type(e).__name__}: {_first_line(e)[:400]}",
+        where=f"{_short(where.filename)}:{where.lineno}" if where else "?",
+        library_frames=[f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in ours],
+        traceback=re.sub(r'File "([^"]+)"', lambda m: f'File "{_short(m[1])}"', "".join(frames))[-1500:],
+    )
+
+
+def reference(model_type: str, ids, more) -> dict:
+    """The unpatched model on one process: fp64 where it runs, else fp32; skipped if neither does."""
+    known = patches.REGISTRY.get(model_type)
+    attn = OVERRIDES.get(model_type, {}).get("_reference") or (known.reference_attn if known else "sdpa")
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny_config(model_type)).parameters())
+    except Exception as e:
+        return dict(failure=_error(e, "build (meta)"))
+    if size > MAX_PARAMS:
+        msg = f"the tiny config has {size / 1e6:.0f}M parameters; it needs an entry in census.OVERRIDES"
+        return dict(failure=dict(stage="size", type="TooLarge", refusal=False, last_line=msg))
+    failure = None
+    for dtype in (torch.float64, torch.float32):
+        for impl in dict.fromkeys((attn, "eager", "default")):
+            try:
+                model = build(model_type, dtype, impl)
+                cp = copy.deepcopy(model)
+            except Exception as e:  # this kernel or dtype is not available: try the next
+                failure = _error(e, f"build ({str(dtype)[6:]}, {impl})")
+                continue
+            steps, note = [], None
+            try:
+                out = conversation(model, ids, more, steps)
+            except Exception as e:  # the unpatched model fails: try fp32, else a skip, with why
+                failure = _error(e, f"reference {steps[-1] if steps else 'run'} ({str(dtype)[6:]}, {impl})")
+                if steps[-1:] != ["second turn"]:
+                    break
+                note = f"second turn not compared: the unpatched model fails there ({failure['last_line'][:200]})"
+                out = conversation(model, ids, None, [])
+            return dict(model=cp, dtype=dtype, attn=impl, out=out, note=note)
+    return dict(failure=failure)
+
+
+def run_family(model_type: str, strategy: str) -> dict:
+    """This rank's outcome for one family."""
+    t0 = time.time()
+    rec = dict(family=model_type, class_name=_class_name(model_type))
+    g = torch.Generator().manual_seed(61)
+    ids = torch.randint(3, 256, (1, PROMPT), generator=g)
+    more = torch.randint(3, 256, (1, SECOND_TURN), generator=g)
+    ref = reference(model_type, ids, more)
+    if "failure" in ref:
+        return dict(rec, outcome="skipped", error=ref["failure"], seconds=round(time.time() - t0, 2))
+    dtype = ref["dtype"]
+    rec.update(dtype=str(dtype).split(".")[-1], reference_attn=ref["attn"])
+    if ref["note"]:
+        rec["note"], more = ref["note"], None
+    # the registry is keyed by the built model's config.model_type (gpt-sw3 builds a 'gpt2' config)
+    key = ref["model"].config.model_type
+    added = key not in patches.REGISTRY
+    if added:
+        extra = OVERRIDES.get(model_type, {})
+        tol64 = extra.get("_fp64_tolerance", 1e-10)
+        patches.register(patches.FamilyPatch(key, "census", reference_attn=ref["attn"], fp64_tolerance=tol64))
+    rec.update(config_model_type=key, registered_by_census=added)
+    tol = tolerance(dtype, key)[0]
+    rec["tolerance"] = tol
+    model, stage, steps = ref["model"], "apply", []
+    try:
+        hf_contextpar.apply_context_parallel(model, strategy=strategy, timeout=TIMEOUT_S)
+        stage = "first forward"
+        with torch.no_grad():
+            model(ids)
+        stage = "run"
+        rec.update(compare(ref["out"], conversation(model, ids, more, steps), tol))
+        exact = rec["max_diff"] <= tol and (rec["tokens_equal"] or rec["near_tie"])
+        rec["outcome"] = "exact" if exact else "differs"
+        if not exact and rec["tokens_equal"] and dtype == torch.float64 and rec["max_diff"] <= FP32_NOISE:
+            rec["note"] = (
+                f"max diff within the fp32 tolerance ({FP32_NOISE:g}): the size of an fp32 computation inside "
+                "the model (an fp32 MoE router, say), not of a wrong mask or a missing block"
+            )
+    except Exception as e:
+        rec["error"] = _error(e, stage if stage != "run" else steps[-1])
+        late = stage == "run"  # a refusal after the first forward went through: a crash
+        rec["outcome"] = "refused" if rec["error"]["refusal"] and not late else "crash"
+        if rec["outcome"] == "refused":  # its message says it all
+            del rec["error"]["traceback"]
+    finally:
+        try:
+            hf_contextpar.remove_context_parallel(model)
+        except Exception:
+            pass
+        if added:
+            patches.REGISTRY.pop(key, None)
+    rec["seconds"] = round(time.time() - t0, 2)
+    return rec
+
+
+def _class_name(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?")
+
+
+def agree(records: list[dict]) -> dict:
+    """One record from every rank's: the first rank's, or a crash where the ranks disagree."""
+    rec = dict(records[0])
+    keys = ("outcome", "tokens_equal", "near_tie")
+    if any(tuple(r.get(k) for k in keys) != tuple(rec.get(k) for k in keys) for r in records):
+        outcomes = [r["outcome"] + (f" ({r['error']['last_line']})" if "error" in r else "") for r in records]
+        rec["disagreement"] = outcomes
+        rec["outcome"] = "crash"
+        rec.setdefault("error", next((r["error"] for r in records if "error" in r), None))
+    elif rec["outcome"] == "refused" and len({r["error"]["type"] for r in records}) > 1:
+        rec["outcome"] = "crash"
+        rec["disagreement"] = [r["error"]["last_line"] for r in records]
+    if "max_diff" in rec:
+        rec["max_diff"] = max(r.get("max_diff", 0.0) for r in records)
+    return rec
+
+
+OUTCOMES = ("exact", "refused", "crash", "differs", "skipped")
+
+
+def counts(records) -> dict:
+    return {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
+
+
+def markdown(report: dict) -> str:
+    """The census as a markdown page (docs/census.md is this, from docs/census.json)."""
+    recs = report["families"]
+    c = counts(recs)
+    lines = [
+        "# Model census",
+        "",
+        "Generated by `python -m hf_contextpar.tools.census --from-json docs/census.json --markdown docs/census.md`",
+        f"from a run of `torchrun --nproc_per_node {report['world_size']} -m hf_contextpar.tools.census` "
+        f"(strategy `{report['strategy']}`; transformers {report['transformers']}, torch {report['torch']}, "
+        f"{report['date']}, library at {report.get('source') or 'an unknown commit'}). Do not edit by hand.",
+        "",
+        f"{len(recs)} families: " + ", ".join(f"{c[o]} {o}" for o in OUTCOMES) + ".",
+        "",
+        "Each family: a tiny random config, a 61-token forward, a greedy generate of 8 tokens and a second",
+        "turn over the returned cache, against the unpatched model on one process (`hf_contextpar/tools/census.py`).",
+        "",
+        "| family | class | outcome | dtype | max diff | tolerance | detail | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        err = r.get("error") or {}
+        if r["outcome"] in ("exact", "differs"):
+            detail = "tokens identical" if r.get("tokens_equal") else f"tokens differ at {r.get('diverged')}"
+            detail += " (near-tie)" if r.get("near_tie") else ""
+        else:
+            detail = f"{err.get('stage', '')}: {err.get('last_line', '')}"
+            if r["outcome"] == "crash":
+                detail += f" at {err.get('where', '?')}"
+        if r.get("note"):
+            detail += f"; {r['note']}"
+        if r.get("disagreement"):
+            detail += f"; ranks disagree: {r['disagreement']}"
+        if r.get("registered_by_census") is False:
+            detail += " [registered family]"
+        detail = detail.replace("|", "\\|").replace("\n", " ")
+        diff = f"{r['max_diff']:.1e}" if "max_diff" in r else ""
+        tol = f"{r['tolerance']:.0e}" if "max_diff" in r else ""
+        cells = [r["family"], r.get("class_name", ""), r["outcome"], r.get("dtype", ""), diff, tol, detail]
+        lines.append("| " + " | ".join([*cells, str(r.get("seconds", ""))]) + " |")
+    lines += ["", "## Not in the census", "", "| model type | reason |", "|---|---|"]
+    lines += [f"| {mt} | {why} |" for mt, why in report["excluded"].items()]
+    if report.get("partial"):
+        lines[1:1] = ["", f"**Partial run:** {report['partial']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _source() -> str | None:
+    """The git commit the library runs from, with '+modified' where its files differ from it (None: no git)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(hf_contextpar.__file__)))
+    try:
+        run = dict(cwd=root, capture_output=True, text=True, check=True, timeout=30)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno", "--", "hf_contextpar", "patches", "eval"], **run
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+modified" if dirty.stdout.strip() else "")
+
+
+def _write(report, args):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(report))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", help="comma-separated model types (default: every family in scope)")
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    p.add_argument("--resume", action="store_true", help="keep the families --json holds already, run the rest")
+    p.add_argument("--from-json", help="only write --markdown from this report")
+    p.add_argument("--source", help="what the library is, for the report (default: its git commit)")
+    p.add_argument("--list", action="store_true", help="print the families in scope and those dropped")
+    args = p.parse_args(argv)
+    families, dropped = scope()
+    if args.list:
+        print("\n".join(families))
+        print("\n".join(f"# dropped {mt}: {why}" for mt, why in dropped.items()))
+        return
+    if args.from_json:
+        with open(args.from_json) as f:
+            report = json.load(f)
+        _write(report, argparse.Namespace(json=None, markdown=args.markdown))
+        return
+    import transformers
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # generate's past_key_values -> cache
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4 * TIMEOUT_S))
+    rank = dist.get_rank()
+    wanted = args.families.split(",") if args.families else families
+    unknown = sorted(set(wanted) - set(families))
+    if unknown:
+        raise SystemExit(f"not in the census's scope: {unknown} (see --list)")
+    report = dict(
+        transformers=transformers.__version__,
+        torch=torch.__version__.split("+")[0],
+        world_size=dist.get_world_size(),
+        strategy=args.strategy,
+        date=datetime.date.today().isoformat(),
+        source=args.source or _source(),
+        excluded=dropped,
+        families=[],
+    )
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            report["families"] = [r for r in json.load(f)["families"] if r["family"] in families]
+    done = {r["family"] for r in report["families"]}
+    for mt in wanted:
+        if mt in done:
+            continue
+        try:
+            mine = run_family(mt, args.strategy)
+        except Exception as e:  # outside the comparison itself (the census's own bug): recorded, not fatal
+            mine = dict(family=mt, outcome="crash", error=_error(e, "census"))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        rec = agree(everyone)
+        gc.collect()
+        if rank == 0:
+            err = rec.get("error") or {}
+            print(f"[census] {mt}: {rec['outcome']} {err.get('last_line', '')[:160]}", flush=True)
+            report["families"] = sorted([*report["families"], rec], key=lambda r: r["family"])
+            missing = sorted(set(families) - {r["family"] for r in report["families"]})
+            report["partial"] = f"{len(missing)} families not run yet" if missing else None
+            _write(report, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
