@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .costmodel import config_value
 from .errors import PeerFailureError, RankMismatchError
 
 CHECK_LENGTH = 8
@@ -47,8 +48,8 @@ def model_signature(model) -> tuple:
         text.model_type,
         text.num_hidden_layers,
         text.num_attention_heads,
-        getattr(text, "num_key_value_heads", None),
-        getattr(text, "head_dim", None),
+        config_value(text, "num_key_value_heads"),
+        config_value(text, "head_dim"),
         text.vocab_size,
         str(p.dtype),
         sum(q.numel() for q in model.parameters()),

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from .cache import ShardedCache, cache_argument, cache_windows
-from .costmodel import ulysses_fits
+from .costmodel import config_value, ulysses_fits
 from .errors import (
     CacheMismatchError,
     CandidateDecodingError,
@@ -47,6 +47,11 @@ def check_model(model):
             f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
             "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
         )
+    if getattr(text, "num_attention_heads", None) is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s config declares no attention heads (num_attention_heads): its layers are "
+            "not softmax attention (a recurrence such as RWKV's), which hf-contextpar does not shard."
+        )
     window = getattr(text, "sliding_window", None)
     if window is not None and window < 2 and (not layer_types or "sliding_attention" in layer_types):
         raise UnsupportedModelError(
@@ -70,7 +75,7 @@ def check_ulysses(config, world: int):
     """Ulysses moves whole heads: N must divide the query heads and the KV heads (no KV head is repeated)."""
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    kv_heads = config_value(text, "num_key_value_heads") or heads
     if not ulysses_fits(heads, kv_heads, world):
         raise HeadsNotDivisibleError(
             f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "

@@ -127,12 +127,22 @@ class Shape:
 
         text = model.config.get_text_config(decoder=True)
         heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        head_dim = config_value(text, "head_dim") or text.hidden_size // heads
         linear = [m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
         weights = sum(linear) // max(1, text.num_hidden_layers)
         elem = next(model.parameters()).element_size()
-        kv = getattr(text, "num_key_value_heads", None) or heads
+        kv = config_value(text, "num_key_value_heads") or heads
         return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config))
+
+
+def config_value(config, name: str):
+    """A config attribute, or None where it is absent or differs per layer (transformers raises
+    AmbiguousGlobalPerLayerAttributeError for a global read of a per-layer value, e.g. Gemma 4's
+    head_dim): the cost model and the rank agreement then use what every layer shares."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        return None
 
 
 def config_windows(config) -> tuple:

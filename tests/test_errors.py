@@ -103,6 +103,18 @@ def _from_config(model_type, **kw):
             ),
             "linear-attention",
         ),
+        # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
+        (
+            lambda: _from_config(
+                "rwkv",
+                num_hidden_layers=2,
+                hidden_size=64,
+                attention_hidden_size=64,
+                intermediate_size=64,
+                vocab_size=64,
+            ),
+            "declares no attention heads",
+        ),
         # a 1-token window: transformers' own cached decode differs from a recompute, nothing to match
         (
             lambda: _from_config(

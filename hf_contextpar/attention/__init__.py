@@ -69,9 +69,11 @@ def context_parallel_attention(
         layer = step.cache.layers[idx]
         if layer.window is not None and sliding_window != layer.window:
             raise CacheMismatchError(
-                f"layer {module.layer_idx}'s cache keeps a sliding window of {layer.window} tokens but its attention "
-                f"uses sliding_window={sliding_window}; the cache was made for another config. Pass no cache or "
-                "DynamicCache(config=model.config) for this model."
+                f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
+                f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
+                "or DynamicCache(config=model.config). If you passed none, this model's attention disagrees with the "
+                "cache its own config makes (DynamicCache(config=model.config)), so it cannot run exactly under "
+                "context parallelism."
             )
         kv_local = layer.block()
         if step.algorithm not in STAY_LOCAL:  # a message: the cache buffer itself when it holds just these
