@@ -1,14 +1,14 @@
 """Metrics for "does context parallelism change anything?": per generation and per teacher-forced
 window. What counts as the same (tolerances, the near-tie rule, the kernel-swap bound) is the
-oracle's (`oracle`); `tolerance`, `logits_diff` and `first_divergence` are re-exported from it."""
+oracle's (`oracle`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .oracle import first_divergence, logits_diff, tolerance
+from .oracle import first_divergence, logits_diff
 
-__all__ = ["compare_generation", "first_divergence", "logits_diff", "step_logits_diff", "tolerance", "window_metrics"]
+__all__ = ["compare_generation", "step_logits_diff", "window_metrics"]
 
 
 # -- generation --------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import hf_contextpar
 from hf_contextpar.distributed import resolve_group
 
 from .needlebench import DataError
-from .oracle import fingerprint, kernel_swap
+from .oracle import fingerprint
 
-__all__ = ["Dist", "fingerprint", "kernel_swap", "load_reference", "on_rank0", "run_rounds", "save_reference"]
+__all__ = ["Dist", "load_reference", "on_rank0", "run_rounds", "save_reference"]
 
 
 class Dist:

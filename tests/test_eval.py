@@ -368,8 +368,7 @@ def test_generation_and_window_metrics():
 
 def test_low_precision_tolerance_is_the_kernel_swap():
     import torch
-    from hf_contextpar.eval.compare import tolerance
-    from hf_contextpar.eval.harness import kernel_swap
+    from hf_contextpar.eval.oracle import kernel_swap, tolerance
 
     from hf_contextpar.tools.models import tiny_model
 
