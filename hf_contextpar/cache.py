@@ -110,7 +110,7 @@ class ShardedLayer(CacheLayerMixin):
         self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D)
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
-        self.handed = False  # updated in the running forward, and its K/V not yet attended to
+        self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property

@@ -91,11 +91,9 @@ def context_parallel_attention(
 
 
 def _handed(layer, key, value) -> bool:
-    """The layer's cache was updated in this forward and these are the K/V its update returned."""
-    if not layer.handed:
-        return False
-    layer.handed = False
-    return _same_view(key, layer.keys) and _same_view(value, layer.values)
+    """The layer's cache was updated in this forward and these are the K/V its update returned
+    (a second call for the layer is `Step.attended`'s to catch)."""
+    return layer.handed and _same_view(key, layer.keys) and _same_view(value, layer.values)
 
 
 def _same_view(a, b) -> bool:
