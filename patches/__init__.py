@@ -8,6 +8,14 @@ an optional `apply(model) -> undo` for a family that needs a reversible patch of
 An entry also carries the facts tests, eval and the CLI need: the family's tiny config, the
 reference attention implementation and its fp64 tolerance, so adding a family is one entry here
 (plus one file only if it needs a patch of its own). Installed as `hf_contextpar.patches`.
+
+No opt-in for what is verified: `verified.py` is data the model census generates
+(`python -m hf_contextpar.tools.census --from-json docs/census.json --verified patches/verified.py`), the
+families it found exact at N = 2, 3 and 4 under every prefill strategy, both decode modes and a padded
+batch, each with its fp64 tolerance and reference attention. They enter REGISTRY at import as plain
+entries (`census=True`); an entry written here replaces a verified one, so this file holds only what is
+particular to a family. Any other model_type is refused by `resolve` with what the census found and what
+to do; `register()` is for a family a later transformers adds, once its user has verified it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hf_contextpar.errors import UnsupportedModelError
+
+from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,7 @@ class FamilyPatch:
     tiny: dict | None = None  # config overrides for the family's tiny random model (the exactness matrix)
     reference_attn: str = "sdpa"  # the stock attention implementation exactness is measured against
     fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
+    census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -46,6 +57,12 @@ def _text_only_gemma3(config):
     )
 
 
+for _mt, (_tol, _attn) in VERIFIED.items():
+    register(
+        FamilyPatch(_mt, f"{_mt}: verified by the model census", reference_attn=_attn, fp64_tolerance=_tol, census=True)
+    )
+
+# what is particular to a family (a check, a tolerance, a patch, the exactness matrix's tiny config)
 for _patch in [
     FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
     FamilyPatch("mistral", "Mistral: GQA, sliding window on every layer", tiny=dict(sliding_window=24)),
@@ -102,14 +119,23 @@ register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausal
 
 def resolve(config) -> FamilyPatch:
     """The registry entry for a config, after its family check; a clear error if there is none."""
-    patch = REGISTRY.get(config.model_type)
+    mt = config.model_type
+    patch = REGISTRY.get(mt)
     if patch is None:
-        supported = ", ".join(sorted(k for k, p in REGISTRY.items() if p.check is None))
+        found = (NOT_VERIFIED.get(mt) or "").rstrip(".")
+        census = f"the model census of transformers {CENSUS['transformers']} (docs/census.md)"
+        if found.startswith("refused"):  # opted in, the library refuses it: registering changes nothing
+            raise UnsupportedModelError(
+                f"model_type '{mt}' is not supported by hf-contextpar: {census} found it {found}. It cannot run "
+                "under context parallelism with this version."
+            )
+        why = f"{census} did not verify it ({found})" if found else f"it is not in {census} (a newer model type)"
         raise UnsupportedModelError(
-            f"model_type '{config.model_type}' is not supported by hf-contextpar (supported: {supported}). "
-            "If its attention is plain causal softmax attention over one KV cache, you can opt in with "
-            "hf_contextpar.patches.register(FamilyPatch('<model_type>', '<description>')) and verify it "
-            "with the exactness harness."
+            f"model_type '{mt}' is not supported by hf-contextpar: {why}. A family runs with no opt-in once the "
+            f"census verifies it exact at N = 2, 3, 4. To check it yourself: torchrun --nproc_per_node 2 -m "
+            f"hf_contextpar.tools.census --families {mt} --json census.json, then the same with --sweep at "
+            f"--nproc_per_node 2, 3 and 4; if every run is exact, opt in with "
+            f"hf_contextpar.patches.register(FamilyPatch('{mt}', '<description>'))."
         )
     if patch.check is not None:
         patch.check(config)

@@ -1,0 +1,254 @@
+"""The census beyond its first run: every strategy, both decode modes and a padded batch at this world size
+(`sweep_family`), and the measurement that tells a model's own fp32 arithmetic from ours (`fp32_internals`).
+
+The sweep re-runs a family the census found exact under each prefill strategy with a single sequence and
+replicated decode, under each again with a left-padded batch of N rows and batched pass-Q decode, and a
+padded batch with replicated decode: forward, greedy generate and a second turn, against the unpatched
+model, each variant exact / refused / crash / differs, or n/a (Ulysses where N does not divide the heads).
+
+Some models compute parts of an fp64 forward in fp32 on purpose (an MoE router's matmul, an eager
+attention's softmax): their logits move by ~1e-7..1e-5 when the same tokens are computed in other
+shapes, on one process too. `fp32_internals` measures that with `Fp64Internals`, a torch function mode
+that keeps those fp32 casts of fp64 tensors in fp64: the model's own fp32 error (the unpatched model as
+shipped against itself with its internals in fp64), ours with the model's internals in fp64 (must be
+fp64-exact: then what remains is the model's), and the prefix noise (the unpatched model on a prefix
+alone against the same rows inside the whole forward). The family's bound: twice the model's own error,
+rounded up to a power of ten.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+import hf_contextpar
+from hf_contextpar.contract import check_ulysses
+from hf_contextpar.eval.oracle import FLOAT_TOL, logits_diff
+
+PREFILL = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
+PAD_STEP = 5  # row r of the padded batch has r * PAD_STEP pad tokens on its left
+FP64_EXACT = FLOAT_TOL[torch.float64]
+
+
+def variants() -> list[tuple[str, str, str, bool]]:
+    """(name, prefill strategy, decode mode, padded batch of N rows?) of every variant the sweep runs."""
+    out = [(f"{s}", s, "replicated", False) for s in PREFILL]
+    out += [(f"{s}+padded+pass_q_decode", s, "ring_pass_q", True) for s in PREFILL]
+    return [*out, ("ring_pass_kv+padded+replicated_decode", "ring_pass_kv", "replicated", True)]
+
+
+def padded_batch(world: int, prompt: int, second: int, pad_id: int):
+    """(ids, more, mask): N left-padded rows of `prompt` columns (row r: r * PAD_STEP pads), seeded."""
+    g = torch.Generator().manual_seed(62)
+    rows = max(world, 2)
+    ids = torch.randint(3, 256, (rows, prompt), generator=g)
+    mask = torch.ones(rows, prompt, dtype=torch.long)
+    for r in range(rows):
+        mask[r, : r * PAD_STEP] = 0
+    ids[mask == 0] = pad_id
+    return ids, torch.randint(3, 256, (rows, second), generator=g), mask
+
+
+# -- the model's own fp32 arithmetic ----------------------------------------------------------------
+_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type}
+_SOFTMAX = {torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax, torch.nn.functional.log_softmax}
+
+
+class Fp64Internals(TorchFunctionMode):
+    """Inside: a cast of an fp64 tensor to fp32 returns the tensor, a softmax asked for fp32 of fp64 input
+    computes in fp64, and fp32 tensors meeting fp64 ones in one call are promoted: the model's deliberate
+    fp32 computations run in fp64. For measurement only."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _SOFTMAX and kwargs.get("dtype") == torch.float32 and _is64(args[0] if args else None):
+            kwargs["dtype"] = torch.float64
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(t.dtype == torch.float64 for t in tensors):
+            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args)
+        out = func(*args, **kwargs)
+        if func in _CASTS and _is64(args[0]) and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            return args[0] if out.device == args[0].device else out.double()
+        return out
+
+
+def _is64(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
+
+
+def _max_diff(ref: dict, other: dict) -> float:
+    return max(logits_diff(other[k], ref[k]) for k in ref if k.startswith(("forward", "logits")) and k in other)
+
+
+def fp32_internals(model, ids, more, ref_out: dict, conversation, strategy: str, world: int) -> dict:
+    """The model's own fp32 error, ours with its internals in fp64, the prefix noise, and the bound they give
+    (`model` unpatched; every rank runs this, it applies context parallelism once)."""
+    pristine = copy.deepcopy(model)
+    with Fp64Internals():
+        ref64 = conversation(copy.deepcopy(pristine), ids, more, [])
+    own = _max_diff(ref64, ref_out)
+    cp = copy.deepcopy(pristine)
+    hf_contextpar.apply_context_parallel(cp, strategy=strategy)
+    try:
+        with Fp64Internals():
+            ours64 = conversation(cp, ids, more, [])
+    finally:
+        hf_contextpar.remove_context_parallel(cp)
+    prefix = 0.0
+    with torch.no_grad():
+        whole = pristine(ids).logits
+        for k in sorted({ids.shape[1] * r // n for n in (2, 3, 4) for r in range(1, n)}):
+            prefix = max(prefix, logits_diff(pristine(ids[:, :k]).logits, whole[:, :k]))
+    tokens = all(torch.equal(ours64[k], ref64[k]) for k in ref64 if k.startswith("tokens"))
+    bound = 10.0 ** math.ceil(math.log10(2 * own)) if own > 0 else FP64_EXACT
+    return dict(
+        model_fp32_error=own,
+        ours_with_fp64_internals=_max_diff(ref64, ours64),
+        tokens_equal_with_fp64_internals=tokens,
+        prefix_noise=prefix,
+        bound=max(bound, FP64_EXACT),
+    )
+
+
+def fp32_bound_holds(m: dict, max_diff: float) -> bool:
+    """Is a difference the model's: ours fp64-exact once the model's internals are fp64, and within the bound?"""
+    return (
+        m["ours_with_fp64_internals"] <= FP64_EXACT and m["tokens_equal_with_fp64_internals"] and max_diff <= m["bound"]
+    )
+
+
+# -- the sweep ----------------------------------------------------------------------------------------
+def run_variant(model, ref_out, inputs, strategy, decode, tol, world, census) -> dict:
+    """One variant on an unpatched model (left unpatched): outcome, max diff or the error."""
+    ids, more, mask = inputs
+    if strategy == "ulysses":
+        try:
+            check_ulysses(model.config, world)
+        except hf_contextpar.ContextParallelError as e:
+            return dict(outcome="n/a", why=type(e).__name__)
+    steps, stage = [], "apply"
+    try:
+        hf_contextpar.apply_context_parallel(model, strategy=strategy, decode=decode, timeout=census.TIMEOUT_S)
+        stage = "run"
+        rec = census.compare(ref_out, census.conversation(model, ids, more, steps, mask), tol, mask)
+        exact = rec["max_diff"] <= tol and (rec["tokens_equal"] or rec["near_tie"])
+        rec["outcome"] = "exact" if exact else "differs"
+    except Exception as e:
+        err = census.error_record(e, steps[-1] if steps else stage)
+        refused = err["refusal"] and (stage == "apply" or steps[-1:] == ["forward"])
+        rec = dict(outcome="refused" if refused else "crash", error=err["last_line"][:300], stage=err["stage"])
+        if not refused:
+            rec["where"] = err.get("where")
+    finally:
+        try:
+            hf_contextpar.remove_context_parallel(model)
+        except Exception:
+            pass
+    return rec
+
+
+def sweep_family(model_type: str, base: dict, world: int, census) -> dict:
+    """This rank's variants of one family the census found exact (`base`: its census record)."""
+    from hf_contextpar import patches
+
+    t0 = time.time()
+    g = torch.Generator().manual_seed(61)
+    ids = torch.randint(3, 256, (1, census.PROMPT), generator=g)
+    more = torch.randint(3, 256, (1, census.SECOND_TURN), generator=g)
+    ref = census.reference(model_type, ids, more)
+    if "failure" in ref:
+        return dict(outcome="skipped", error=ref["failure"]["last_line"])
+    more = None if ref["note"] else more
+    model = ref["model"]
+    key = model.config.model_type
+    added = key not in patches.REGISTRY
+    if added:
+        patches.register(
+            patches.FamilyPatch(key, "census", reference_attn=ref["attn"], fp64_tolerance=base["tolerance"])
+        )
+    tol = base["tolerance"] if ref["dtype"] == torch.float64 else FLOAT_TOL[ref["dtype"]]
+    pad_id = model.config.get_text_config(decoder=True).pad_token_id or 0
+    pids, pmore, pmask = padded_batch(world, census.PROMPT, census.SECOND_TURN, pad_id)
+    pmore = None if ref["note"] else pmore
+    out = {}
+    try:
+        try:
+            padded_ref = census.conversation(copy.deepcopy(model), pids, pmore, [], pmask)
+            if not finite(padded_ref, pmask):
+                padded_ref = "the unpatched model gives non-finite logits on a padded batch (one process)"
+        except Exception as e:  # the unpatched model fails on a padded batch: its padded variants are skipped
+            padded_ref = census.error_record(e, "reference (padded batch)")["last_line"][:300]
+        for name, strategy, decode, padded in variants():
+            if padded and isinstance(padded_ref, str):
+                out[name] = dict(outcome="skipped", error=padded_ref)
+                continue
+            inputs = (pids, pmore, pmask) if padded else (ids, more, None)
+            r_out = padded_ref if padded else ref["out"]
+            out[name] = run_variant(model, r_out, inputs, strategy, decode, tol, world, census)
+    finally:
+        if added:
+            patches.REGISTRY.pop(key, None)
+    return dict(variants=out, tolerance=tol, seconds=round(time.time() - t0, 2))
+
+
+def finite(out: dict, mask) -> bool:
+    """Are the reference's logits finite (the forward's at real positions)?"""
+    forward = out["forward"][mask.bool()] if mask is not None else out["forward"]
+    rest = [v for k, v in out.items() if k.startswith("logits")]
+    return all(bool(torch.isfinite(t).all()) for t in (forward, *rest))
+
+
+def agree_sweep(records: list[dict]) -> dict:
+    """One family's sweep from every rank's: the first rank's, a variant a crash where ranks disagree."""
+    rec = copy.deepcopy(records[0])
+    for name, v in rec.get("variants", {}).items():
+        others = [r.get("variants", {}).get(name, {}) for r in records]
+        if len({o.get("outcome") for o in others}) > 1:
+            v.update(outcome="crash", disagreement=[o.get("outcome") for o in others])
+        if "max_diff" in v:
+            v["max_diff"] = max(o.get("max_diff", 0.0) for o in others)
+    return rec
+
+
+def main(args, everything, census):
+    """--sweep: each family given (default: each the base report finds exact) at this world size."""
+    with open(args.base or args.json) as f:
+        report = json.load(f)
+    base = {r["family"]: r for r in report["families"]}
+    wanted = [f for f, r in base.items() if r["outcome"] == "exact"] if everything else args.families.split(",")
+    if set(wanted) - set(base):
+        raise SystemExit(f"--sweep: {sorted(set(wanted) - set(base))} not in the census report (run the census first)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    old = report.get("sweep", {}).get(str(world)) if args.resume else None
+    names = [v[0] for v in variants()]
+    done = old or dict(source=args.source or census.source(), date=datetime.date.today().isoformat(), families={})
+    done["variants"] = names
+    report.setdefault("sweep", {})[str(world)] = done
+    for mt in wanted:
+        if mt in done["families"]:
+            continue
+        try:
+            mine = sweep_family(mt, base[mt], world, census)
+        except Exception as e:  # the census's own bug: recorded, not fatal
+            mine = dict(outcome="crash", error=census.error_record(e, "sweep")["last_line"])
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        rec = agree_sweep(everyone)
+        gc.collect()
+        if rank == 0:
+            bad = {n: v["outcome"] for n, v in rec.get("variants", {}).items() if v["outcome"] not in ("exact", "n/a")}
+            print(
+                f"[sweep N={world}] {mt}: {rec.get('outcome') or bad or 'exact'} ({rec.get('seconds')} s)", flush=True
+            )
+            done["families"][mt] = rec
+            census.write(report, args)
+    dist.barrier()
+    dist.destroy_process_group()
