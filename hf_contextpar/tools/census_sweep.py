@@ -84,34 +84,35 @@ def _is64(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype == torch.float64
 
 
-def _max_diff(ref: dict, other: dict) -> float:
-    return max(logits_diff(other[k], ref[k]) for k in ref if k.startswith(("forward", "logits")) and k in other)
+def _max_diff(ref: dict, other: dict, mask=None) -> float:
+    keys = [k for k in ref if k.startswith(("forward", "logits")) and k in other]
+    return max(logits_diff(other[k], ref[k], mask if k == "forward" else None) for k in keys)
 
 
-def fp32_internals(model, ids, more, ref_out: dict, conversation, strategy: str, world: int) -> dict:
+def fp32_internals(model, ids, more, ref_out: dict, conversation, strategy: str, world: int, mask=None, decode="auto"):
     """The model's own fp32 error, ours with its internals in fp64, the prefix noise, and the bound they give
-    (`model` unpatched; every rank runs this, it applies context parallelism once)."""
+    (`model` unpatched; every rank runs this, it applies context parallelism once; `mask`: a padded batch's)."""
     pristine = copy.deepcopy(model)
     with Fp64Internals():
-        ref64 = conversation(copy.deepcopy(pristine), ids, more, [])
-    own = _max_diff(ref64, ref_out)
+        ref64 = conversation(copy.deepcopy(pristine), ids, more, [], mask)
+    own = _max_diff(ref64, ref_out, mask)
     cp = copy.deepcopy(pristine)
-    hf_contextpar.apply_context_parallel(cp, strategy=strategy)
+    hf_contextpar.apply_context_parallel(cp, strategy=strategy, decode=decode)
     try:
         with Fp64Internals():
-            ours64 = conversation(cp, ids, more, [])
+            ours64 = conversation(cp, ids, more, [], mask)
     finally:
         hf_contextpar.remove_context_parallel(cp)
     prefix = 0.0
     with torch.no_grad():
-        whole = pristine(ids).logits
-        for k in sorted({ids.shape[1] * r // n for n in (2, 3, 4) for r in range(1, n)}):
+        whole = pristine(ids).logits if mask is None else None
+        for k in sorted({ids.shape[1] * r // n for n in (2, 3, 4) for r in range(1, n)}) if mask is None else ():
             prefix = max(prefix, logits_diff(pristine(ids[:, :k]).logits, whole[:, :k]))
     tokens = all(torch.equal(ours64[k], ref64[k]) for k in ref64 if k.startswith("tokens"))
     bound = 10.0 ** math.ceil(math.log10(2 * own)) if own > 0 else FP64_EXACT
     return dict(
         model_fp32_error=own,
-        ours_with_fp64_internals=_max_diff(ref64, ours64),
+        ours_with_fp64_internals=_max_diff(ref64, ours64, mask),
         tokens_equal_with_fp64_internals=tokens,
         prefix_noise=prefix,
         bound=max(bound, FP64_EXACT),
@@ -126,7 +127,7 @@ def fp32_bound_holds(m: dict, max_diff: float) -> bool:
 
 
 # -- the sweep ----------------------------------------------------------------------------------------
-def run_variant(model, ref_out, inputs, strategy, decode, tol, world, census) -> dict:
+def run_variant(model, ref_out, inputs, strategy, decode, tol, world, census, fp64: bool) -> dict:
     """One variant on an unpatched model (left unpatched): outcome, max diff or the error."""
     ids, more, mask = inputs
     if strategy == "ulysses":
@@ -141,9 +142,16 @@ def run_variant(model, ref_out, inputs, strategy, decode, tol, world, census) ->
         rec = census.compare(ref_out, census.conversation(model, ids, more, steps, mask), tol, mask)
         exact = rec["max_diff"] <= tol and (rec["tokens_equal"] or rec["near_tie"])
         rec["outcome"] = "exact" if exact else "differs"
+        if not exact and fp64 and rec["tokens_equal"] and FP64_EXACT < rec["max_diff"] <= census.FP32_NOISE:
+            hf_contextpar.remove_context_parallel(model)
+            stage = "fp32-internals measurement"
+            m = fp32_internals(model, ids, more, ref_out, census.conversation, strategy, world, mask, decode)
+            rec["fp32_internal"] = m
+            if fp32_bound_holds(m, rec["max_diff"]):  # the model's own: within its bound, ours fp64-exact
+                rec.update(outcome="exact", tolerance=m["bound"])
     except Exception as e:
         err = census.error_record(e, steps[-1] if steps else stage)
-        refused = err["refusal"] and (stage == "apply" or steps[-1:] == ["forward"])
+        refused = err["refusal"] and (stage == "apply" or (stage == "run" and steps[-1:] == ["forward"]))
         rec = dict(outcome="refused" if refused else "crash", error=err["last_line"][:300], stage=err["stage"])
         if not refused:
             rec["where"] = err.get("where")
@@ -175,7 +183,8 @@ def sweep_family(model_type: str, base: dict, world: int, census) -> dict:
             patches.FamilyPatch(key, "census", reference_attn=ref["attn"], fp64_tolerance=base["tolerance"])
         )
     tol = base["tolerance"] if ref["dtype"] == torch.float64 else FLOAT_TOL[ref["dtype"]]
-    pad_id = model.config.get_text_config(decoder=True).pad_token_id or 0
+    pad_id = getattr(model.config.get_text_config(decoder=True), "pad_token_id", None) or 0
+    fp64 = ref["dtype"] == torch.float64
     pids, pmore, pmask = padded_batch(world, census.PROMPT, census.SECOND_TURN, pad_id)
     pmore = None if ref["note"] else pmore
     out = {}
@@ -192,7 +201,7 @@ def sweep_family(model_type: str, base: dict, world: int, census) -> dict:
                 continue
             inputs = (pids, pmore, pmask) if padded else (ids, more, None)
             r_out = padded_ref if padded else ref["out"]
-            out[name] = run_variant(model, r_out, inputs, strategy, decode, tol, world, census)
+            out[name] = run_variant(model, r_out, inputs, strategy, decode, tol, world, census, fp64)
     finally:
         if added:
             patches.REGISTRY.pop(key, None)
