@@ -61,40 +61,66 @@ def agree_at_apply(runtime, group):
 
     Each rank's settings and model shape are compared (a mismatch is an error on every rank); the
     machine facts that drive per-call choices (the planner's calibration, KV-Runahead's partition
-    table) are taken from rank 0, since each rank may have read a different file or none."""
-    import torch.distributed as dist
-
+    table) are taken from rank 0, since each rank may have read a different file or none.
+    Under tensor parallelism (runtime.tp_group) the ranks of each TP group compare first, then the
+    CP group compares and learns whether any TP group disagreed: every rank of the (cp, tp) mesh
+    meets every other's settings in two steps, and the facts come from global rank 0 (TP rank 0,
+    then CP rank 0)."""
     mine = dict(
         strategy=runtime.strategy,
         decode=runtime.decode,
         planner_rule=runtime.planner_rule,
         check_inputs=runtime.check_inputs,
         kv_interleave=runtime.kv_interleave,
-        model=model_signature(runtime.model),
+        model=model_signature(runtime.model) + (runtime.tp,),
     )
-    everyone = [None] * runtime.world
+    facts, clash = (runtime.calibration, runtime.partitions), None
+    tp_group = getattr(runtime, "tp_group", None)
+    if tp_group is not None:
+        peers = _gather_objects((mine, facts), tp_group)
+        clash = _clash(mine, [p[0] for p in peers], "tensor-parallel")
+        facts = peers[0][1]
+    everyone = _gather_objects((mine, facts, clash), group)
+    for r in everyone:  # a TP group's disagreement, reported on the CP ranks of every TP group
+        if r[2] is not None:
+            raise RankMismatchError(r[2])
+    mismatch = _clash(mine, [e[0] for e in everyone], "context-parallel")
+    if mismatch is not None:
+        raise RankMismatchError(mismatch)
+    runtime.calibration, runtime.partitions = everyone[0][1]
+
+
+def _gather_objects(obj, group) -> list:
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(everyone, (mine, runtime.calibration, runtime.partitions), group=group)
+        dist.all_gather_object(everyone, obj, group=group)
     except RuntimeError as e:  # a peer that failed before this point (its own arguments) or timed out
         raise PeerFailureError(
             f"apply_context_parallel: a peer rank did not reach the agreement step ({e}). Every rank must call "
             "apply_context_parallel with the same arguments (its error on that rank says what was wrong)."
         ) from e
+    return everyone
+
+
+def _clash(mine: dict, settings: list, kind: str) -> str | None:
+    """The message for the first setting the ranks of a group disagree on, or None."""
     for key in mine:
-        values = [e[0][key] for e in everyone]
+        values = [s[key] for s in settings]
         if any(v != values[0] for v in values):
-            raise RankMismatchError(
-                f"apply_context_parallel got a different {key} on different ranks ({values}, by rank). Every rank "
-                "must load the same model and call apply_context_parallel with the same arguments."
+            return (
+                f"apply_context_parallel got a different {key} on different {kind} ranks ({values}, by rank). Every "
+                "rank must load the same model and call apply_context_parallel with the same arguments."
             )
-    runtime.calibration, runtime.partitions = everyone[0][1], everyone[0][2]
+    return None
 
 
 class RankCheck:
     """The per-call checks that every rank got the same inputs and returned the same sequences."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, tp_group=None):
+        self.comm, self.tp_group = comm, tp_group
 
     def inputs(self, inputs, sizing: list):
         """Every rank's input fingerprint, compared before the forward's first message (see
@@ -118,17 +144,43 @@ class RankCheck:
                 fingerprint(inputs.embeds),
             ]
         )
-        self.comm.check_before_next(
-            fp.to(_check_device(ids if ids is not None else inputs.embeds)),
-            lambda everyone: self.verify(everyone, "inputs"),
-        )
+        fp = fp.to(_check_device(ids if ids is not None else inputs.embeds))
+        if self.tp_group is not None:  # before the model runs: its first collective is a TP one
+            self.across_mesh(fp, "inputs")
+        else:
+            self.comm.check_before_next(fp, lambda everyone: self.verify(everyone, "inputs"))
 
     def outputs(self, sequences: torch.Tensor):
         """After generate(): every rank must hold the same sequences (covers what was sampled after
         the last forward, which no forward's input check sees)."""
         # -1 first, which no input check has: a rank still decoding meets a mismatch, not a size error
-        fp = check_vector([-1, *sequences.shape, fingerprint(sequences)])
-        self.verify(self.comm.all_gather(fp.to(_check_device(sequences)), tag="control"), "generated sequences")
+        fp = check_vector([-1, *sequences.shape, fingerprint(sequences)]).to(_check_device(sequences))
+        if self.tp_group is not None:
+            self.across_mesh(fp, "generated sequences")
+        else:
+            self.verify(self.comm.all_gather(fp, tag="control"), "generated sequences")
+
+    def across_mesh(self, fp: torch.Tensor, what: str):
+        """The check over every rank of the (cp, tp) mesh, in two all-gathers: the TP group's, then the
+        CP group's carrying whether each rank's TP group agreed, so a disagreement anywhere is an error
+        on every rank (each CP group holds one rank of every TP group)."""
+        import torch.distributed as dist
+
+        peers = [torch.empty_like(fp) for _ in range(dist.get_world_size(self.tp_group))]
+        try:
+            dist.all_gather(peers, fp, group=self.tp_group)
+        except RuntimeError as e:
+            raise PeerFailureError(f"a tensor-parallel peer rank failed or did not answer ({e}).") from e
+        agreed = all(bool(torch.equal(p, peers[0])) for p in peers)
+        everyone = self.comm.all_gather(torch.cat([fp, fp.new_tensor([int(agreed)])]), tag="control")
+        if not bool(everyone[:, -1].all()):
+            raise RankMismatchError(
+                f"tensor-parallel ranks got different {what} (a TP group's ranks differ: batch, length, cache length, "
+                "token contents or output arguments). Every rank of the (cp, tp) mesh must call the model with the "
+                "same prompt, mask, cache and arguments, and generate() with the same settings; for sampling, seed "
+                "every rank identically."
+            )
+        self.verify(everyone[:, :-1], what)
 
     def verify(self, everyone, what: str):
         if not bool((everyone == everyone[0]).all()):

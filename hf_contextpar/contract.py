@@ -71,16 +71,25 @@ def check_model(model):
     return resolve_family(config)
 
 
-def check_ulysses(config, world: int):
-    """Ulysses moves whole heads: N must divide the query heads and the KV heads (no KV head is repeated)."""
+def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
+    """Ulysses moves whole heads: N must divide the query heads and the KV heads each rank holds (no KV
+    head is repeated). held: (query heads, KV heads) this rank's attention receives under tensor
+    parallelism (costmodel.Shape.from_model reads them; the runtime checks with them); without it, a
+    model transformers loaded with tp > 1 (config.distributed_config) is left to that check."""
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv_heads = config_value(text, "num_key_value_heads") or heads
-    if not ulysses_fits(heads, kv_heads, world):
+    tensor_parallel = held is not None
+    if held is None and (getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1) > 1:
+        return
+    if held is not None:
+        heads, kv_heads = held
+    if heads == 0 or kv_heads == 0 or not ulysses_fits(heads, kv_heads, world):
+        each = " on each tensor-parallel rank" if tensor_parallel else ""
         raise HeadsNotDivisibleError(
             f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
-            f"heads and {kv_heads} KV heads, which {world} does not divide. Use strategy='ring_pass_kv' (or any "
-            f"other strategy), or a number of processes that divides {kv_heads}."
+            f"heads and {kv_heads} KV heads{each}, which {world} does not divide. Use strategy='ring_pass_kv' (or "
+            f"any other strategy), or a number of processes that divides {kv_heads}."
         )
 
 

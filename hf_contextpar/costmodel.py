@@ -121,17 +121,24 @@ class Shape:
 
     @classmethod
     def from_model(cls, model) -> Shape:
-        """The shape of a loaded model (its decoder's linear weights per layer, whatever the decoder
-        calls its layers)."""
+        """The shape of a loaded model as one rank holds it: its decoder's linear weights per layer
+        (whatever the decoder calls its layers) and, under tensor parallelism, this rank's shard of
+        them and the query and KV heads its attention receives (mesh.heads_per_rank; every rank of
+        the TP group must call this together)."""
         import torch
+
+        from .mesh import heads_per_rank, local_numel, tensor_parallel
 
         text = model.config.get_text_config(decoder=True)
         heads = text.num_attention_heads
         head_dim = config_value(text, "head_dim") or text.hidden_size // heads
-        linear = [m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+        linear = [local_numel(m.weight) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
         weights = sum(linear) // max(1, text.num_hidden_layers)
         elem = next(model.parameters()).element_size()
         kv = config_value(text, "num_key_value_heads") or heads
+        tp = tensor_parallel(model)[1]
+        if tp > 1:  # the heads this rank's attention gets (collective over the TP group)
+            heads, kv = heads_per_rank(model) or (heads // tp, kv // tp)
         return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config))
 
 

@@ -21,9 +21,10 @@ from .agreement import RankCheck
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .comm import Comm
-from .contract import InputContract, Inputs, refuse_candidate_decoding
+from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
 from .errors import PatchStateError
+from .mesh import tensor_parallel
 from .outputs import gather_outputs
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Policy, build_plan
@@ -55,7 +56,12 @@ class ContextParallelRuntime:
         self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
+        # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
+        # rank attends with the heads it holds
+        self.tp_group, self.tp = tensor_parallel(model)
         self.shape = Shape.from_model(model)
+        if strategy == "ulysses" and self.tp > 1:
+            check_ulysses(model.config, world, (self.shape.heads, self.shape.kv_heads))
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
@@ -65,7 +71,7 @@ class ContextParallelRuntime:
         self.check_inputs = check_inputs
         self.contract = InputContract(model, rank, world, ATTENTION_NAME)
         self.num_layers = self.contract.num_layers
-        self.ranks = RankCheck(self.comm)
+        self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
         self._rope_modules = []
         self._pending = []  # stack of (step token, step, grad mode, as_tuple) per running forward

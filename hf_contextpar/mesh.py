@@ -1,0 +1,168 @@
+"""Tensor parallelism inside a node x context parallelism across nodes: one 2-D device mesh.
+
+    model, cp_group, tp_group = load_tp_cp(path, tp=2, dtype=torch.bfloat16)
+    apply_context_parallel(model, group=cp_group)
+
+The mesh is (cp, tp) with TP the inner dimension: ranks r = c * tp + t, so each TP group is tp
+consecutive ranks (one node's GPUs under torchrun) and each CP group takes one rank of every TP
+group. The weights are sharded by transformers' own TP plan for the model (`base_model_tp_plan`,
+as `from_pretrained(distributed_config=DistributedConfig(tp_size=...))` applies it) and read from
+the checkpoint already sharded: each rank reads only its slices, the whole model is never built on
+any rank. transformers 5.24 builds its own device mesh over the whole world (pp x dp x fsdp x tp
+must equal WORLD_SIZE) and ignores a `device_mesh` argument; `from_pretrained` here runs with the
+TP sub-mesh of our (cp, tp) mesh in its place (`_tp_submesh`), everything else as transformers does it.
+Every TP rank then holds heads / tp query heads and kv_heads / tp KV heads of each layer, which the
+library reads (`tensor_parallel`), and context parallelism runs over the CP group unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .costmodel import config_value
+from .distributed import resolve_group
+from .errors import ContextParallelError, HeadsNotDivisibleError, UnsupportedModelError
+
+MESH_DIMS = ("cp", "pp", "dp_replicate", "fsdp", "tp")  # transformers reads pp, fsdp and tp from it
+
+
+def tensor_parallel(model) -> tuple[object, int]:
+    """(the TP process group, its size) of a model whose weights are DTensors on a 1-D mesh (transformers'
+    tensor parallelism), else (None, 1)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                raise UnsupportedModelError(
+                    f"the model's weights are sharded over a {mesh.ndim}-D device mesh; hf-contextpar runs with "
+                    "tensor parallelism on one mesh dimension (load with hf_contextpar.mesh.load_tp_cp)."
+                )
+            return (mesh.get_group(), mesh.size()) if mesh.size() > 1 else (None, 1)
+    return None, 1
+
+
+def check_tp_heads(config, tp: int) -> None:
+    """Each TP rank must hold whole heads: tp must divide the query and the KV heads."""
+    text = config.get_text_config(decoder=True)
+    heads = config_value(text, "num_attention_heads")
+    kv = config_value(text, "num_key_value_heads") or heads
+    if heads is None or heads % tp or kv % tp:
+        raise HeadsNotDivisibleError(
+            f"tensor parallelism over {tp} ranks splits every layer's heads, but this model has {heads} query and "
+            f"{kv} KV heads, which {tp} does not divide (transformers would split a head). Use a tp that divides "
+            f"{kv}, and more context-parallel ranks instead."
+        )
+
+
+def init_world(device_type: str = "cpu") -> None:
+    """The default process group, from the torchrun / accelerate environment (gloo on CPU, nccl on
+    CUDA), unless one exists; one hf-contextpar made is destroyed at exit (distributed.py)."""
+    resolve_group(None, device=torch.device(device_type))
+    if not dist.is_initialized():
+        raise ContextParallelError(
+            "tensor x context parallelism needs several processes: launch with torchrun or accelerate."
+        )
+
+
+def build_mesh(tp: int, device_type: str = "cpu"):
+    """The (cp, 1, 1, 1, tp) device mesh over the whole world (initialising the default group from the
+    torchrun environment if nobody has): (mesh, cp_group, tp_group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_world(device_type)
+    world = dist.get_world_size()
+    if tp < 1 or world % tp:
+        raise ContextParallelError(f"tp={tp} must divide the number of processes ({world}).")
+    mesh = init_device_mesh(device_type, (world // tp, 1, 1, 1, tp), mesh_dim_names=MESH_DIMS)
+    return mesh, mesh["cp"].get_group(), mesh["tp"].get_group()
+
+
+@contextlib.contextmanager
+def _tp_submesh(mesh, device):
+    """transformers' mesh factory, for the duration of one from_pretrained, returning our mesh: TP over
+    its `tp` dimension (the ranks of one TP group), pp / dp / fsdp of size 1."""
+    from transformers.distributed import mixin
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    original = mixin.initialize_distributed_mesh
+
+    def ours(distributed_config):
+        if (
+            distributed_config.tp_size != mesh["tp"].size()
+            or distributed_config.dp_size * distributed_config.pp_size > 1
+        ):
+            raise ValueError(f"_tp_submesh serves tensor parallelism over {mesh['tp'].size()} ranks only.")
+        return device, TransformersDeviceMesh(mesh, mesh)  # no expert mesh: ep_size stays 1
+
+    mixin.initialize_distributed_mesh = ours
+    try:
+        yield
+    finally:
+        mixin.initialize_distributed_mesh = original
+
+
+def load_tp_cp(path: str, tp: int, dtype=torch.float32, device: torch.device | None = None, **kwargs):
+    """A causal LM from `path` (a local directory or hub id) over the (cp, tp) mesh, its weights read
+    already sharded by transformers' TP plan: (model, cp_group, tp_group). Every rank calls it.
+    Pass cp_group to apply_context_parallel."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    device = device or torch.device("cpu")
+    check_tp_heads(AutoConfig.from_pretrained(path), tp)
+    mesh, cp_group, tp_group = build_mesh(tp, device.type)
+    if tp == 1:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+        return model.eval(), cp_group, None
+    with _tp_submesh(mesh, device):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp), **kwargs
+        )
+    got, size = tensor_parallel(model)
+    if size != tp:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no tensor-parallel plan that shards its weights (transformers' "
+            "base_model_tp_plan); it cannot run with tp > 1."
+        )
+    return model.eval(), cp_group, tp_group
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank holds of a weight (its shard, for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+PROBE = "hf_contextpar_heads_probe"
+
+
+def heads_per_rank(model) -> tuple[int, int] | None:
+    """(query heads, KV heads) this rank's attention receives under tensor parallelism: what the
+    model's TP plan leaves each rank, read from one 1-token forward of the unpatched model through a
+    probe attention (a plan may shard the heads, `colwise`, or gather them back, e.g. phi3's fused
+    QKV `colwise_gather_output`, so neither the config nor a weight's shard says it). Collective over
+    the TP group: every rank of it calls this. None where no attention call reached the probe."""
+    from transformers import AttentionInterface
+
+    seen = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        seen.append((query.shape[1], key.shape[1]))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register(PROBE, probe)
+    original = model.config._attn_implementation
+    device = next(model.parameters()).device
+    model.set_attn_implementation(PROBE)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        model.set_attn_implementation(original)
+    return seen[0] if seen else None

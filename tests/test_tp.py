@@ -1,0 +1,79 @@
+"""Tensor parallelism inside x context parallelism across (hf_contextpar.mesh, issue 29): TP 2 x CP 2
+on 4 gloo processes against the unpatched model on one process, and the refusals."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import matrix, tolerance  # noqa: E402
+from tp_worker import FAMILIES  # noqa: E402
+
+from hf_contextpar.contract import check_ulysses  # noqa: E402
+from hf_contextpar.errors import HeadsNotDivisibleError  # noqa: E402
+from hf_contextpar.mesh import check_tp_heads  # noqa: E402
+from hf_contextpar.tools.models import tiny_config  # noqa: E402
+
+# (query, KV) heads each rank's attention receives: qwen2's plan shards them, phi3's gathers its
+# fused QKV back (every rank attends with all heads)
+HEADS = {"qwen2": [2, 1], "phi3": [4, 4], "qwen3": [2, 1], "qwen2_wide": [4, 2]}
+
+
+def results(tmp_path_factory):
+    return matrix("tp_worker.py", 4, tmp_path_factory)
+
+
+def by_case(records):
+    return {(r["family"], r["case"]): r for r in records}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp_cp_exact(family, tmp_path_factory):
+    """Every strategy, both decode modes and two turns: fp64 logits within the oracle's bound, tokens
+    identical, on all 4 ranks; each rank attends with the heads it holds and holds about half the weights."""
+    for rank, records in enumerate(results(tmp_path_factory)):
+        mine = {case: r for (fam, case), r in by_case(records).items() if fam == family}
+        expected = [*FAMILIES[family][1], "ring_pass_q_decode"] + (["two_turns"] if family != "qwen2_wide" else [])
+        assert set(expected) <= set(mine), f"rank {rank}: {sorted(mine)}"
+        for case in expected:
+            r = mine[case]
+            assert "error" not in r, f"rank {rank} {family} {case}: {r.get('message')}"
+            assert r["max_diff"] <= tolerance(family.split("_")[0], "float64"), f"rank {rank} {family} {case}: {r}"
+            assert r["tokens_equal"], f"rank {rank} {family} {case}"
+            if "heads" in r:
+                assert r["heads"] == HEADS[family], f"rank {rank} {family}: {r['heads']}"
+                assert 0.4 < r["weights_held"] < 0.75, f"rank {rank} {family}: holds {r['weights_held']:.2f}"
+            if case in FAMILIES[family][1] and case != "auto":
+                assert r["algorithms"].get(case) == 2, r["algorithms"]
+        if "ring_pass_q_decode" in mine:
+            assert mine["ring_pass_q_decode"]["algorithms"].get("ring_pass_q_decode", 0) > 0
+
+
+def test_tp_disagreements_fail_on_every_rank(tmp_path_factory):
+    """TP peers given different strategies, or different inputs, while each CP group agrees within
+    itself: a RankMismatchError on all 4 ranks (no gloo abort, no hang), and the model runs exactly after."""
+    for rank, records in enumerate(results(tmp_path_factory)):
+        cases = by_case(records)
+        assert cases[("qwen2", "strategy_differs")].get("error") == "RankMismatchError", rank
+        assert "tensor-parallel" in cases[("qwen2", "strategy_differs")]["message"]
+        assert cases[("qwen2", "inputs_differ")].get("error") == "RankMismatchError", rank
+        assert cases[("qwen2", "ulysses_refused")].get("error") == "HeadsNotDivisibleError", rank
+        after = cases[("qwen2", "after_errors")]
+        assert "error" not in after and after["tokens_equal"] and after["max_diff"] <= tolerance("qwen2", "float64")
+
+
+def test_tp_head_checks():
+    """Load-time refusal where tp does not divide the heads; Ulysses reads the heads a rank holds."""
+    config = tiny_config("llama")  # 4 query / 2 KV heads
+    check_tp_heads(config, 2)
+    with pytest.raises(HeadsNotDivisibleError):
+        check_tp_heads(config, 4)
+    check_ulysses(config, 2)
+    check_ulysses(config, 2, held=(4, 2))
+    with pytest.raises(HeadsNotDivisibleError):
+        check_ulysses(config, 2, held=(2, 1))
+    with pytest.raises(HeadsNotDivisibleError):
+        check_ulysses(config, 2, held=(0, 0))

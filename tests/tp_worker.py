@@ -1,0 +1,151 @@
+"""One rank of the tensor x context parallel matrix: 4 ranks as TP 2 x CP 2 (hf_contextpar.mesh), each
+family's tiny model saved once and read back sharded by transformers' TP plan, then patched over the
+CP group; every strategy, both decode modes, a padded batch and two turns against the unpatched
+model on one process (fp64), and the disagreements between TP peers (an error on every rank, no
+hang). Writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+from hf_contextpar.eval import logits_diff
+from launch import write_records
+
+import hf_contextpar
+from hf_contextpar.mesh import init_world, load_tp_cp, local_numel
+from hf_contextpar.tools.models import tiny_model
+
+TP = 2
+# family -> (config overrides, strategies); qwen2: QKV bias + a sliding layer, phi3: fused QKV (its TP
+# plan gathers the heads back: every rank attends with all 4), qwen3: QK-norm
+FAMILIES = {
+    "qwen2": ({}, ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "auto"]),
+    "phi3": ({}, ["ring_pass_kv", "ring_pass_q", "ulysses"]),
+    "qwen3": ({}, ["ring_pass_kv", "ring_pass_q", "allgather_kv"]),
+    # 8 query / 4 KV heads: 4 / 2 per TP rank, so Ulysses splits them over CP 2
+    "qwen2_wide": (dict(num_attention_heads=8, num_key_value_heads=4), ["ulysses"]),
+}
+
+
+def load(family: str, overrides: dict):
+    """(TP-sharded model, cp group, unpatched whole model) for a tiny family, fp64."""
+    model_type = family.split("_")[0]
+    where = [tempfile.mkdtemp(prefix="tp_worker_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    ref = tiny_model(model_type, dtype=torch.float64, **overrides)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(where[0])
+    dist.barrier()
+    model, cp, _ = load_tp_cp(where[0], TP, torch.float64, attn_implementation="sdpa")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    return model, cp, ref
+
+
+def batch(seed: int, b: int = 2, t: int = 29):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (b, t), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    return ids, mask
+
+
+@torch.no_grad()
+def prefill_and_generate(model, ref, cp, strategy, decode, seed):
+    ids, mask = batch(seed)
+    hf_contextpar.apply_context_parallel(model, group=cp, strategy=strategy, decode=decode)
+    try:
+        diff = logits_diff(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask)
+        kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        same = torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+        runtime = hf_contextpar.get_runtime(model)
+        algorithms, heads = dict(runtime.algorithm_counts), (runtime.shape.heads, runtime.shape.kv_heads)
+    finally:
+        hf_contextpar.remove_context_parallel(model)
+    held = sum(local_numel(p) for p in model.parameters()) / sum(p.numel() for p in model.parameters())
+    return dict(max_diff=diff, tokens_equal=same, algorithms=algorithms, heads=heads, weights_held=held)
+
+
+@torch.no_grad()
+def two_turns(model, ref, cp, seed):
+    """A padded first turn, a second turn over the cache, then generate() continuing from it."""
+    ids, mask = batch(seed)
+    more = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(seed + 1))
+    hf_contextpar.apply_context_parallel(model, group=cp, strategy="auto")
+    try:
+        a, b = ref(ids, attention_mask=mask, use_cache=True), model(ids, attention_mask=mask, use_cache=True)
+        worst = logits_diff(b.logits, a.logits, mask)
+        mask2 = torch.cat([mask, torch.ones_like(more)], 1)
+        a2 = ref(more, attention_mask=mask2, past_key_values=a.past_key_values, use_cache=True)
+        b2 = model(more, attention_mask=mask2, past_key_values=b.past_key_values, use_cache=True)
+        worst = max(worst, logits_diff(b2.logits, a2.logits, torch.ones_like(more)))
+        nxt = torch.cat([ids, more, more[:, :3]], 1)
+        mask3 = torch.cat([mask2, torch.ones(2, 3, dtype=torch.long)], 1)
+        kw = dict(attention_mask=mask3, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        same = torch.equal(
+            model.generate(nxt, past_key_values=b2.past_key_values, **kw),
+            ref.generate(nxt, past_key_values=a2.past_key_values, **kw),
+        )
+    finally:
+        hf_contextpar.remove_context_parallel(model)
+    return dict(max_diff=worst, tokens_equal=same)
+
+
+def tp_peers_disagree_on_strategy(model, cp):
+    """TP index 1 asks for pass-Q, TP index 0 for pass-KV: each CP group agrees within itself."""
+    strategy = "ring_pass_q" if dist.get_rank() % TP else "ring_pass_kv"
+    hf_contextpar.apply_context_parallel(model, group=cp, strategy=strategy)
+    hf_contextpar.remove_context_parallel(model)
+    return dict(applied=True)
+
+
+@torch.no_grad()
+def tp_peers_disagree_on_inputs(model, cp):
+    """TP index 1 gets one more token than TP index 0: each CP group's inputs agree within itself."""
+    hf_contextpar.apply_context_parallel(model, group=cp, strategy="ring_pass_kv")
+    try:
+        ids = torch.arange(20 + dist.get_rank() % TP)[None] % 256
+        model(ids)
+    finally:
+        hf_contextpar.remove_context_parallel(model)
+    return dict(forward=True)
+
+
+def main():
+    torch.set_num_threads(1)
+    init_world("cpu")
+    records = []
+
+    def record(family, case, fn, *args):
+        try:
+            records.append(dict(family=family, case=case, **fn(*args)))
+        except Exception as e:
+            records.append(
+                dict(family=family, case=case, error=type(e).__name__, message=f"{e}\n{traceback.format_exc()[-1500:]}")
+            )
+
+    for family, (overrides, strategies) in FAMILIES.items():
+        model, cp, ref = load(family, overrides)
+        for i, strategy in enumerate(strategies):
+            record(family, strategy, prefill_and_generate, model, ref, cp, strategy, "replicated", 10 + i)
+        record(family, "ring_pass_q_decode", prefill_and_generate, model, ref, cp, "ring_pass_kv", "ring_pass_q", 7)
+        if family == "qwen2":
+            record(family, "ulysses_refused", prefill_and_generate, model, ref, cp, "ulysses", "replicated", 3)
+            record(family, "two_turns", two_turns, model, ref, cp, 5)
+            record(family, "strategy_differs", tp_peers_disagree_on_strategy, model, cp)
+            record(family, "inputs_differ", tp_peers_disagree_on_inputs, model, cp)
+            record(family, "after_errors", prefill_and_generate, model, ref, cp, "ring_pass_kv", "replicated", 4)
+        elif family in ("phi3", "qwen3"):
+            record(family, "two_turns", two_turns, model, ref, cp, 6)
+    write_records(os.environ.get("TP_WORKER_OUT", sys.argv[1]), records)
+
+
+if __name__ == "__main__":
+    main()
