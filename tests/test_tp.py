@@ -4,18 +4,20 @@ on 4 gloo processes against the unpatched model on one process, and the refusals
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import matrix, tolerance  # noqa: E402
+from launch import free_port, matrix, tolerance  # noqa: E402
 from tp_worker import FAMILIES  # noqa: E402
 
 from hf_contextpar.contract import check_ulysses  # noqa: E402
 from hf_contextpar.errors import HeadsNotDivisibleError  # noqa: E402
 from hf_contextpar.mesh import check_tp_heads  # noqa: E402
-from hf_contextpar.tools.models import tiny_config  # noqa: E402
+from hf_contextpar.tools.models import builtin_model_path, tiny_config  # noqa: E402
 
 # (query, KV) heads each rank's attention receives: qwen2's plan shards them, phi3's gathers its
 # fused QKV back (every rank attends with all heads)
@@ -77,3 +79,24 @@ def test_tp_head_checks():
         check_ulysses(config, 2, held=(2, 1))
     with pytest.raises(HeadsNotDivisibleError):
         check_ulysses(config, 2, held=(0, 0))
+
+
+def test_main_job_tp2_cp2():
+    """`torchrun --nproc_per_node 4 -m hf_contextpar generate --tp 2`: the needle's answer, the tokens of
+    the unpatched model on one process, each rank's KV and weights about half of CP alone's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
+    cmd += ["-m", "hf_contextpar", "generate", "--tp", "2", "--prompt-tokens", "1024"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    why = f"rc {res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, why
+    assert "expected: '7341' -> correct" in res.stdout and "tokens identical: True" in res.stdout, why
+    assert "processes TP 2 x CP 2" in res.stdout, why
+    rows = re.findall(
+        r"rank (\d) \(cp (\d), tp (\d)\): KV cache (\d+) tokens/layer, ([\d.]+) MiB, weights ([\d.]+)", res.stdout
+    )
+    assert [(int(r), int(c), int(t)) for r, c, t, *_ in rows] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)], why
+    prompt, new = (int(re.search(rf"{w} (\d+) tokens", res.stdout).group(1)) for w in ("prompt", "new"))
+    assert sum(int(r[3]) for r in rows[::2]) == prompt + new - 1, why  # each CP group holds every token once
+    whole = os.path.getsize(os.path.join(builtin_model_path("needle-lm"), "model.safetensors")) / 2**20
+    assert all(float(r[5]) < 0.55 * whole for r in rows), why  # the tied embedding / head is sharded too

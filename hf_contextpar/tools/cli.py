@@ -92,7 +92,13 @@ def cmd_generate(args):
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
-    model, tok = load(args.model, DTYPES[args.dtype], device)
+    tp_group = None
+    if args.tp > 1:  # weights read already sharded (tpload); the baseline loads the whole model on rank 0
+        from .tpload import load_tp
+
+        model, tok, cp_group, tp_group = load_tp(args.model, args.tp, DTYPES[args.dtype], device)
+    else:
+        model, tok = load(args.model, DTYPES[args.dtype], device)
     task = None
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -113,10 +119,17 @@ def cmd_generate(args):
 
     baseline = None
     if args.baseline and rank == 0:
-        out, ttft, tok_s = _timed_generate(model, inputs, args.max_new_tokens)
+        whole = load(args.model, DTYPES[args.dtype], device)[0] if tp_group is not None else model
+        out, ttft, tok_s = _timed_generate(whole, inputs, args.max_new_tokens)
         baseline = (out.sequences, ttft, tok_s)
+        del whole
     hf_contextpar.apply_context_parallel(
-        model, strategy=args.strategy, decode=args.decode, timeout=args.timeout, kvr_partitions=args.kvr_partitions
+        model,
+        strategy=args.strategy,
+        decode=args.decode,
+        timeout=args.timeout,
+        kvr_partitions=args.kvr_partitions,
+        **(dict(group=cp_group) if tp_group is not None else {}),
     )
     runtime = hf_contextpar.get_runtime(model)
     world = runtime.world if runtime else 1
@@ -130,9 +143,19 @@ def cmd_generate(args):
             cache.local_nbytes() if runtime else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
         ]
     )
-    per_rank = (
-        runtime.comm.all_gather(local.to(device if cuda else "cpu"), tag="control").cpu() if runtime else local[None]
-    )
+    if tp_group is not None:  # every rank of the mesh: KV and weights (r = cp index * tp + tp index)
+        from .tpload import weight_bytes
+
+        local = torch.cat([local, torch.tensor([weight_bytes(model)])]).to(device)
+        per_rank = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(per_rank, local)
+        per_rank = torch.stack(per_rank).cpu()
+    else:
+        per_rank = (
+            runtime.comm.all_gather(local.to(device if cuda else "cpu"), tag="control").cpu()
+            if runtime
+            else local[None]
+        )
     if rank == 0:
         new = out.sequences[0, ids.shape[1] :]
         answer = tok.decode(new, skip_special_tokens=True)
@@ -147,13 +170,16 @@ def cmd_generate(args):
             print(f"answer:   {answer.strip()}")
             print(f"expected: {task.keywords[0]!r} -> {'correct' if found else 'WRONG'}")
         print("-" * 60)
+        layout = f"TP {args.tp} x CP {world}" if tp_group is not None else f"{world}"
         print(
-            f"model {args.model}  dtype {args.dtype}  processes {world}  prompt {ids.shape[1]} tokens  "
+            f"model {args.model}  dtype {args.dtype}  processes {layout}  prompt {ids.shape[1]} tokens  "
             f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}"
         )
         print(f"TTFT {ttft * 1000:.1f} ms   decode {tok_s:.1f} tokens/s")
-        for r, (tokens, nbytes) in enumerate(per_rank.tolist()):
-            print(f"  rank {r}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB")
+        for r, (tokens, nbytes, *weights) in enumerate(per_rank.tolist()):
+            where = f" (cp {r // args.tp}, tp {r % args.tp})" if tp_group is not None else ""
+            held = f", weights {weights[0] / 2**20:.2f} MiB" if weights else ""
+            print(f"  rank {r}{where}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB{held}")
         if baseline is not None:
             same = torch.equal(baseline[0].cpu(), out.sequences.cpu())
             print(
@@ -283,6 +309,13 @@ def main(argv=None):
         help="also run the unpatched model on rank 0 alone and compare (default on)",
     )
     g.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
+    g.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor parallelism inside groups of this many consecutive ranks (transformers' TP plan, weights "
+        "read sharded), context parallelism across the groups (default 1: context parallelism alone)",
+    )
     g.set_defaults(func=cmd_generate)
 
     def common(sp):
