@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import attention
+from . import attention, latent
 from .agreement import agree_at_apply
 from .contract import check_model, check_ulysses
 from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
@@ -103,6 +103,7 @@ def apply_context_parallel(
         release_group(group)  # a group made for this call only
         raise
     runtime.family_undo = family.apply(model) if family.apply is not None else None
+    runtime.latent_undo = latent.install(model)
     runtime.install()
     setattr(model, _ATTR, runtime)
     return model
@@ -117,6 +118,7 @@ def remove_context_parallel(model):
     model.set_attn_implementation(runtime.original_attn)
     if runtime.family_undo is not None:
         runtime.family_undo()
+    runtime.latent_undo()
     delattr(model, _ATTR)
     runtime.comm.close_shm()
     release_group(runtime.comm.group)

@@ -3,7 +3,9 @@
 Each rank stores the K/V of the tokens it owns in one buffer per layer of shape (2, batch,
 kv_heads, capacity, head_dim): every head's keys are contiguous rows, which is what the
 attention kernels stream fastest (decode at 8K keys with head_dim 32: about twice as fast as
-reading them out of a token-major buffer), and decode appends without re-concatenating. The
+reading them out of a token-major buffer), and decode appends without re-concatenating. Where
+keys and values differ in head size (MLA caches its latent as keys and the RoPE part as values)
+the buffer is (1, batch, heads, capacity, key_dim + value_dim), split by `kernels.unpack_kv`. The
 algorithms that send a shard send this layout too (`block`): straight from the buffer after a
 first prefill, which sizes it exactly, else one contiguous copy per layer. The global columns of
 every rank's tokens are replicated metadata (a few integers per token), so any rank can build
@@ -25,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from .kernels import unpack_kv
 from .plan import rank_counts, sequence_counts, window_drops
 
 
@@ -107,7 +110,8 @@ class ShardedLayer(CacheLayerMixin):
         super().__init__()
         self.layout = layout
         self.window, self.is_sliding = window, window is not None
-        self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D)
+        self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D), or (1, B, Hkv, capacity, Dk + Dv)
+        self.key_dim: int | None = None  # where a joint (1, ...) buffer splits into keys and values
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
@@ -125,14 +129,18 @@ class ShardedLayer(CacheLayerMixin):
         self.layout.record_past = True
 
     def lazy_initialization(self, key_states, value_states):
-        if key_states.shape != value_states.shape:
+        if key_states.shape[:-1] != value_states.shape[:-1]:
             raise UnsupportedModelError(
-                "hf-contextpar packs K and V together and needs them to have the same shape; "
-                f"this model has keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}."
+                "hf-contextpar packs K and V together and needs them to have the same batch, head and token "
+                f"counts; this model has keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}."
             )
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self.kv = torch.empty((2, b, h, 0, d), dtype=self.dtype, device=self.device)
+        if value_states.shape[-1] == d:
+            self.kv = torch.empty((2, b, h, 0, d), dtype=self.dtype, device=self.device)
+        else:  # keys and values of different head sizes share one buffer, side by side
+            self.key_dim = d
+            self.kv = torch.empty((1, b, h, 0, d + value_states.shape[-1]), dtype=self.dtype, device=self.device)
         self.first = 0
         self._keep(0)
         self.is_initialized = True
@@ -186,8 +194,9 @@ class ShardedLayer(CacheLayerMixin):
             n, slots = n - moved, slots - moved
             self.kv[:, :, :, self.n : n] = 0  # new slots start empty; masked, but must hold finite values
             rows, slots = rows.to(self.kv.device), slots.to(self.kv.device)
-            self.kv[0, rows, :, slots] = key_states[:, :, 0]
-            self.kv[1, rows, :, slots] = value_states[:, :, 0]
+            keys, values = unpack_kv(self.kv, self.key_dim)
+            keys[rows, :, slots] = key_states[:, :, 0]
+            values[rows, :, slots] = value_states[:, :, 0]
             self._keep(n)
             return self.keys, self.values
         if store.rows is not None and store.rows.numel() < key_states.shape[2]:
@@ -197,14 +206,16 @@ class ShardedLayer(CacheLayerMixin):
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
         m = key_states.shape[2]
         self._reserve(self.n + m)
-        self.kv[0, :, :, self.n : self.n + m] = key_states
-        self.kv[1, :, :, self.n : self.n + m] = value_states
+        keys, values = unpack_kv(self.kv[:, :, :, self.n : self.n + m], self.key_dim)
+        keys.copy_(key_states)
+        values.copy_(value_states)
         self._keep(self.n + m)
         return self.keys, self.values
 
     def block(self) -> torch.Tensor:
-        """This rank's K/V for the layer, (2, B, Hkv, tokens, D): a view of the buffer, contiguous (so it
-        can be sent as it is) while the buffer holds exactly these tokens, as after a first prefill."""
+        """This rank's K/V for the layer, (2, B, Hkv, tokens, D) (or the joint layout): a view of the buffer,
+        contiguous (so it can be sent as it is) while the buffer holds exactly these tokens, as after a
+        first prefill."""
         return self.kv[:, :, :, self.first : self.n]
 
     def get_seq_length(self) -> int:
@@ -217,7 +228,7 @@ class ShardedLayer(CacheLayerMixin):
         return -1
 
     def reset(self):
-        self.kv, self.keys, self.values, self.is_initialized = None, None, None, False
+        self.kv, self.keys, self.values, self.is_initialized, self.key_dim = None, None, None, False, None
         self.first = self.n = 0
 
     @property
@@ -233,7 +244,7 @@ class ShardedLayer(CacheLayerMixin):
     def _keep(self, n: int):
         self.n = n
         if self.kv is not None:
-            self.keys, self.values = self.kv[0, :, :, self.first : n], self.kv[1, :, :, self.first : n]
+            self.keys, self.values = unpack_kv(self.kv[:, :, :, self.first : n], self.key_dim)
 
     def _map_batch(self, fn):
         if self.kv is not None:

@@ -32,10 +32,18 @@ _MIN_WINDOW_ROWS = 64  # with a tiny window, tiles of fewer rows would only add 
 _cuda_ok: dict[torch.dtype, bool] = {}
 
 
-def unpack_kv(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_kv(kv: torch.Tensor, key_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v), each (B, Hkv, T, D), from a K/V block (2, B, Hkv, T, D): head-major, as the cache
-    stores it and as it is sent, so every head's keys are contiguous rows for the kernels."""
-    return kv[0], kv[1]
+    stores it and as it is sent, so every head's keys are contiguous rows for the kernels. Keys and
+    values of different head sizes travel side by side, (1, B, Hkv, T, Dk + Dv), split at key_dim."""
+    if kv.shape[0] == 2:
+        return kv[0], kv[1]
+    return kv[0, ..., :key_dim], kv[0, ..., key_dim:]
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The K/V block `unpack_kv` reads: (2, ...) for keys and values of one head size, else side by side."""
+    return torch.stack([k, v]) if k.shape[-1] == v.shape[-1] else torch.cat([k, v], dim=-1).unsqueeze(0)
 
 
 def block_shape(like: torch.Tensor, tokens: int) -> tuple:

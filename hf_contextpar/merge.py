@@ -143,7 +143,7 @@ def pack_partial(res, shape, dtype, device):
     if res is None:
         packed[..., :d], packed[..., d] = 0.0, -float("inf")
     else:
-        packed[..., :d], packed[..., d] = res[0], res[1]
+        packed[..., :d], packed[..., d] = res[0][..., :d], res[1]  # a padded output's zero columns stay home
     return packed
 
 

@@ -6,16 +6,34 @@ build it too, to run the attention algorithms without a model or a process group
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .comm import Comm
+from .kernels import unpack_kv
 from .plan import ForwardPlan
 
 if TYPE_CHECKING:
     from .cache import ShardedCache
+
+
+@dataclass
+class LayerKV:
+    """How the running layer's K/V blocks (as cached and sent) become the keys and values it attends with."""
+
+    key_dim: int | None = None  # keys and values of different head sizes: where a block splits
+    expand: Callable | None = None  # latent KV: the module's expand_kv(cached_k, cached_v) -> (k, v)
+    local: tuple | None = None  # latent KV: this rank's block as the model expanded it itself
+    width: int | None = None  # one head size for all of q, k, v (the fused kernels need it): zero-pad to it
+    out_dim: int | None = None  # the values' head size, where it is narrower than `width`
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """Zero columns up to `width`: they add nothing to a dot product, and an output's are cut off."""
+        short = (self.width or 0) - t.shape[-1]
+        return torch.nn.functional.pad(t, (0, short)) if short > 0 else t
 
 
 @dataclass
@@ -30,9 +48,25 @@ class Step:
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
     sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
+    kv: LayerKV = field(default_factory=LayerKV)  # the running layer's K/V blocks, set by the attention adapter
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
+
+    def unpack(self, block: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) to attend to from rank src's K/V block of the running layer."""
+        kv = self.kv
+        if kv.local is not None and src == self.comm.rank:
+            k, v = kv.local
+        else:
+            k, v = unpack_kv(block, kv.key_dim)
+            if kv.expand is not None:
+                k, v = kv.expand(k, v)
+        return kv.pad(k), kv.pad(v)
+
+    def out_shape(self, q: torch.Tensor) -> tuple:
+        """The shape of the attention output for queries q: the values' head size, not the padded one."""
+        return (*q.shape[:-1], self.kv.out_dim or q.shape[-1])
 
     @property
     def algorithm(self) -> str:

@@ -112,6 +112,17 @@ for _patch in [
         ),
         reference_attn="eager",
     ),
+    # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
+    # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
+    # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
+    # kernel alone moves fp32 logits by 1e-3; at 0.05, 4e-6
+    FamilyPatch(
+        "deepseek_v3",
+        "DeepSeek-V3 / R1, Kimi-K2: multi-head latent attention (the cache holds the latent, never per-head K/V)",
+        tiny=dict(
+            num_attention_heads=2, num_key_value_heads=2, head_dim=64, first_k_dense_replace=2, initializer_range=0.05
+        ),
+    ),
 ]:
     register(_patch)
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))

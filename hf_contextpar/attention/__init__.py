@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from contextvars import ContextVar
 
-import torch
-
+from .. import latent
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from ..kernels import pack_kv
 from ..merge import with_sink
+from ..step import LayerKV
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
 from .kv_runahead import kv_runahead
@@ -57,7 +58,11 @@ def context_parallel_attention(
             "or set the config's attention_dropout to 0."
         )
     idx = module.layer_idx
-    if idx in step.attended or (step.cache is not None and not _handed(step.cache.layers[idx], key, value)):
+    expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
+    if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
+        expanded = None
+    cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
+    if idx in step.attended or (step.cache is not None and not _handed(step.cache.layers[idx], cached_k, cached_v)):
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than its cache "
             f"layer {idx} holds, or more than once per forward: hf-contextpar takes each layer's K/V from its "
@@ -79,15 +84,29 @@ def context_parallel_attention(
         if step.algorithm not in STAY_LOCAL:  # a message: the cache buffer itself when it holds just these
             kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block
-        kv_local = torch.stack([key, value])
+        kv_local = pack_kv(cached_k, cached_v)
+    if expanded is not None and step.algorithm == "ulysses":
+        raise UnsupportedModelError(
+            f"{type(module).__name__} caches one latent for all heads (MLA), which Ulysses cannot split by head: "
+            "use strategy='auto' or any ring strategy."
+        )
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    width = max(query.shape[-1], value.shape[-1])
     step.layer, step.sinks = idx, kwargs.get("s_aux")
-    out, lse = ALGORITHMS[step.algorithm](step, query, kv_local, scale=scale, window=sliding_window, softcap=softcap)
+    step.kv = LayerKV(
+        key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
+        expand=expanded.expand if expanded is not None else None,
+        local=(key, value) if expanded is not None else None,
+        width=width if key.shape[-1] != value.shape[-1] else None,
+        out_dim=value.shape[-1] if value.shape[-1] < width else None,
+    )
+    q = step.kv.pad(query)
+    out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=sliding_window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
-        out = query.new_zeros(query.shape)
+        out = q.new_zeros(step.out_shape(q))
     elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
         out = with_sink(out, lse, step.sinks)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def _handed(layer, key, value) -> bool:

@@ -9,7 +9,7 @@ attention. Simple and exact; unlike the ring, memory peaks at the whole layer's 
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape, unpack_kv
+from ..kernels import attend, block_shape
 from ..merge import Accumulator
 
 
@@ -19,7 +19,7 @@ def allgather_kv(step, q, kv_local, **attn):
     acc = Accumulator(q.shape[2])
     for src in [(rank + i) % world for i in range(world)]:  # our own block first, while the others land
         block = blocks[src].wait()
-        k, v = unpack_kv(block)
+        k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
         blocks[src] = None  # drop each gathered block as soon as it is attended
     return acc.result() or (None, None)

@@ -9,13 +9,13 @@ that merge here.
 
 from __future__ import annotations
 
-from ..kernels import acc_dtype, attend, unpack_kv
+from ..kernels import acc_dtype, attend
 from ..merge import merge_packed_out, pack_partial
 
 
 def sharded_kv_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = unpack_kv(kv_local)
+    k, v = step.unpack(kv_local, rank)
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
-    packed = pack_partial(res, q.shape, acc_dtype(q.dtype), q.device)
+    packed = pack_partial(res, step.out_shape(q), acc_dtype(q.dtype), q.device)
     return merge_packed_out(step.comm.all_gather(packed), step.sinks), None  # no caller reads a decode LSE

@@ -15,7 +15,7 @@ Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape, unpack_kv
+from ..kernels import attend, block_shape
 from ..merge import Accumulator
 
 
@@ -43,7 +43,7 @@ def kv_runahead(step, q, kv_local, **attn):
         src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
         if i > 0 and not last:
             sends.append(comm.send_next(block))
-        k, v = unpack_kv(block)
+        k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
     if step.layer + 1 < step.num_layers:
         _post_receives(step, step.layer + 1, kv_local)

@@ -3,10 +3,10 @@ which every rank runs whole), so no message is needed."""
 
 from __future__ import annotations
 
-from ..kernels import attend, unpack_kv
+from ..kernels import attend
 
 
 def local(step, q, kv_local, **attn):
-    k, v = unpack_kv(kv_local)
+    k, v = step.unpack(kv_local, step.comm.rank)
     res = attend(q, k, v, step.q_cols, step.q_cols, key_valid=step.key_valid(None), **attn)
     return res if res is not None else (None, None)

@@ -9,7 +9,7 @@ size exchange. Partials merge by LSE in the accumulation dtype.
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape, unpack_kv
+from ..kernels import attend, block_shape
 from ..merge import Accumulator
 
 
@@ -22,7 +22,7 @@ def ring_pass_kv(step, q, kv_local, **attn):
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
             pending = comm.send_recv(block, block_shape(block, step.kv_size(nxt)))
-        k, v = unpack_kv(block)
+        k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
         if pending is not None:
             block, src = pending.wait(), nxt

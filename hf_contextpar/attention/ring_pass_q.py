@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import acc_dtype, attend, unpack_kv
+from ..kernels import acc_dtype, attend
 from ..merge import merge_packed, pack_partial
 
 
@@ -27,17 +27,17 @@ def pass_q(step, q, block_shape, attend_block):
         if hop < world - 1:
             nxt = (rank - hop - 1) % world
             pending = comm.send_recv(block, block_shape(nxt))
-        partial[src] = pack_partial(attend_block(src, block), block.shape, acc_dtype(q.dtype), q.device)
+        partial[src] = pack_partial(attend_block(src, block), step.out_shape(block), acc_dtype(q.dtype), q.device)
         if pending is not None:
             block, src = pending.wait(), nxt
-    b, h, t, d = q.shape
+    b, h, t, d = step.out_shape(q)
     home = comm.all_to_all(partial, [(b, h, t, d + 1)] * world)
     return merge_packed(torch.stack(home))
 
 
 def ring_pass_q(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = unpack_kv(kv_local)
+    k, v = step.unpack(kv_local, rank)
     b, h, _, d = q.shape
     key_valid = step.key_valid(rank)
     return pass_q(

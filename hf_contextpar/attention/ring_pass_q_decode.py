@@ -10,13 +10,13 @@ slice start::N, so selecting them from the cache is a view, not a copy.
 
 from __future__ import annotations
 
-from ..kernels import attend, unpack_kv
+from ..kernels import attend
 from .ring_pass_q import pass_q
 
 
 def ring_pass_q_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
-    k, v = unpack_kv(kv_local)
+    k, v = step.unpack(kv_local, rank)
     cols = step.kv_cols[rank]
     _, h, t, d = q.shape
 

@@ -16,30 +16,33 @@ import torch
 
 
 def ulysses(step, q, kv_local, **attn):
-    from ..kernels import attend, unpack_kv
+    from ..kernels import attend
     from ..merge import with_sink
 
     comm, world = step.comm, step.comm.world
-    b, h, t, d = q.shape
+    b, h, t, d = step.out_shape(q)  # d: the output's head size (the values')
     hq, hk = h // world, kv_local.shape[2] // world
     q_sizes = [c.numel() for c in step.q_cols_all]
     kv_sizes = [c.numel() for c in step.kv_cols]
     # sequence-sharded -> head-sharded
-    qs = comm.all_to_all([q[:, j * hq : (j + 1) * hq] for j in range(world)], [(b, hq, n, d) for n in q_sizes])
+    qs = comm.all_to_all(
+        [q[:, j * hq : (j + 1) * hq] for j in range(world)], [(b, hq, n, q.shape[-1]) for n in q_sizes]
+    )
     kvs = comm.all_to_all(
-        [kv_local[:, :, j * hk : (j + 1) * hk] for j in range(world)], [(2, b, hk, n, d) for n in kv_sizes]
+        [kv_local[:, :, j * hk : (j + 1) * hk] for j in range(world)],
+        [(kv_local.shape[0], b, hk, n, kv_local.shape[-1]) for n in kv_sizes],
     )
     q_cols, q_order = torch.cat(step.q_cols_all).sort()
     k_cols, k_order = torch.cat(step.kv_cols).sort()
     qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))
-    k, v = unpack_kv(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)))
+    k, v = step.unpack(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)), None)
     key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
     res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
     if res is None:
-        out = qh.new_zeros(qh.shape, dtype=torch.float32)
+        out = qh.new_zeros(step.out_shape(qh), dtype=torch.float32)
     else:
         out = res[0] if step.sinks is None else with_sink(*res, step.sinks[comm.rank * hq : (comm.rank + 1) * hq])
     # head-sharded -> sequence-sharded: rank i gets its own tokens back, for our heads
-    out = out.to(q.dtype).index_select(2, q_order.argsort().to(q.device))
+    out = out[..., :d].to(q.dtype).index_select(2, q_order.argsort().to(q.device))
     back = comm.all_to_all(list(out.split(q_sizes, dim=2)), [(b, hq, t, d)] * world)
     return torch.cat(back, dim=1), None

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .. import kernels
 from ..comm import CommStats
 from ..errors import ContextParallelError
 
@@ -323,13 +324,13 @@ def local_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_kv(cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
-    """The (2, B, Hkv, slots, D) K/V block a rank holds for key columns `cols` (1D, or (B, slots)
+    """The K/V block (`kernels.pack_kv`'s layout) a rank holds for key columns `cols` (1D, or (B, slots)
     with -1 for empty slots, filled with `empty`), from whole-sequence k, v (B, Hkv, S, D)."""
     if cols.dim() == 1:
-        kv = torch.stack([k, v]).index_select(3, cols.to(k.device))  # (2, B, Hkv, slots, D)
+        kv = kernels.pack_kv(k, v).index_select(3, cols.to(k.device))  # (2 or 1, B, Hkv, slots, D)
     else:
         idx = cols.clamp(min=0).to(k.device)
-        kv = torch.stack([torch.stack([x[b].index_select(1, idx[b]) for b in range(x.shape[0])]) for x in (k, v)])
+        kv = kernels.pack_kv(*(torch.stack([x[b].index_select(1, idx[b]) for b in range(x.shape[0])]) for x in (k, v)))
         hole = (cols < 0).to(k.device)[None, :, None, :, None]
         kv = kv.masked_fill(hole, empty)
     return kv.contiguous()
@@ -358,13 +359,15 @@ def run_algorithm(
     algorithm=None,
     num_layers: int = 1,
     timeout: float = 60.0,
+    layer_kv=None,
 ):
     """Run the plan's attention algorithm on every simulated rank, for `num_layers` layers.
 
     qs[r], kvs[r]: rank r's queries (B_r, H, T_r, D) and K/V block (2, B, Hkv, slots, D), used by
     every layer (layers exercise what an algorithm carries from one layer to the next, e.g.
     KV-Runahead's early receives). `algorithm`: a registry name or a callable with the same
-    signature (default: plan.algorithm). Returns (outputs, comms): outputs[r][layer] = (out, lse)
+    signature (default: plan.algorithm). layer_kv(rank): that rank's `step.LayerKV` (latent or
+    mixed head sizes), whose padding and output width are applied as the attention adapter does. Returns (outputs, comms): outputs[r][layer] = (out, lse)
     as the algorithm returned them, comms[r] = rank r's SimulatedComm (its `stats` and `tagged`
     byte counts).
     """
@@ -376,10 +379,14 @@ def run_algorithm(
 
     def rank_body(comm):
         step = Step(plan, comm, None, num_layers)
+        if layer_kv is not None:
+            step.kv = layer_kv(comm.rank)
+        q = step.kv.pad(qs[comm.rank])
         outs = []
         for layer in range(num_layers):
             step.layer = layer
-            outs.append(fn(step, qs[comm.rank], kvs[comm.rank], scale=scale, window=window, softcap=softcap))
+            out, lse = fn(step, q, kvs[comm.rank], scale=scale, window=window, softcap=softcap)
+            outs.append((out[..., : step.out_shape(q)[-1]] if out is not None else None, lse))
         return outs
 
     outputs = sim.run([rank_body] * plan.world)

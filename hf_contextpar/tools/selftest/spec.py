@@ -26,7 +26,10 @@ from ..simulated import local_rows, run_algorithm, shard_inputs
 HEAD_DIM = 8
 SCALE = 0.3  # not 1/sqrt(D): an algorithm that drops `scale` must fail
 SOFTCAP = 1.5
-HEADS = {"gqa": (8, 2), "mha": (4, 4)}
+HEADS = {"gqa": (8, 2), "mha": (4, 4), "mla": (4, 1)}
+# "mla", multi-head latent attention: a token caches a latent and a RoPE part (one "head"), which expand to
+# every query head's keys (NOPE + ROPE wide) and values (VALUE wide, narrower than the keys)
+LATENT, ROPE, NOPE, VALUE = 12, 4, 8, 6
 # (dtype, tolerance on every rank's out and LSE) per device type. CUDA: the kernel swap's tolerances
 # (kernels.cuda_kernel_ok); bf16 also rounds each block's output to 8 bits, fp16 to 11.
 DTYPES = {
@@ -73,6 +76,7 @@ CASES = [
 def heads_for(case: Case, n: int, heads: str) -> tuple[int, int]:
     """(query heads, KV heads); Ulysses needs N to divide both, so its heads scale with N."""
     if case.algorithm == "ulysses":
+        _require(heads != "mla", "Ulysses cannot split a latent by head: the attention adapter refuses it")
         return (4 * n, n) if heads == "gqa" else (n, n)
     return HEADS[heads]
 
@@ -187,14 +191,18 @@ def make_padding(batch: int, total: int, gen) -> torch.Tensor:
 
 
 # -- traffic ------------------------------------------------------------------------------------
-def expected_traffic(plan, rank, heads, kv_heads, e, pe):
+def expected_traffic(plan, rank, heads, kv_heads, e, pe, latent=False):
     """Bytes (sent, received) of one layer on `rank`: tests/strategy_worker.expected_bytes, generalised
     to batch B, per-rank key counts kv_size(r) (partial prefill, per-sequence tables) and decode.
-    e: bytes per element of Q/K/V; pe: of the partial (out, LSE) (fp32, fp64 for fp64 models)."""
+    e: bytes per element of Q/K/V; pe: of the partial (out, LSE) (fp32, fp64 for fp64 models).
+    latent: a token's K/V is its cached latent and RoPE part, never the expanded heads."""
     n, b, d = plan.world, plan.batch, HEAD_DIM
     kv = [plan.shards.kv_size(r) for r in range(n)]
     qn = [c.numel() for c in plan.shards.q_cols]
     kv_row, q_row, part_row = 2 * b * kv_heads * d * e, b * heads * d * e, b * heads * (d + 1) * pe
+    if latent:  # queries NOPE + ROPE wide, outputs VALUE wide
+        d = VALUE
+        kv_row, q_row, part_row = b * (LATENT + ROPE) * e, b * heads * (NOPE + ROPE) * e, b * heads * (d + 1) * pe
     nxt, KV, Q = (rank + 1) % n, sum(kv), sum(qn)
     alg = plan.algorithm
     if alg == "ring_pass_kv":  # every block but the next rank's leaves, every block but ours arrives
@@ -217,13 +225,21 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe):
         return both, both
     if alg == "ring_pass_q_decode":  # one query per sequence travels; partials come home
         rows = [len(range(b)[s]) for s in plan.shards.seq_rows]
-        one_q, one_part = heads * d * e, heads * (d + 1) * pe
+        one_q, one_part = q_row // b, part_row // b
         return (
             (b - rows[nxt]) * one_q + (b - rows[rank]) * one_part,
             (b - rows[rank]) * one_q + (n - 1) * rows[rank] * one_part,
         )
     _require(alg == "local", f"no traffic formula for {alg}")
     return 0, 0
+
+
+def latent_kv(block, expand):
+    """A rank's `step.LayerKV` for an MLA layer, as the attention adapter builds it from the model's own expansion."""
+    from ...kernels import unpack_kv
+    from ...step import LayerKV
+
+    return LayerKV(LATENT, expand, expand(*unpack_kv(block, LATENT)), NOPE + ROPE, VALUE)
 
 
 # -- one check ------------------------------------------------------------------------------------
@@ -244,17 +260,36 @@ def prepare(case: Case, n: int, length: int, heads: str, mask: str, dtype, devic
             any(p.algorithm == case.algorithm and any(c.dim() == 2 for c in p.shards.kv_cols) for p in plans),
             f"{case.name}: no per-sequence column tables",
         )
+    if heads == "mla":
+        return plans, random_latent(plans, HEADS["mla"][0], dtype, device, gen), padding, window, softcap
     return plans, random_qkv(plans, heads_for(case, n, heads), dtype, device, gen), padding, window, softcap
+
+
+def _rand(plans, heads, dim, dtype, device, gen, scale=1.5):
+    batch, total = plans[0].batch, max(p.seq_length for p in plans)
+    return (torch.randn(batch, heads, total, dim, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
 
 
 def random_qkv(plans, heads, dtype, device, gen):
     """Whole-sequence q (B, H, S, D), k, v (B, Hkv, S, D) over the longest plan's S."""
-    batch, total = plans[0].batch, max(p.seq_length for p in plans)
+    return tuple(_rand(plans, h, HEAD_DIM, dtype, device, gen) for h in (heads[0], heads[1], heads[1]))
 
-    def rand(h):
-        return (torch.randn(batch, h, total, HEAD_DIM, generator=gen, dtype=torch.float64) * 1.5).to(device, dtype)
 
-    return rand(heads[0]), rand(heads[1]), rand(heads[1])
+def random_latent(plans, heads, dtype, device, gen):
+    """Whole-sequence q (B, H, S, NOPE + ROPE), the expanded k, v, and what is cached: (latent, rope, expand)."""
+    w_k, w_v = (
+        torch.randn(LATENT, heads * d, generator=gen, dtype=torch.float64).to(device, dtype) for d in (NOPE, VALUE)
+    )
+
+    def expand(latent, rope):  # as transformers' MLA modules do: per-head projections of the latent, shared RoPE
+        b, _, t, _ = latent.shape
+        k_nope = (latent @ w_k).view(b, t, heads, NOPE).transpose(1, 2)
+        v = (latent @ w_v).view(b, t, heads, VALUE).transpose(1, 2)
+        return torch.cat([k_nope, rope.expand(-1, heads, -1, -1)], dim=-1), v
+
+    latent, rope = _rand(plans, 1, LATENT, dtype, device, gen, 0.5), _rand(plans, 1, ROPE, dtype, device, gen)
+    q = _rand(plans, heads, NOPE + ROPE, dtype, device, gen, 0.5)
+    return (q, *expand(latent, rope), (latent, rope, expand))
 
 
 def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, tol, device="cpu", timeout=60.0):
@@ -277,17 +312,26 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
     """Run each plan (forwards of one sequence, in order) on simulated ranks against whole-sequence
     attention over the longest of them; assert every rank's (out, LSE), traffic, and that ranks
     computing the same rows agree bit for bit."""
-    q, k, v = qkv
+    q, k, v, *cached = qkv
     n, batch, total, dtype = plans[0].world, plans[0].batch, q.shape[2], q.dtype
     hq, hk = q.shape[1], k.shape[1]
+    latent, rope, expand = cached[0] if cached else (k, v, None)
     valid = padding[:batch, :total].to(q.device) if padding is not None else None
     ref_out, ref_lse = reference(q, k, v, valid, SCALE, window, softcap)
     e, pe = torch.tensor([], dtype=dtype).element_size(), 8 if dtype == torch.float64 else 4
     for i, plan in enumerate(plans):
         layers = layers_for(plan)
-        qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)  # empty slots hold junk: they must stay masked
+        qs, kvs = shard_inputs(plan, q, latent, rope, empty=1e3)  # empty slots hold junk: they must stay masked
         outputs, comms = run_algorithm(
-            plan, qs, kvs, scale=SCALE, window=window, softcap=softcap, num_layers=layers, timeout=timeout
+            plan,
+            qs,
+            kvs,
+            scale=SCALE,
+            window=window,
+            softcap=softcap,
+            num_layers=layers,
+            timeout=timeout,
+            layer_kv=(lambda r: latent_kv(kvs[r], expand)) if expand is not None else None,
         )
         for r in range(n):
             where = f"plan {i} ({plan.algorithm}, past {plan.past}, new {plan.num_new}), rank {r}"
@@ -311,7 +355,7 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
                         rtol=tol,
                         msg=lambda m: f"{where}, layer {layer}: LSE differs\n{m}",
                     )
-            sent, recv = expected_traffic(plan, r, hq, hk, e, pe)
+            sent, recv = expected_traffic(plan, r, hq, hk, e, pe, latent=expand is not None)
             attention = comms[r].tagged["attention"]  # what the runtime reports as a forward's attention bytes
             got = (attention.bytes_sent, attention.bytes_received)
             _require(
