@@ -282,10 +282,11 @@ def source() -> str | None:
 
 
 def write(report, args):
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.json:  # whole or not at all: a launch that dies mid-write leaves the last report
+        with open(args.json + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
             f.write("\n")
+        os.replace(args.json + ".tmp", args.json)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(census_report.markdown(report))
@@ -306,6 +307,7 @@ def main(argv=None):
     p.add_argument("--from-json", help="only write --markdown / --verified / --readme from this report")
     p.add_argument("--sweep", action="store_true", help="run every strategy, decode mode and a padded batch at this N")
     p.add_argument("--base", help="--sweep: the census report with each family's outcome (default: --json)")
+    p.add_argument("--died", help="--sweep --resume: why the last launch died (its log's last error line)")
     p.add_argument("--verified", help="write the verified families' module (patches/verified.py)")
     p.add_argument("--readme", help="update the generated supported-models block of this README")
     p.add_argument("--source", help="what the library is, for the report (default: its git commit)")

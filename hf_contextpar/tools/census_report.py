@@ -30,7 +30,7 @@ def verdict(report: dict, rec: dict) -> tuple[bool, str]:
         if rec["outcome"] == "skipped":
             return False, f"skipped: the unpatched tiny model fails on one process ({err.get('last_line', '')})"
         return False, f"{rec['outcome']} in the census at N = 2"
-    bad, refused = [], []
+    bad, failed, refused = [], {}, {}
     for world in SWEEP_WORLDS:
         fam = report.get("sweep", {}).get(world, {}).get("families", {}).get(rec["family"])
         if fam is None:
@@ -41,12 +41,17 @@ def verdict(report: dict, rec: dict) -> tuple[bool, str]:
             continue
         for name, v in fam["variants"].items():
             if v["outcome"] in ("crash", "differs"):
-                bad.append(f"N = {world} {name}: {v['outcome']}")
-            elif v["outcome"] == "refused":
-                refused.append(f"N = {world} {name}")
+                failed.setdefault(f"{v['outcome']} under {name}", []).append(world)
+            elif v["outcome"] in ("refused", "skipped"):
+                refused.setdefault(f"{name} {v['outcome']}", []).append(world)
+    bad += [f"{k} at N = {', '.join(w)}" for k, w in failed.items()]
     if bad:
-        return False, "exact at N = 2 but " + "; ".join(bad[:4]) + (" ..." if len(bad) > 4 else "")
-    return True, ("refused (typed error) under " + ", ".join(refused)) if refused else ""
+        return False, "exact at N = 2 but " + "; ".join(bad)
+    unchecked = ", ".join(f"{k} at N = {', '.join(w)}" for k, w in refused.items())
+    return (
+        True,
+        f"not exact-checked (a typed refusal, or skipped: the unpatched model fails): {unchecked}" if unchecked else "",
+    )
 
 
 def family_tolerance(report: dict, rec: dict) -> float:

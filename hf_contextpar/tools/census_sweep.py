@@ -163,8 +163,9 @@ def run_variant(model, ref_out, inputs, strategy, decode, tol, world, census, fp
     return rec
 
 
-def sweep_family(model_type: str, base: dict, world: int, census) -> dict:
-    """This rank's variants of one family the census found exact (`base`: its census record)."""
+def sweep_family(model_type: str, base: dict, world: int, census, known=None, starting=None) -> dict:
+    """This rank's variants of one family the census found exact (`base`: its census record); `known`: variants
+    recorded already (one that killed an earlier launch), `starting(name)` is called before each variant."""
     from hf_contextpar import patches
 
     t0 = time.time()
@@ -196,6 +197,11 @@ def sweep_family(model_type: str, base: dict, world: int, census) -> dict:
         except Exception as e:  # the unpatched model fails on a padded batch: its padded variants are skipped
             padded_ref = census.error_record(e, "reference (padded batch)")["last_line"][:300]
         for name, strategy, decode, padded in variants():
+            if name in (known or {}):
+                out[name] = known[name]
+                continue
+            if starting is not None:
+                starting(name)
             if padded and isinstance(padded_ref, str):
                 out[name] = dict(outcome="skipped", error=padded_ref)
                 continue
@@ -237,15 +243,27 @@ def main(args, everything, census):
         raise SystemExit(f"--sweep: {sorted(set(wanted) - set(base))} not in the census report (run the census first)")
     world, rank = dist.get_world_size(), dist.get_rank()
     old = report.get("sweep", {}).get(str(world)) if args.resume else None
+    old_running = (old or {}).get("running")
     names = [v[0] for v in variants()]
     done = old or dict(source=args.source or census.source(), date=datetime.date.today().isoformat(), families={})
     done["variants"] = names
     report.setdefault("sweep", {})[str(world)] = done
+    died = done.setdefault("died", {})  # variants that killed a launch, by family, until the family is done
+    if done.pop("running", None) and old_running:  # the last launch died inside this variant: no Python exception
+        mt, name = old_running
+        why = args.died or "the launch's processes died in this variant with no Python exception (see its log)"
+        died.setdefault(mt, {})[name] = dict(outcome="crash", error=f"the launch died: {why}"[:300], stage="launch")
+
+    def starting(mt, name):
+        if rank == 0:
+            done["running"] = [mt, name]
+            census.write(report, args)
+
     for mt in wanted:
         if mt in done["families"]:
             continue
         try:
-            mine = sweep_family(mt, base[mt], world, census)
+            mine = sweep_family(mt, base[mt], world, census, died.get(mt), lambda name, mt=mt: starting(mt, name))
         except Exception as e:  # the census's own bug: recorded, not fatal
             mine = dict(outcome="crash", error=census.error_record(e, "sweep")["last_line"])
         everyone = [None] * world
@@ -258,6 +276,12 @@ def main(args, everything, census):
                 f"[sweep N={world}] {mt}: {rec.get('outcome') or bad or 'exact'} ({rec.get('seconds')} s)", flush=True
             )
             done["families"][mt] = rec
+            done.pop("running", None)
+            died.pop(mt, None)
+            census.write(report, args)
+    if not died:
+        done.pop("died", None)
+        if rank == 0:
             census.write(report, args)
     dist.barrier()
     dist.destroy_process_group()
