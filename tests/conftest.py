@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-# whole modules: multi-process matrices, the fuzz, process-exit checks
+# whole modules: multi-process matrices, the fuzz, process-exit checks, lm-eval runs
 SLOW_MODULES = {
     "test_fuzz.py",
     "test_geometries.py",
@@ -24,6 +24,7 @@ SLOW_MODULES = {
     "test_interleave.py",
     "test_multiturn.py",
     "test_exit.py",
+    "test_lmeval.py",
     "test_shm.py",
 }
 

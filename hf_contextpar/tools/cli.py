@@ -362,5 +362,17 @@ def main(argv=None):
 
     selftest_arguments(t)
     t.set_defaults(func=selftest)
+    sub.add_parser("lm_eval", add_help=False, help="lm-evaluation-harness with the hf-cp model (lm-eval's own flags)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm_eval"]:  # everything after it is lm-eval's: tools/lmeval.py
+        try:
+            from .lmeval import main as lm_eval
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("lm_eval"):
+                raise
+            raise SystemExit(
+                "error: lm_eval needs lm-evaluation-harness: pip install 'hf-contextpar[lmeval]'"
+            ) from None
+        return exits_cleanly(lm_eval)(argv[1:])
     args = p.parse_args(argv)
     exits_cleanly(args.func)(args)

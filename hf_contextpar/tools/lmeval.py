@@ -1,0 +1,101 @@
+"""lm-evaluation-harness with context parallelism: the `hf-cp` model and its launcher.
+
+    torchrun --nproc_per_node 2 -m hf_contextpar lm_eval --model hf-cp \\
+        --model_args pretrained=needle-lm,strategy=auto --tasks ... [any lm-eval flag]
+
+`hf-cp` is lm-eval's `hf` model (HFLM: every `hf` model argument works) with
+`apply_context_parallel` applied after loading; its own arguments: `strategy`, `decode`, `timeout`
+(apply_context_parallel's). Every rank evaluates every request, one sequence split over all ranks;
+lm-eval would otherwise shard the requests over the processes (data parallelism: with the patched
+model, each rank would then refuse its peers' different inputs). Only global rank 0 returns results,
+so only it prints and writes --output_path / --log_samples (lm-eval checks LOCAL_RANK alone, which
+is 0 on every node). lm-eval loads no plugins by itself, hence the launcher: it registers `hf-cp`,
+runs lm-eval's own command line with the arguments after `lm_eval`, then unpatches the models and
+tears the process group down before the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from ..api import remove_context_parallel
+from ..distributed import DEFAULT_TIMEOUT_S
+from .models import builtin_model_path
+
+MODEL = "hf-cp"
+_models: list = []  # every hf-cp model made in this process, unpatched by the launcher at the end
+
+
+@register_model(MODEL)
+class ContextParallelLM(HFLM):
+    """lm-eval's HFLM, patched for exact context parallelism over every process of the launch.
+
+    strategy, decode: apply_context_parallel's (default "auto"). timeout: seconds a rank waits for its
+    peers (default 300; the group lm-eval's Accelerator makes waits 52 weeks), through a group of
+    hf-contextpar's own. pretrained: anything `hf` takes, or a built-in model name (needle-lm).
+    """
+
+    def __init__(self, pretrained, strategy="auto", decode="auto", timeout=DEFAULT_TIMEOUT_S, **kwargs):
+        import hf_contextpar
+
+        if kwargs.get("parallelize") or kwargs.get("tp_plan") is not None:
+            raise ValueError(f"{MODEL}: parallelize / tp_plan do not combine with context parallelism; leave them out.")
+        if str(kwargs.get("batch_size", 1)).startswith("auto"):
+            # the search catches out-of-memory errors, which one rank may meet and its peers not: they would hang
+            raise ValueError(f"{MODEL}: --batch_size auto is not supported; give a number (default 1).")
+        if isinstance(pretrained, str):
+            pretrained = builtin_model_path(pretrained) or pretrained
+        super().__init__(pretrained=pretrained, **kwargs)
+        timeout = None if timeout in (None, "", "none", "None") else float(timeout)
+        hf_contextpar.apply_context_parallel(self._model, strategy=strategy, decode=decode, timeout=timeout)
+        runtime = hf_contextpar.get_runtime(self._model)
+        self.cp_world = runtime.world if runtime is not None else 1
+        # one model for lm-eval: no request sharding, no gathers of results between ranks
+        self._rank, self._world_size = 0, 1
+        _models.append(self)
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["context_parallel_processes"] = self.cp_world
+        return info
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _results_on_rank_zero(simple_evaluate):
+    """lm-eval's simple_evaluate, run with hf-cp only, returning results on global rank 0 alone: lm-eval's
+    command line prints and writes whatever it returns."""
+
+    def run(model=None, *args, **kwargs):
+        if model != MODEL and not isinstance(model, ContextParallelLM):
+            raise SystemExit(
+                f"error: `hf_contextpar lm_eval` runs lm-eval with --model {MODEL}, got --model {model!r}; "
+                f"under torchrun, lm-eval's own models shard the requests over the processes (data parallelism)."
+            )
+        results = simple_evaluate(model, *args, **kwargs)
+        return results if _global_rank() == 0 else None
+
+    return run
+
+
+def main(argv: list[str]) -> None:
+    """`python -m hf_contextpar lm_eval ARGS`: lm-eval's command line (`lm_eval ARGS`) with hf-cp."""
+    import lm_eval.evaluator
+    from lm_eval.__main__ import cli_evaluate
+
+    lm_eval.evaluator.simple_evaluate = _results_on_rank_zero(lm_eval.evaluator.simple_evaluate)
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()  # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
+    for lm in _models:
+        remove_context_parallel(lm.model)
+    _models.clear()
+    if dist.is_initialized():  # the group lm-eval's Accelerator made: ours to tear down, before the interpreter does
+        dist.barrier()
+        dist.destroy_process_group()

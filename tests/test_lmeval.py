@@ -1,0 +1,156 @@
+"""`hf_contextpar lm_eval` (issue 31): lm-eval's `hf-cp` model on 2 and 3 processes gives one process's
+lm-eval results for the unpatched model (`lm_eval --model hf`) on a local task (tests/lmeval_task:
+needle questions scored by loglikelihood and by generation, rolling loglikelihood over four
+documents): the same requests on every rank (no sharding), counted metrics and generations identical,
+per-sample loglikelihoods and the metrics made of them within fp32 rounding (the exactness oracle's
+logit tolerance, twice per scored token: a log-softmax moves by at most twice its logits' error), and
+only global rank 0 writing results or samples, also where every rank is a node's local rank 0.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_contextpar.eval.oracle import logit_tolerance  # noqa: E402
+from launch import free_port  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK_DIR = os.path.join(ROOT, "tests", "lmeval_task")
+MODEL = os.path.join(ROOT, "hf_contextpar", "assets", "needle-lm")
+TASKS = {"cp_needle_mc": 20, "cp_needle_gen": 20, "cp_rolling": 4}  # task -> documents
+COUNTED = ("acc", "acc_norm", "keyword")  # metrics that count answers: equal
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+
+def lm_eval_args(model: str, out) -> list[str]:
+    return [
+        *("--model", model, "--model_args", f"pretrained={MODEL},dtype=float32", "--device", "cpu"),
+        *("--tasks", ",".join(TASKS), "--include_path", TASK_DIR, "--log_samples", "--output_path", str(out)),
+    ]
+
+
+def run(cmd: list[str], env=ENV, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def written(out) -> tuple[dict, dict]:
+    """(results, {task: samples by doc_id}) of the one run written under `out`."""
+    results = glob.glob(os.path.join(str(out), "*", "results_*.json"))
+    assert len(results) == 1, f"expected one results file under {out}, found {results}"
+    samples = {}
+    for task in TASKS:
+        (path,) = glob.glob(os.path.join(os.path.dirname(results[0]), f"samples_{task}_*.jsonl"))
+        with open(path) as f:
+            samples[task] = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    with open(results[0]) as f:
+        return json.load(f), samples
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """lm-eval's own `hf` model, unpatched, one process."""
+    out = tmp_path_factory.mktemp("reference")
+    done = run(["-m", "lm_eval", *lm_eval_args("hf", out)])
+    assert done.returncode == 0, done.stderr[-4000:]
+    return written(out)
+
+
+def _tokens(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False).input_ids)
+
+
+def assert_same_evaluation(got, want):
+    """Metrics and samples of a context-parallel run against the one-process reference (module docstring)."""
+    (results, samples), (ref_results, ref_samples) = got, want
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    per_token = 2 * logit_tolerance("qwen2", "float32")
+    for task, docs in TASKS.items():
+        mine, ref = samples[task], ref_samples[task]
+        assert len(mine) == len(ref) == docs, f"{task}: {len(mine)} samples, reference {len(ref)}, task {docs}"
+        bound = {}  # doc_id -> the loglikelihood slack of its requests, summed
+        for s, r in zip(mine, ref):
+            assert (s["doc_id"], s["prompt_hash"], s["arguments"]) == (r["doc_id"], r["prompt_hash"], r["arguments"])
+            if task == "cp_needle_gen":
+                assert s["resps"] == r["resps"], f"{task} doc {s['doc_id']}: generated {s['resps']} vs {r['resps']}"
+                continue
+            slack = 0.0
+            requests = [s["arguments"][f"gen_args_{i}"] for i in range(len(s["arguments"]))]
+            for args, got_resp, want_resp in zip(requests, s["resps"], r["resps"], strict=True):
+                # one repeat per request: multiple choice [loglikelihood, is_greedy], rolling loglikelihood
+                scored = args["arg_1"] if task == "cp_needle_mc" else args["arg_0"]
+                limit = per_token * _tokens(tok, scored)
+                got_ll, want_ll = (
+                    float(x[0][0]) if task == "cp_needle_mc" else float(x[0]) for x in (got_resp, want_resp)
+                )
+                diff = abs(got_ll - want_ll)
+                assert diff <= limit, f"{task} doc {s['doc_id']}: loglikelihood differs by {diff:.3g} > {limit:.3g}"
+                slack += limit
+            bound[s["doc_id"]] = slack
+            for metric in COUNTED:
+                assert s.get(metric) == r.get(metric), f"{task} doc {s['doc_id']}: {metric} {s.get(metric)}"
+        got_metrics, want_metrics = results["results"][task], ref_results["results"][task]
+        for key, want_value in want_metrics.items():
+            metric = key.split(",")[0]
+            if metric.endswith("_stderr"):
+                continue
+            value = got_metrics[key]
+            if metric in COUNTED or key in ("name", "alias", "sample_len"):
+                assert value == want_value, f"{task} {key}: {value} vs {want_value}"
+                continue
+            # rolling metrics: exp or a multiple of -sum(loglikelihood) / sum(units), units from the samples
+            units = sum(s[metric][1] for s in ref)
+            slack = sum(bound.values()) / units
+            diff = abs(math.log(value) - math.log(want_value)) if "perplexity" in metric else abs(value - want_value)
+            limit = slack if "perplexity" in metric else slack / math.log(2)
+            assert diff <= limit + 1e-12, f"{task} {key}: {value} vs {want_value} (allowed {limit:.3g})"
+        assert got_metrics.keys() == want_metrics.keys(), task
+
+
+def test_three_processes_under_torchrun(reference, tmp_path):
+    """The README's command on 3 processes: one results file and one table, the reference's evaluation."""
+    cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "3", f"--master_port={free_port()}"]
+    done = run([*cmd, "-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path)])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("|Version|Filter|") == 1, done.stdout[-3000:]
+    got = written(tmp_path)
+    assert got[0]["config"]["context_parallel_processes"] == 3
+    assert_same_evaluation(got, reference)
+
+
+def test_two_nodes_only_global_rank_zero_writes(reference, tmp_path):
+    """2 processes, each the local rank 0 of its node (what lm-eval checks before writing), each with its
+    own --output_path: rank 0 writes the reference's evaluation, rank 1 writes and prints nothing."""
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+        cmd = ["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path / f"rank{rank}")]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *cmd], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = [p.communicate(timeout=900) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank}:\n{err[-4000:]}"
+    assert "|Version|Filter|" in outs[0][0] and "|Version|Filter|" not in outs[1][0], outs[1][0][-2000:]
+    assert not os.path.exists(tmp_path / "rank1"), os.listdir(tmp_path / "rank1")
+    got = written(tmp_path / "rank0")
+    assert got[0]["config"]["context_parallel_processes"] == 2
+    assert_same_evaluation(got, reference)
+
+
+def test_other_models_are_refused(tmp_path):
+    """`hf_contextpar lm_eval --model hf` would be lm-eval's data parallelism: refused with the reason."""
+    done = run(["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf", tmp_path)], timeout=300)
+    assert done.returncode != 0 and "data parallelism" in done.stderr, done.stderr[-2000:]
+    assert not os.listdir(tmp_path)
