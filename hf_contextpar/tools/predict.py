@@ -52,6 +52,7 @@ GEOMETRIES = {
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
+        vocab_size=128256,
     ),
     "llama-3.1-70b": dict(
         num_hidden_layers=80,
@@ -60,6 +61,7 @@ GEOMETRIES = {
         num_attention_heads=64,
         num_key_value_heads=8,
         head_dim=128,
+        vocab_size=128256,
     ),
     "llama-3.1-405b": dict(
         num_hidden_layers=126,
@@ -68,6 +70,7 @@ GEOMETRIES = {
         num_attention_heads=128,
         num_key_value_heads=8,
         head_dim=128,
+        vocab_size=128256,
     ),
     # Gemma 3 27B: five sliding layers (window 1024) to one full one
     "gemma-3-27b": dict(
@@ -77,6 +80,7 @@ GEOMETRIES = {
         num_attention_heads=32,
         num_key_value_heads=16,
         head_dim=128,
+        vocab_size=262208,
         windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
     ),
 }
@@ -92,7 +96,7 @@ def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
         heads, kv, d = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
         windows = g.get("windows", ())
     else:
-        config = _config(model)
+        config = load_config(model)
         text = config.get_text_config(decoder=True)
         layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
         heads = text.num_attention_heads
@@ -103,7 +107,7 @@ def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
     return Shape(layers, max(1, heads // tp), max(1, kv // tp), d, weights // tp, elem_bytes, windows)
 
 
-def _config(model: str):
+def load_config(model: str):
     from transformers import AutoConfig
 
     from .models import TINY_CONFIGS, builtin_model_path, tiny_config
@@ -194,13 +198,13 @@ def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | 
     return best
 
 
-def _fmt_s(x):
+def format_seconds(x):
     if x is None:
         return "-"
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def _fmt_b(x):
+def format_bytes(x):
     if x is None:
         return "-"
     for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
@@ -242,9 +246,9 @@ def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = 
                         continue
                     speed = f" ({base / ttft:.1f}x)" if base else ""
                     lines.append(
-                        f"| {N} | {N * tp} | {s} | {_fmt_s(ttft)}{speed} | {_fmt_s(predict_ttit(context, N, shape, m))} | "
-                        f"{_fmt_b(kv_bytes_per_rank(context, N, shape))} | "
-                        f"{_fmt_b(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
+                        f"| {N} | {N * tp} | {s} | {format_seconds(ttft)}{speed} | {format_seconds(predict_ttit(context, N, shape, m))} | "
+                        f"{format_bytes(kv_bytes_per_rank(context, N, shape))} | "
+                        f"{format_bytes(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
                         f"{'<- auto' if s == pick else ''} |"
                     )
             lines.append("")
@@ -274,9 +278,22 @@ def add_arguments(p: argparse.ArgumentParser):
         help="KV-cache miss rates T/(T+P) in (0, 1], comma-separated (1 = full prefill)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument(
+        "--gpus",
+        type=positive_ints,
+        help="recommend a (tp, cp) layout for each of these GPU counts instead (tools/layout.py), e.g. 8,16,64",
+    )
+    p.add_argument("--node-gpus", type=positive_int, default=8, help="GPUs per node: TP stays inside one (--gpus)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU (--gpus; default 80)")
 
 
 def run(args) -> str:
+    if args.gpus:
+        from .layout import report as layouts
+
+        text = layouts(args.model, args.hardware, args.gpus, args.lengths, args.dtype, args.node_gpus, args.gpu_memory)
+        print(text)
+        return text
     text = report(
         args.model,
         args.hardware,
