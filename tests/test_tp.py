@@ -63,8 +63,18 @@ def test_tp_disagreements_fail_on_every_rank(tmp_path_factory):
         assert "tensor-parallel" in cases[("qwen2", "strategy_differs")]["message"]
         assert cases[("qwen2", "inputs_differ")].get("error") == "RankMismatchError", rank
         assert cases[("qwen2", "ulysses_refused")].get("error") == "HeadsNotDivisibleError", rank
+        assert cases[("qwen2", "beam_search")].get("tokens_equal") is True, (rank, cases[("qwen2", "beam_search")])
         after = cases[("qwen2", "after_errors")]
         assert "error" not in after and after["tokens_equal"] and after["max_diff"] <= tolerance("qwen2", "float64")
+
+
+def test_tp_cp_fp32_tokens(tmp_path_factory):
+    """fp32: tokens identical to the unpatched fp32 model, logits within fp32's bound."""
+    for rank, records in enumerate(results(tmp_path_factory)):
+        for case in ("ring_pass_q", "ring_pass_q_decode"):
+            r = by_case(records)[("qwen2_fp32", case)]
+            assert "error" not in r, f"rank {rank} {case}: {r.get('message')}"
+            assert r["tokens_equal"] and r["max_diff"] <= tolerance("qwen2", "float32"), f"rank {rank} {case}: {r}"
 
 
 def test_tp_head_checks():

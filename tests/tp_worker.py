@@ -6,7 +6,6 @@ hang). Writes OUT/rank{r}.json."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -33,16 +32,16 @@ FAMILIES = {
 }
 
 
-def load(family: str, overrides: dict):
-    """(TP-sharded model, cp group, unpatched whole model) for a tiny family, fp64."""
+def load(family: str, overrides: dict, dtype=torch.float64):
+    """(TP-sharded model, cp group, unpatched whole model) for a tiny family."""
     model_type = family.split("_")[0]
     where = [tempfile.mkdtemp(prefix="tp_worker_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
-    ref = tiny_model(model_type, dtype=torch.float64, **overrides)
+    ref = tiny_model(model_type, dtype=dtype, **overrides)
     if dist.get_rank() == 0:
         ref.save_pretrained(where[0])
     dist.barrier()
-    model, cp, _ = load_tp_cp(where[0], TP, torch.float64, attn_implementation="sdpa")
+    model, cp, _ = load_tp_cp(where[0], TP, dtype, attn_implementation="sdpa")
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(where[0], ignore_errors=True)
@@ -98,6 +97,18 @@ def two_turns(model, ref, cp, seed):
     return dict(max_diff=worst, tokens_equal=same)
 
 
+@torch.no_grad()
+def beam_search(model, ref, cp, seed):
+    ids, mask = batch(seed)
+    hf_contextpar.apply_context_parallel(model, group=cp, strategy="ring_pass_kv")
+    try:
+        kw = dict(attention_mask=mask, num_beams=3, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        same = torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    finally:
+        hf_contextpar.remove_context_parallel(model)
+    return dict(max_diff=0.0, tokens_equal=same)
+
+
 def tp_peers_disagree_on_strategy(model, cp):
     """TP index 1 asks for pass-Q, TP index 0 for pass-KV: each CP group agrees within itself."""
     strategy = "ring_pass_q" if dist.get_rank() % TP else "ring_pass_kv"
@@ -139,12 +150,16 @@ def main():
         if family == "qwen2":
             record(family, "ulysses_refused", prefill_and_generate, model, ref, cp, "ulysses", "replicated", 3)
             record(family, "two_turns", two_turns, model, ref, cp, 5)
+            record(family, "beam_search", beam_search, model, ref, cp, 8)
             record(family, "strategy_differs", tp_peers_disagree_on_strategy, model, cp)
             record(family, "inputs_differ", tp_peers_disagree_on_inputs, model, cp)
             record(family, "after_errors", prefill_and_generate, model, ref, cp, "ring_pass_kv", "replicated", 4)
         elif family in ("phi3", "qwen3"):
             record(family, "two_turns", two_turns, model, ref, cp, 6)
-    write_records(os.environ.get("TP_WORKER_OUT", sys.argv[1]), records)
+    model, cp, ref = load("qwen2", {}, torch.float32)  # fp32: the tokens, and logits within fp32's bound
+    record("qwen2_fp32", "ring_pass_q", prefill_and_generate, model, ref, cp, "ring_pass_q", "replicated", 9)
+    record("qwen2_fp32", "ring_pass_q_decode", prefill_and_generate, model, ref, cp, "auto", "ring_pass_q", 12)
+    write_records(sys.argv[1], records)
 
 
 if __name__ == "__main__":
