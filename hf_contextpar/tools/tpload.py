@@ -20,8 +20,9 @@ from ..patches import REGISTRY
 from .models import TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_model
 
 
-def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device):
-    """(model, tokenizer, cp_group, tp_group) for a tools' model name (see models.load) on tp x cp ranks."""
+def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device, **tiny_overrides):
+    """(model, tokenizer, cp_group, tp_group) for a tools' model name (see models.load) on tp x cp ranks;
+    tiny_overrides: config fields of a tiny-<family> model (e.g. num_key_value_heads)."""
     from transformers import AutoTokenizer
 
     if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
@@ -34,7 +35,7 @@ def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device):
         try:
             if local_first:  # one save per node (rank 0's node: into the folder rank 0 made)
                 os.makedirs(where[0], exist_ok=True)
-                tiny_model(family, dtype=dtype, attn_implementation=impl).save_pretrained(where[0])
+                tiny_model(family, dtype=dtype, attn_implementation=impl, **tiny_overrides).save_pretrained(where[0])
             dist.barrier()
             model, cp_group, tp_group = load_tp_cp(where[0], tp, dtype, device, attn_implementation=impl)
             dist.barrier()  # every rank has read its shard
@@ -42,6 +43,8 @@ def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device):
             if local_first:
                 shutil.rmtree(where[0], ignore_errors=True)
         return model, byte_tokenizer(), cp_group, tp_group
+    if tiny_overrides:
+        raise ValueError(f"config overrides apply to the built-in tiny-<family> models only, not {name!r}.")
     path = builtin_model_path(name) or name
     tok = AutoTokenizer.from_pretrained(path)
     model, cp_group, tp_group = load_tp_cp(path, tp, dtype, device)
