@@ -46,6 +46,21 @@ def tensor_parallel(model) -> tuple[object, int]:
     return None, 1
 
 
+def check_cp_group(group, tp_group) -> None:
+    """The CP group of a TP model must hold one rank of each TP group: TP peers run the same tokens
+    (their all-reduces add partial sums of them), so no two of them may share a CP group."""
+    if group is None or tp_group is None:
+        return
+    shared = set(dist.get_process_group_ranks(group)) & set(dist.get_process_group_ranks(tp_group))
+    if len(shared) > 1:
+        raise UnsupportedModelError(
+            f"the model is tensor-parallel over ranks {sorted(dist.get_process_group_ranks(tp_group))} and the "
+            f"context-parallel group holds {len(shared)} of them ({sorted(shared)}); TP peers must process the same "
+            "tokens. Pass the CP group of the mesh: apply_context_parallel(model, group=cp_group) with cp_group "
+            "from hf_contextpar.mesh.load_tp_cp (or build_mesh)."
+        )
+
+
 def check_tp_heads(config, tp: int) -> None:
     """Each TP rank must hold whole heads: tp must divide the query and the KV heads."""
     text = config.get_text_config(decoder=True)

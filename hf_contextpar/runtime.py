@@ -24,7 +24,7 @@ from .comm import Comm
 from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
 from .errors import PatchStateError
-from .mesh import tensor_parallel
+from .mesh import check_cp_group, tensor_parallel
 from .outputs import gather_outputs
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Policy, build_plan
@@ -59,6 +59,7 @@ class ContextParallelRuntime:
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
         # rank attends with the heads it holds
         self.tp_group, self.tp = tensor_parallel(model)
+        check_cp_group(group, self.tp_group)
         self.shape = Shape.from_model(model)
         if strategy == "ulysses" and self.tp > 1:
             check_ulysses(model.config, world, (self.shape.heads, self.shape.kv_heads))

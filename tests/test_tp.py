@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import free_port, matrix, tolerance  # noqa: E402
+from launch import free_port, launch, matrix, tolerance  # noqa: E402
 from tp_worker import FAMILIES  # noqa: E402
 
 from hf_contextpar.contract import check_ulysses  # noqa: E402
@@ -63,6 +63,7 @@ def test_tp_disagreements_fail_on_every_rank(tmp_path_factory):
         assert cases[("qwen2", "strategy_differs")].get("error") == "RankMismatchError", rank
         assert "tensor-parallel" in cases[("qwen2", "strategy_differs")]["message"]
         assert cases[("qwen2", "inputs_differ")].get("error") == "RankMismatchError", rank
+        assert cases[("qwen2", "world_as_cp_group")].get("error") == "UnsupportedModelError", rank
         assert cases[("qwen2", "ulysses_refused")].get("error") == "HeadsNotDivisibleError", rank
         assert cases[("qwen2", "beam_search")].get("tokens_equal") is True, (rank, cases[("qwen2", "beam_search")])
         after = cases[("qwen2", "after_errors")]
@@ -130,3 +131,9 @@ def test_bench_layouts(tmp_path):
     kv = [r["kv_per_rank"] for r in rows.values()]
     assert max(kv) - min(kv) <= max(kv) / 64, kv  # within a token per layer of a quarter of the cache
     assert rows[4]["sent_per_rank"] == 0 and rows[1]["sent_per_rank"] > rows[2]["sent_per_rank"] > 0
+
+
+def test_main_job_refuses_tp_that_splits_a_kv_head():
+    """needle-lm has 2 KV heads: --tp 4 ends on every rank with one line and exit status 2, at load."""
+    for rank, (rc, _, err) in enumerate(launch(4, ["-m", "hf_contextpar", "generate", "--tp", "4"], timeout=300)):
+        assert rc == 2 and "error: tensor parallelism over 4 ranks" in err and "Traceback" not in err, (rank, err)

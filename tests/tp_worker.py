@@ -117,6 +117,13 @@ def tp_peers_disagree_on_strategy(model, cp):
     return dict(applied=True)
 
 
+def cp_group_holds_tp_peers(model):
+    """apply_context_parallel on a TP model without the mesh's CP group (the whole world): refused."""
+    hf_contextpar.apply_context_parallel(model)
+    hf_contextpar.remove_context_parallel(model)
+    return dict(applied=True)
+
+
 @torch.no_grad()
 def tp_peers_disagree_on_inputs(model, cp):
     """TP index 1 gets one more token than TP index 0: each CP group's inputs agree within itself."""
@@ -153,6 +160,7 @@ def main():
             record(family, "beam_search", beam_search, model, ref, cp, 8)
             record(family, "strategy_differs", tp_peers_disagree_on_strategy, model, cp)
             record(family, "inputs_differ", tp_peers_disagree_on_inputs, model, cp)
+            record(family, "world_as_cp_group", cp_group_holds_tp_peers, model)
             record(family, "after_errors", prefill_and_generate, model, ref, cp, "ring_pass_kv", "replicated", 4)
         elif family in ("phi3", "qwen3"):
             record(family, "two_turns", two_turns, model, ref, cp, 6)
