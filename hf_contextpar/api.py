@@ -72,6 +72,7 @@ def apply_context_parallel(
     try:
         if strategy == "ulysses":
             check_ulysses(model.config, world)
+            latent.refuse_ulysses(model)
         runtime = ContextParallelRuntime(
             model,
             group,

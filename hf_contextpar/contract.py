@@ -29,7 +29,7 @@ from .errors import (
 )
 from .patches import resolve as resolve_family
 
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -45,7 +45,7 @@ def check_model(model):
     if layer_types - _ATTENTION_LAYER_TYPES:
         raise UnsupportedModelError(
             f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
-            "softmax attention layers (full or sliding window), not linear-attention, recurrent or chunked layers."
+            "softmax attention layers (full, sliding-window or chunked), not linear-attention or recurrent layers."
         )
     if getattr(text, "num_attention_heads", None) is None:
         raise UnsupportedModelError(

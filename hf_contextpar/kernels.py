@@ -2,7 +2,7 @@
 
 Masks come from *global* token columns (`masks`), never from SDPA's top-left `is_causal` on a
 sharded query: key column c is visible to query column q iff c <= q, q - c < window (sliding
-layers), and the key is not padding. Sub-blocks whose mask is trivial (all visible, none visible, or
+layers) or c is in q's chunk (chunked layers), and the key is not padding. Sub-blocks whose mask is trivial (all visible, none visible, or
 the square causal diagonal that head-tail sharding produces) go to the fused kernel without a
 mask; only genuinely irregular blocks pay for an explicit bias.
 
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .masks import classify, key_segments, runs, visible
+from .masks import Chunked, classify, key_segments, runs, span, visible
 from .merge import Accumulator
 
 _MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
@@ -160,7 +160,7 @@ def _block(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, 
     if not tile:
         _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
         return
-    vis = visible(q_cols, k_cols, window, q.device)[None, None]  # (1, 1, rows, keys)
+    vis = visible(q_cols, k_cols, window, q.device)[:, None]  # (1 or B, 1, rows, keys)
     if key_valid is not None:
         vis = vis & key_valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
     acc.add(*_masked(q, k, v, vis, scale, softcap), r0)
@@ -172,6 +172,7 @@ def _rows_per_tile(q, n_keys, window, softcap):
     most r + window - 1 keys; tiles of a quarter window keep its masked band (r x r) small next to the
     unmasked rest."""
     per_row = q.shape[0] * (q.shape[1] if softcap is not None else 1)
+    window = span(window)
     if window is None:
         return max(1, _TILE_ELEMS // (per_row * n_keys))
     rows = max(window // 4, _MIN_WINDOW_ROWS)
@@ -231,7 +232,9 @@ def _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap
         qt = q[:, :, r0 : r0 + rows]
         qc = q_cols[r0 : r0 + rows].to(q.device).view(1, -1, 1)
         vis = (kc >= 0) & (kc <= qc)
-        if window is not None:
+        if isinstance(window, Chunked):
+            vis = vis & (kc >= window.lo(q_cols[r0 : r0 + rows].to(q.device).view(-1, 1)))
+        elif window is not None:
             vis &= kc > qc - window
         if key_valid is not None:
             vis &= key_valid.unsqueeze(1)

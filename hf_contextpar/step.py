@@ -99,6 +99,16 @@ class Step:
     def batch_size(self, rank) -> int:
         return len(range(self.plan.batch)[self.plan.shards.seq_rows[rank]])
 
+    @property
+    def left_padding(self) -> torch.Tensor:
+        """(B,) each sequence's leading padding tokens, on the CPU: where transformers starts counting its chunks."""
+        if "left_padding" not in self.state:
+            pad = self.plan.padding
+            self.state["left_padding"] = (
+                torch.zeros(self.plan.batch, dtype=torch.long) if pad is None else (pad.cumsum(-1) == 0).sum(-1).cpu()
+            )
+        return self.state["left_padding"]
+
     def key_valid(self, rank, rows=slice(None)):
         """(B, Tk) bool for rank's keys (rank None: this forward's own), padding = False; None if no padding."""
         if self.plan.padding is None:

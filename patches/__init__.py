@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import UnsupportedModelError
 
+from . import llama4_text
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -111,6 +112,17 @@ for _patch in [
             experts_implementation="eager",
         ),
         reference_attn="eager",
+    ),
+    # Llama 4's attention (chunked layers, NoPE layers with temperature tuning), scaled down so that chunks
+    # (8192 in Scout and Maverick) and the tuning's floor (8192) cut a short prompt. Dense MLPs: its MoE
+    # router's sigmoid runs in fp32 even in an fp64 model (1e-7 from the row count of its matmul alone)
+    FamilyPatch(
+        "llama4_text",
+        "Llama 4 (text): chunked attention, NoPE layers with attention temperature tuning, QK L2-norm",
+        apply=llama4_text.apply,
+        tiny=dict(
+            attention_chunk_size=16, no_rope_layer_interval=2, floor_scale=16, intermediate_size_mlp=128, moe_layers=[]
+        ),
     ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual

@@ -14,7 +14,7 @@ from launch import write_records
 import hf_contextpar
 from hf_contextpar.tools.models import tiny_model
 
-FAMILIES = ["llama", "mistral", "qwen3", "gemma3_text"]
+FAMILIES = ["llama", "mistral", "qwen3", "gemma3_text", "llama4_text", "deepseek_v3"]
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "auto"]
 TURNS = (40, 7, 1, 60, 3)  # 1 token, fewer than N, and more tokens than are cached
 

@@ -21,7 +21,7 @@ from hf_contextpar.sharding import head_tail_plan  # noqa: E402
 from hf_contextpar.tools.calibrate import kvr_prefill_seconds  # noqa: E402
 from hf_contextpar.tools.models import tiny_model  # noqa: E402
 
-FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "gpt_oss"]
+FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "gpt_oss", "deepseek_v3", "llama4_text"]
 STRATEGIES = ["allgather_kv", "kv_runahead", "ulysses"]
 
 

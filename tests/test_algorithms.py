@@ -46,7 +46,15 @@ from hf_contextpar.tools.simulated import SimulatedWorld, SimulationError
 # the package re-exports the function under the module's name, so fetch the module itself
 ring_pass_kv_module = importlib.import_module("hf_contextpar.attention.ring_pass_kv")
 
-MASKS = ["causal", "pad", "window", "softcap", "all"]  # "pad": left padding and holes; "all": pad+window+softcap
+MASKS = [
+    "causal",
+    "pad",
+    "window",
+    "softcap",
+    "all",
+    "chunk",
+]  # "pad": left padding and holes; "all": pad+window+softcap
+# "chunk": chunked attention (Llama 4) over left-padded rows, each counting its chunks from its first real token
 LOW_MASKS = {"fp32": ("causal", "all"), "bf16": ("all",)}  # on CPU with GQA only (fp16: the selftest): fast
 MHA_MASKS = ("causal", "pad")  # head grouping is independent of window and soft-cap
 

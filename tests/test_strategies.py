@@ -46,8 +46,8 @@ def test_strategy_exact(n, strategy, tmp_path_factory):
                 assert r["tokens_equal"] and r.get("ranks_agree", True), where
             if r["case"] == "second_turn":  # KV-Runahead's chain needs a fresh prompt: the second turn rings
                 assert r["algorithm"] == ("ring_pass_kv" if strategy == "kv_runahead" else strategy), where
-            if r["case"] == "unsupported":
-                assert "does not divide" in r["message"], where
+            if r["case"] == "unsupported":  # heads N does not divide, or one MLA latent for all heads
+                assert "does not divide" in r["message"] or "cannot split by head" in r["message"], where
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from .. import latent
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from ..kernels import pack_kv
+from ..masks import Chunked
 from ..merge import with_sink
 from ..step import LayerKV
 from .allgather_kv import allgather_kv
@@ -70,9 +71,15 @@ def context_parallel_attention(
             "hf_contextpar.patches.register() entry."
         )
     step.attended.add(idx)
+    chunk = chunk_size(module)
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
         layer = step.cache.layers[idx]
-        if layer.window is not None and sliding_window != layer.window:
+        if chunk is not None and (sliding_window is not None or layer.window not in (None, chunk)):
+            raise CacheMismatchError(
+                f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
+                "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
+            )
+        if chunk is None and layer.window is not None and sliding_window != layer.window:
             raise CacheMismatchError(
                 f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
                 f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
@@ -85,11 +92,6 @@ def context_parallel_attention(
             kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block
         kv_local = pack_kv(cached_k, cached_v)
-    if expanded is not None and step.algorithm == "ulysses":
-        raise UnsupportedModelError(
-            f"{type(module).__name__} caches one latent for all heads (MLA), which Ulysses cannot split by head: "
-            "use strategy='auto' or any ring strategy."
-        )
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     width = max(query.shape[-1], value.shape[-1])
     step.layer, step.sinks = idx, kwargs.get("s_aux")
@@ -101,12 +103,22 @@ def context_parallel_attention(
         out_dim=value.shape[-1] if value.shape[-1] < width else None,
     )
     q = step.kv.pad(query)
-    out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=sliding_window, softcap=softcap)
+    window = Chunked(chunk, step.left_padding) if chunk is not None else sliding_window
+    out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = q.new_zeros(step.out_shape(q))
     elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
         out = with_sink(out, lse, step.sinks)
     return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def chunk_size(module) -> int | None:
+    """The chunk a chunked-attention layer (Llama 4's `attention_chunk_size`) attends within, else None."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None) or ()
+    if module.layer_idx < len(types) and types[module.layer_idx] == "chunked_attention":
+        return config.attention_chunk_size
+    return None
 
 
 def _handed(layer, key, value) -> bool:

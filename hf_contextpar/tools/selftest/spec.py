@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache import ShardLayout
+from ...masks import Chunked
 from ...plan import Policy, build_plan
 from ..simulated import local_rows, run_algorithm, shard_inputs
 
@@ -91,7 +92,8 @@ def lengths(case: Case, n: int) -> list[int]:
 # -- the reference ---------------------------------------------------------------------------
 def reference(q, k, v, valid, scale, window, softcap):
     """Whole-sequence attention in fp64 with explicit scores: q (B, H, S, D), k, v (B, Hkv, S, D),
-    valid (B, S) bool or None. Key j is visible to query i iff j <= i, i - j < window and valid[j];
+    valid (B, S) bool or None. Key j is visible to query i iff j <= i, i - j < window (or, for a
+    `masks.Chunked` window, (j - off_b) // size == (i - off_b) // size, transformers' rule) and valid[j];
     a row that sees no key has out 0 and LSE -inf. Returns out (B, H, S, D), lse (B, H, S)."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
@@ -102,9 +104,12 @@ def reference(q, k, v, valid, scale, window, softcap):
     i = torch.arange(q.shape[2], device=q.device)[:, None]
     j = torch.arange(k.shape[2], device=q.device)[None, :]
     vis = j <= i
-    if window is not None:
+    if window is not None and not isinstance(window, Chunked):
         vis = vis & (i - j < window)
     vis = vis[None, None]
+    if isinstance(window, Chunked):
+        off, size = window.offsets.to(q.device).view(-1, 1, 1, 1), window.size
+        vis = vis & ((j - off).div(size, rounding_mode="floor") == (i - off).div(size, rounding_mode="floor"))
     if valid is not None:
         vis = vis & valid[:, None, None, :]
     s = s.masked_fill(~vis, -math.inf)
@@ -249,9 +254,12 @@ def prepare(case: Case, n: int, length: int, heads: str, mask: str, dtype, devic
     softcap = SOFTCAP if mask in ("softcap", "all") else None
     max_len = 12 * n + 8  # longer than any case's sequence
     # the runtime's padding mask lives on the model's device (Step.key_valid follows it)
-    padding = make_padding(n + 1, max_len, gen).to(device) if mask in ("pad", "all") else None
+    padding = make_padding(n + 1, max_len, gen).to(device) if mask in ("pad", "all", "chunk") else None
     batch, plans, total = plans_for(case, n, length, padding)
     window = max(1, total // 3) if mask in ("window", "all") else None  # narrow enough to cut every case
+    if mask == "chunk":  # chunks counted from each sequence's first real token, as transformers counts them
+        lead = (padding[:batch, :total].cumsum(-1) == 0).sum(-1) if padding is not None else torch.zeros(batch)
+        window = Chunked(max(2, total // 4), lead.long().cpu())
     _require(case.algorithm in [p.algorithm for p in plans], f"{case.name}: no {case.algorithm} plan")
     if case.uneven:
         _require(len({c.numel() for c in plans[0].shards.q_cols}) > 1, "the KV-Runahead partition came out even")
