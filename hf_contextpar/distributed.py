@@ -17,7 +17,11 @@ pthread_exit, whose unwinding through a noexcept C++ destructor ends in std::ter
 The same holds for any reference to the group that outlives the hook: `torch.distributed.nn.functional`
 binds `group=group.WORLD` as default arguments when first imported (transformers imports it lazily,
 on the first config or model made), so it is imported with this module, before any group exists
-(when a script imports hf_contextpar before it initialises its group, as the examples do).
+(when a script imports hf_contextpar before it initialises its group, as the examples do), and
+where a script made its group first, `unbind_world_defaults` sets those defaults back to None (the
+default group, as they read before any group existed) at apply and at exit, so the group dies when
+its owner destroys it. A group the caller made and never destroys stays registered in
+torch.distributed until finalization: that one `dist.destroy_process_group()` is the caller's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -87,7 +92,19 @@ def _same_on_every_rank(timeout):
     return timeout
 
 
+def unbind_world_defaults() -> None:
+    """Set every `group=<the default group>` default argument of torch.distributed.nn.functional back to
+    None, which means the default group there too: bound when the module was first imported after a
+    group existed, they would keep that group alive after `destroy_process_group`, into finalization."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(functional).values() if functional is not None else ():
+        defaults = getattr(fn, "__defaults__", None) if callable(fn) else None
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
 def _hook_exit() -> None:
+    unbind_world_defaults()  # every apply passes here, after transformers imported the module
     global _hooked
     if not _hooked:
         atexit.register(release_at_exit)
@@ -104,6 +121,7 @@ def release_at_exit() -> None:
     """
     from .comm import release_groups
 
+    unbind_world_defaults()
     release_groups()
     while _created:
         group = _created.pop()

@@ -93,3 +93,64 @@ def test_cli_exits_zero_every_time():
         why = f"run {i}: rc {p.returncode}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
         assert p.returncode == 0 and "tokens identical: True" in out, why
         assert "terminate called" not in err, why
+
+
+ORDERS = ("group", "model", "library")
+RUNS = 12
+
+
+def _launch_many(n_runs: int, args: list[str], at_once: int = 4):
+    """`n_runs` launches of 2 ranks of tests/<args>, `at_once` at a time (contention makes teardown races
+    likelier); every rank's (rc, stdout, stderr), run by run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = [os.path.join(os.path.dirname(__file__), args[0]), *args[1:]]
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(lambda _: launch(2, worker, timeout=600), range(n_runs)))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_script_order_exits_cleanly(order):
+    """A user's script (exit_order_worker.py) that creates its group first, builds the model first, or
+    imports hf-contextpar first, and ends with the README's one call, destroy_process_group: 12 runs of 2
+    ranks, every rank exits 0 and no gloo thread is alive once the interpreter starts finalizing. Group
+    first failed the thread check in 12 of 12 runs before unbind_world_defaults (distributed.py)."""
+    for run, results in enumerate(_launch_many(RUNS, ["exit_order_worker.py", order])):
+        for rank, (rc, out, err) in enumerate(results):
+            why = f"{order} first, run {run}, rank {rank}: rc {rc}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
+            assert rc == 0 and "generated" in out, why
+            assert "terminate called" not in err, why
+            assert "gloo threads at exit: []" in out, why
+
+
+def test_the_users_call_is_needed():
+    """Without the README's call the script's own group outlives every hook: its gloo threads are alive at
+    finalization (what hf-contextpar cannot end for a group it did not create), so the check above can fail."""
+    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_order_worker.py"), "group", "keep"], timeout=300)
+    for rank, (rc, out, err) in enumerate(results):
+        assert "generated" in out and "gloo threads at exit: [" in out, (
+            f"rank {rank} rc {rc}\n{out[-1500:]}\n{err[-3000:]}"
+        )
+        assert "gloo threads at exit: []" not in out, f"rank {rank}: no gloo thread left without the call\n{out}"
+
+
+def test_unbind_world_defaults():
+    """torch.distributed.nn.functional imported after the group exists binds it as default arguments;
+    unbind_world_defaults sets them back to None (the default group), which destroy_process_group then frees."""
+    code = (
+        "import os, weakref, torch.distributed as dist\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'], RANK='0', WORLD_SIZE='1')\n"
+        "dist.init_process_group('gloo')\n"
+        "pg = weakref.ref(dist.group.WORLD)\n"
+        "import torch.distributed.nn.functional as F\n"
+        "assert F.all_gather.__defaults__ == (pg(),), F.all_gather.__defaults__\n"
+        "from hf_contextpar.distributed import unbind_world_defaults\n"
+        "unbind_world_defaults()\n"
+        "assert F.all_gather.__defaults__ == (None,) and F.broadcast.__defaults__ == (None,)\n"
+        "dist.destroy_process_group()\n"
+        "assert pg() is None, 'the group outlived destroy_process_group'\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PORT=str(free_port()), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
