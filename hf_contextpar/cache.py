@@ -183,6 +183,11 @@ class ShardedLayer(CacheLayerMixin):
                 "this ShardedCache holds one rank's share of a context-parallel KV cache and works only with "
                 "the patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
+        if self.handed:
+            raise UnsupportedModelError(
+                "this model updates one cache layer twice in a forward; hf-contextpar's sharded cache stores each "
+                "layer's new tokens once, so it cannot run under context parallelism."
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.handed = True

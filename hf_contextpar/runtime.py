@@ -72,6 +72,7 @@ class ContextParallelRuntime:
         self.check_inputs = check_inputs
         self.contract = InputContract(model, rank, world, ATTENTION_NAME)
         self.num_layers = self.contract.num_layers
+        self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
         self._rope_modules = []
@@ -133,7 +134,7 @@ class ContextParallelRuntime:
             cache.begin(plan.storage)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
-        step = Step(plan, self.comm, cache, self.num_layers)
+        step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes)
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
         self.last_forward = dict(

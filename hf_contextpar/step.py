@@ -45,10 +45,14 @@ class Step:
     cache: ShardedCache | None
     num_layers: int
     layer: int = 0  # index of the attention layer running now
+    kv_layer: int = 0  # the cache layer whose K/V it attends (another's where a model shares KV across layers)
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
     sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
     kv: LayerKV = field(default_factory=LayerKV)  # the running layer's K/V blocks, set by the attention adapter
+    # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as seen by earlier
+    # forwards: the runtime keeps one dict for the model's life, so an algorithm can post receives ahead
+    kv_shapes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
@@ -83,10 +87,10 @@ class Step:
     @property
     def kv_cols(self) -> list:
         """Per rank: the key columns the running layer holds (a sliding layer keeps fewer)."""
-        return self.plan.shards.kv_cols_for(self.windows[self.layer])
+        return self.plan.shards.kv_cols_for(self.windows[self.kv_layer])
 
     def kv_size(self, rank: int, layer: int | None = None) -> int:
-        return self.plan.shards.kv_size(rank, self.windows[self.layer if layer is None else layer])
+        return self.plan.shards.kv_size(rank, self.windows[self.kv_layer if layer is None else layer])
 
     @property
     def padding(self):

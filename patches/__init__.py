@@ -124,6 +124,22 @@ for _patch in [
             attention_chunk_size=16, no_rope_layer_interval=2, floor_scale=16, intermediate_size_mlp=128, moe_layers=[]
         ),
     ),
+    # Gemma 3n (E2B / E4B): the last layers reuse the K/V an earlier layer of their kind stored (10 of 30 in
+    # E2B), AltUp, LAuReL, per-layer inputs, activation sparsity on the first layers
+    FamilyPatch(
+        "gemma3n_text",
+        "Gemma 3n (text): KV shared across layers, alternating sliding/global layers, AltUp, per-layer inputs",
+        tiny=dict(
+            num_hidden_layers=4,
+            num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=24,
+            vocab_size_per_layer_input=384,
+            hidden_size_per_layer_input=16,
+            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+            laurel_rank=8,
+        ),
+    ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention

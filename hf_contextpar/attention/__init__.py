@@ -63,17 +63,11 @@ def context_parallel_attention(
     if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
         expanded = None
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
-    if idx in step.attended or (step.cache is not None and not _handed(step.cache.layers[idx], cached_k, cached_v)):
-        raise UnsupportedModelError(
-            f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than its cache "
-            f"layer {idx} holds, or more than once per forward: hf-contextpar takes each layer's K/V from its "
-            "sharded cache, so this model cannot run exactly under context parallelism. Remove its "
-            "hf_contextpar.patches.register() entry."
-        )
+    source = _source_layer(step, module, cached_k, cached_v)
     step.attended.add(idx)
     chunk = chunk_size(module)
     if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
-        layer = step.cache.layers[idx]
+        layer = step.cache.layers[source]
         if chunk is not None and (sliding_window is not None or layer.window not in (None, chunk)):
             raise CacheMismatchError(
                 f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
@@ -94,7 +88,7 @@ def context_parallel_attention(
         kv_local = pack_kv(cached_k, cached_v)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     width = max(query.shape[-1], value.shape[-1])
-    step.layer, step.sinks = idx, kwargs.get("s_aux")
+    step.layer, step.kv_layer, step.sinks = idx, source, kwargs.get("s_aux")
     step.kv = LayerKV(
         key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
         expand=expanded.expand if expanded is not None else None,
@@ -119,6 +113,27 @@ def chunk_size(module) -> int | None:
     if module.layer_idx < len(types) and types[module.layer_idx] == "chunked_attention":
         return config.attention_chunk_size
     return None
+
+
+def _source_layer(step, module, key, value) -> int:
+    """The cache layer whose K/V these are (the module's own, or, where a model shares KV across layers as
+    Gemma 3n and Gemma 4 do, the earlier layer that stored them), checked structurally: the K/V a cache
+    layer's update returned in this forward, each layer attending once. Anything else is refused."""
+    idx = module.layer_idx
+    layers = step.cache.layers if step.cache is not None else None
+    source = idx
+    if layers is not None and not _handed(layers[idx], key, value):  # shared: the very tensors another returned
+        source = next((j for j, layer in enumerate(layers) if layer.handed and key is layer.keys), None)
+        if source is not None and value is not layers[source].values:
+            source = None
+    if idx in step.attended or source is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than a cache layer "
+            "returned in this forward, or more than once per forward: hf-contextpar takes each layer's K/V from "
+            "its sharded cache, so this model cannot run exactly under context parallelism. Remove its "
+            "hf_contextpar.patches.register() entry."
+        )
+    return source
 
 
 def _handed(layer, key, value) -> bool:

@@ -9,20 +9,23 @@ block it receives to rank i+1. Only point-to-point messages, no collective; tota
 
 Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 received
 (blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
-done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection.
+done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection:
+once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`; layers may differ
+in head size, as Gemma 4's do, and a receive of the wrong size would abort the group).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
 """
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape
+from ..kernels import attend
 from ..merge import Accumulator
 
 
-def _post_receives(step, layer, like):
-    """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0)."""
-    rank = step.comm.rank
-    shapes = [block_shape(like, step.kv_size(src, layer)) for src in range(rank - 1, -1, -1)]
+def _post_receives(step, layer, like, geometry):
+    """Post receives for `layer`'s prefix blocks from rank-1 (sources rank-1, ..., 0). geometry: the
+    layer's (packing, KV heads, head size) as `Step.kv_shapes` holds it; like: a block of this forward."""
+    rank, (two, heads, dim), batch = step.comm.rank, geometry, like.shape[1]
+    shapes = [(two, batch, heads, step.kv_size(src, layer), dim) for src in range(rank - 1, -1, -1)]
     step.state[("kvr_recv", layer)] = [
         (src, step.comm.recv_prev(shape, like.dtype, like.device))
         for src, shape in zip(range(rank - 1, -1, -1), shapes)
@@ -32,9 +35,10 @@ def _post_receives(step, layer, like):
 def kv_runahead(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
     last = rank == world - 1
+    step.kv_shapes[step.layer] = geometry = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])
     pending = step.state.pop(("kvr_recv", step.layer), None)
     if pending is None:
-        _post_receives(step, step.layer, kv_local)
+        _post_receives(step, step.layer, kv_local, geometry)
         pending = step.state.pop(("kvr_recv", step.layer))
     sends = [] if last else [comm.send_next(kv_local)]
     acc = Accumulator(q.shape[2])
@@ -45,8 +49,8 @@ def kv_runahead(step, q, kv_local, **attn):
             sends.append(comm.send_next(block))
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-    if step.layer + 1 < step.num_layers:
-        _post_receives(step, step.layer + 1, kv_local)
+    if step.layer + 1 in step.kv_shapes:
+        _post_receives(step, step.layer + 1, kv_local, step.kv_shapes[step.layer + 1])
     for s in sends:  # the blocks must stay untouched until they are out
         s.wait()
     return acc.result() or (None, None)

@@ -378,13 +378,14 @@ def run_algorithm(
     sim = SimulatedWorld(plan.world, timeout)
 
     def rank_body(comm):
-        step = Step(plan, comm, None, num_layers)
+        geometry = (kvs[comm.rank].shape[0], kvs[comm.rank].shape[2], kvs[comm.rank].shape[4])
+        step = Step(plan, comm, None, num_layers, kv_shapes=dict.fromkeys(range(num_layers), geometry))  # warmed
         if layer_kv is not None:
             step.kv = layer_kv(comm.rank)
         q = step.kv.pad(qs[comm.rank])
         outs = []
         for layer in range(num_layers):
-            step.layer = layer
+            step.layer = step.kv_layer = layer
             out, lse = fn(step, q, kvs[comm.rank], scale=scale, window=window, softcap=softcap)
             outs.append((out[..., : step.out_shape(q)[-1]] if out is not None else None, lse))
         return outs
