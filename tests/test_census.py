@@ -1,12 +1,17 @@
 """The model census (hf_contextpar/tools/census.py, docs/census.json): every decoder-only text family of
-the installed transformers is classified, and a rotating few still get their committed classification.
+the installed transformers is classified, what it generates is what is committed, and a rotating few still
+get their committed classification at N = 2, 3 and 4.
 
 (a) The model types transformers maps to AutoModelForCausalLM, after the census's stated filters, are
 exactly the families of docs/census.json (and the dropped ones its `excluded`): a transformers release
 that adds a family fails here until the census is re-run and committed.
-(b) A rotating subset (llama, a refused family and six others, drawn by the day's date) re-runs at N = 2
-in one launch and must give the committed outcome (about 45 s on 2 cores). HF_CONTEXTPAR_CENSUS_FAMILIES=a,b picks the
-families instead (a failure message names the day's draw, so it can be re-run).
+(b) patches/verified.py (the families that run with no opt-in), docs/census.md and README's block are what
+docs/census.json generates: nobody verifies a family by hand-editing the list. A verified family resolves
+with no registration; any other is refused with what the census found.
+(c) A rotating subset re-runs: at N = 2 llama, a refused family and six others drawn by the day, through the
+census (a verified one must run with no opt-in); at N = 2, 3 and 4 two verified families each through the
+sweep (every prefill strategy, both decode modes, padded batches), each variant against its committed
+outcome. HF_CONTEXTPAR_CENSUS_FAMILIES=a,b picks the families instead (a failure names the day's draw).
 """
 
 from __future__ import annotations
@@ -16,19 +21,28 @@ import json
 import os
 import random
 
+import pytest
 from launch import launch
 
+from hf_contextpar import patches
+from hf_contextpar.errors import UnsupportedModelError
+from hf_contextpar.tools import census_report
 from hf_contextpar.tools.census import scope
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CENSUS = os.path.join(ROOT, "docs", "census.json")
-DRAW = 6
+DRAW, SWEEP_DRAW = 6, 2
 ALWAYS = ["llama"]
 
 
 def _committed() -> dict:
     with open(CENSUS) as f:
         return json.load(f)
+
+
+def _read(*path) -> str:
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
 
 
 def test_every_causal_lm_family_is_classified():
@@ -39,50 +53,112 @@ def test_every_causal_lm_family_is_classified():
     assert not new, (
         f"transformers maps these model types to AutoModelForCausalLM and the census has not classified them: "
         f"{new}. Run `torchrun --nproc_per_node 2 -m hf_contextpar.tools.census --families {','.join(new)} "
-        "--json docs/census.json --resume`, then regenerate docs/census.md (`--from-json`), and commit both."
+        "--json docs/census.json --resume` (and --sweep at 2, 3 and 4 processes), then regenerate docs/census.md, "
+        "patches/verified.py and README's block (`--from-json`, docs/testing.md), and commit them."
     )
     assert not gone, f"docs/census.json classifies model types this transformers does not have: {gone}"
     assert set(dropped) == set(report["excluded"]), "the census's filters drop other model types than committed"
     assert not report.get("partial"), f"docs/census.json is a partial run: {report['partial']}"
+    exact = {r["family"] for r in report["families"] if r["outcome"] == "exact"}
+    for world in census_report.SWEEP_WORLDS:
+        swept = set(report.get("sweep", {}).get(world, {}).get("families", {}))
+        assert exact <= swept, f"families exact in the census but not swept at N = {world}: {sorted(exact - swept)}"
 
 
-def _draw(report: dict) -> list[str]:
-    """llama, one refused family and DRAW others, drawn by the day (fp32-noise differences left out: whether
-    a model-internal fp32 router rounds the same on another CPU is not the library's to keep)."""
+def test_generated_files_are_the_census():
+    report = _committed()
+    fix = "python -m hf_contextpar.tools.census --from-json docs/census.json --markdown docs/census.md --verified patches/verified.py --readme README.md"
+    assert _read("patches", "verified.py") == census_report.verified_module(report), f"regenerate: {fix}"
+    assert _read("docs", "census.md") == census_report.markdown(report), f"regenerate: {fix}"
+    assert census_report.readme_block(report) in _read("README.md"), f"regenerate: {fix}"
+
+
+def test_verified_families_need_no_opt_in_and_the_rest_are_refused():
+    from hf_contextpar.patches.verified import NOT_VERIFIED, VERIFIED
+
+    report = _committed()
+    assert VERIFIED, "the census verified no family"
+    for r in report["families"]:
+        ok, why = census_report.verdict(report, r)
+        if r["outcome"] != "exact":
+            assert not ok
+    for mt, (tol, attn) in VERIFIED.items():  # in the registry: as the census found it, or a hand entry's
+        patch = patches.resolve(type("Config", (), dict(model_type=mt))())
+        assert not patch.census or (patch.fp64_tolerance, patch.reference_attn) == (tol, attn), mt
+    for mt, why in NOT_VERIFIED.items():
+        if mt in patches.REGISTRY:  # a hand entry (a family's check, or one made exact since)
+            continue
+        with pytest.raises(UnsupportedModelError, match="model census") as e:
+            patches.resolve(type("Config", (), dict(model_type=mt))())
+        assert why[:40] in str(e.value), (mt, str(e.value))
+    with pytest.raises(UnsupportedModelError, match="not in the model census"):
+        patches.resolve(type("C", (), dict(model_type="a_future_family"))())
+
+
+def _draw(report: dict, salt: str = "", k: int = DRAW) -> list[str]:
     chosen = os.environ.get("HF_CONTEXTPAR_CENSUS_FAMILIES")
+    if chosen and salt:  # the chosen ones the committed sweep has
+        return [f for f in chosen.split(",") if any(f in s["families"] for s in report.get("sweep", {}).values())]
     if chosen:
         return chosen.split(",")
-    rng = random.Random(datetime.date.today().toordinal())
+    rng = random.Random(f"{datetime.date.today().toordinal()}{salt}")
     recs = sorted(report["families"], key=lambda r: r["family"])
+    if salt:  # the sweep: verified families that are quick
+        pool = [r["family"] for r in recs if census_report.verdict(report, r)[0] and r.get("seconds", 0) < 10]
+        return rng.sample(pool, k)
     refused = rng.choice([r["family"] for r in recs if r["outcome"] == "refused"])
-    pool = [
-        r["family"]
-        for r in recs
-        if r["family"] not in (*ALWAYS, refused)
-        and r.get("seconds", 0) < 10
-        and "fp32 tolerance" not in r.get("note", "")
-    ]
-    return [*ALWAYS, refused, *rng.sample(pool, DRAW)]
+    pool = [r["family"] for r in recs if r["family"] not in (*ALWAYS, refused) and r.get("seconds", 0) < 10]
+    return [*ALWAYS, refused, *rng.sample(pool, k)]
 
 
-def test_rotating_families_keep_their_classification(tmp_path):
-    report = _committed()
-    families = _draw(report)
-    out = tmp_path / "census.json"
-    args = ["-m", "hf_contextpar.tools.census", "--families", ",".join(families), "--json", str(out)]
-    procs = launch(2, args, timeout=300)
+def _run(world: int, args: list[str], out) -> dict:
+    procs = launch(world, ["-m", "hf_contextpar.tools.census", *args, "--json", str(out)], timeout=600)
     for rank, (rc, _, err) in enumerate(procs):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def _census_changes(report: dict, families: list[str], tmp_path) -> dict:
+    now = {r["family"]: r for r in _run(2, ["--families", ",".join(families)], tmp_path / "c.json")["families"]}
     committed = {r["family"]: r for r in report["families"]}
-    now = {r["family"]: r for r in json.loads(out.read_text())["families"]}
-    changed = {
-        f: f"{committed[f]['outcome']} -> {now[f]['outcome']}"
-        + (f" (max diff {now[f]['max_diff']:.1e})" if "max_diff" in now[f] else "")
-        + (f": {now[f]['error']['last_line']}" if now[f].get("error") else "")
-        for f in families
-        if now[f]["outcome"] != committed[f]["outcome"]
-    }
+    changed = {}
+    for f in families:
+        r = now[f]
+        if r["outcome"] != committed[f]["outcome"]:
+            why = f" (max diff {r['max_diff']:.1e})" if "max_diff" in r else ""
+            changed[f] = f"{committed[f]['outcome']} -> {r['outcome']}{why}" + (
+                f": {r['error']['last_line']}" if r.get("error") else ""
+            )
+        elif census_report.verdict(report, committed[f])[0] and r.get("registered_by_census"):
+            changed[f] = "verified, but the census had to register it by hand (no opt-in broken)"
+    return changed
+
+
+def _sweep_changes(report: dict, world: int, families: list[str], tmp_path) -> dict:
+    args = ["--sweep", "--base", CENSUS, "--families", ",".join(families)]
+    now = _run(world, args, tmp_path / "s.json")["sweep"][str(world)]["families"]
+    committed = report["sweep"][str(world)]["families"]
+    changed = {}
+    for f in families:
+        for name, v in committed.get(f, {}).get("variants", {}).items():
+            got = now[f].get("variants", {}).get(name, now[f])
+            if got.get("outcome") != v["outcome"]:
+                changed[f"{f} {name}"] = f"{v['outcome']} -> {got.get('outcome')} {got.get('error', '')}"
+    return changed
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rotating_families_keep_their_classification(world, tmp_path):
+    report = _committed()
+    changed, drawn = {}, []
+    if world == 2:
+        drawn = _draw(report)
+        changed.update(_census_changes(report, drawn, tmp_path))
+    swept = _draw(report, salt=f"sweep{world}", k=SWEEP_DRAW)
+    if swept:
+        changed.update(_sweep_changes(report, world, swept, tmp_path))
     assert not changed, (
-        f"families whose census classification changed (drawn: HF_CONTEXTPAR_CENSUS_FAMILIES={','.join(families)}): "
-        f"{changed}. If the change is intended (a fix), re-run the census for them and commit docs/census.*"
+        f"census classifications changed (drawn: HF_CONTEXTPAR_CENSUS_FAMILIES={','.join(drawn or swept)}; swept at "
+        f"N = {world}: {','.join(swept)}): {changed}. If the change is intended (a fix), re-run the census for them "
+        "and commit docs/census.* and patches/verified.py"
     )
