@@ -81,7 +81,11 @@ def _from_config(model_type, **kw):
 @pytest.mark.parametrize(
     "build,needle",
     [
-        (lambda: _from_config("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64), "not supported by hf-contextpar"),
+        # a family the model census did not verify (gpt2, here before, is verified now: patches/verified.py)
+        (
+            lambda: _from_config("bloom", n_layer=1, hidden_size=32, n_head=2, vocab_size=64),
+            "not supported by hf-contextpar",
+        ),
         (
             lambda: _from_config(
                 "qwen3_next",
