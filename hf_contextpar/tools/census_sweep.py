@@ -188,12 +188,15 @@ def sweep_family(model_type: str, base: dict, world: int, census, known=None, st
     fp64 = ref["dtype"] == torch.float64
     pids, pmore, pmask = padded_batch(world, census.PROMPT, census.SECOND_TURN, pad_id)
     pmore = None if ref["note"] else pmore
-    out = {}
+    out, by_row = {}, False
     try:
         try:
             padded_ref = census.conversation(copy.deepcopy(model), pids, pmore, [], pmask)
-            if not finite(padded_ref, pmask):
-                padded_ref = "the unpatched model gives non-finite logits on a padded batch (one process)"
+            if not finite(padded_ref, pmask):  # its own padded run is broken: each row alone, unpadded, instead
+                padded_ref = per_row_reference(model, census, pids, pmore, pmask)
+                by_row = True
+                if not finite(padded_ref, pmask):
+                    padded_ref = "the unpatched model gives non-finite logits on a padded batch and on its rows alone"
         except Exception as e:  # the unpatched model fails on a padded batch: its padded variants are skipped
             padded_ref = census.error_record(e, "reference (padded batch)")["last_line"][:300]
         for name, strategy, decode, padded in variants():
@@ -208,10 +211,35 @@ def sweep_family(model_type: str, base: dict, world: int, census, known=None, st
             inputs = (pids, pmore, pmask) if padded else (ids, more, None)
             r_out = padded_ref if padded else ref["out"]
             out[name] = run_variant(model, r_out, inputs, strategy, decode, tol, world, census, fp64)
+            if padded and by_row and out[name]["outcome"] != "n/a":
+                out[name]["reference"] = "each row alone, unpadded (the unpatched padded run is not finite)"
     finally:
         if added:
             patches.REGISTRY.pop(key, None)
     return dict(variants=out, tolerance=tol, seconds=round(time.time() - t0, 2))
+
+
+def per_row_reference(model, census, ids, more, mask) -> dict:
+    """A padded batch's reference from each row run alone without its padding, laid out as the batch's (the
+    forward's padded positions zero: they are not compared)."""
+    rows = []
+    for r in range(ids.shape[0]):
+        keep = mask[r].bool()
+        rows.append(
+            census.conversation(
+                copy.deepcopy(model), ids[r : r + 1, keep], None if more is None else more[r : r + 1], []
+            )
+        )
+    forward = rows[0]["forward"].new_zeros(ids.shape[0], ids.shape[1], rows[0]["forward"].shape[-1])
+    for r, row in enumerate(rows):
+        forward[r, mask[r].bool()] = row["forward"][0]
+    out = dict(forward=forward)
+    for key in rows[0]:
+        if key.startswith("tokens"):
+            out[key] = torch.stack([torch.cat([ids[r, ~mask[r].bool()], row[key][0]]) for r, row in enumerate(rows)])
+        elif key.startswith("logits"):
+            out[key] = torch.cat([row[key] for row in rows])
+    return out
 
 
 def finite(out: dict, mask) -> bool:
@@ -247,6 +275,7 @@ def main(args, everything, census):
     names = [v[0] for v in variants()]
     done = old or dict(source=args.source or census.source(), date=datetime.date.today().isoformat(), families={})
     done["variants"] = names
+    source = args.source or census.source()
     report.setdefault("sweep", {})[str(world)] = done
     died = done.setdefault("died", {})  # variants that killed a launch, by family, until the family is done
     if done.pop("running", None) and old_running:  # the last launch died inside this variant: no Python exception
@@ -275,6 +304,8 @@ def main(args, everything, census):
             print(
                 f"[sweep N={world}] {mt}: {rec.get('outcome') or bad or 'exact'} ({rec.get('seconds')} s)", flush=True
             )
+            if source != done["source"]:  # a family re-run into an earlier sweep: the library it ran with
+                rec["source"] = source
             done["families"][mt] = rec
             done.pop("running", None)
             died.pop(mt, None)
