@@ -30,6 +30,13 @@ from .errors import (
 from .patches import resolve as resolve_family
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+_WHY = {  # why a layer kind is refused (transformers' layer_types names)
+    "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
+    "scores over all earlier tokens; exact under context parallelism that is a top-k over every rank's keys "
+    "per query and layer, which hf-contextpar does not run.",
+    "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
+    "sequence, which hf-contextpar does not pass between ranks yet.",
+}
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -43,9 +50,11 @@ def check_model(model):
     text = config.get_text_config(decoder=True)
     layer_types = set(getattr(text, "layer_types", None) or [])
     if layer_types - _ATTENTION_LAYER_TYPES:
+        kinds = sorted(layer_types - _ATTENTION_LAYER_TYPES)
+        why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         raise UnsupportedModelError(
-            f"this model has {sorted(layer_types - _ATTENTION_LAYER_TYPES)} layers; hf-contextpar supports only "
-            "softmax attention layers (full, sliding-window or chunked), not linear-attention or recurrent layers."
+            f"this model has {kinds} layers; hf-contextpar supports only softmax attention layers (full, "
+            f"sliding-window or chunked). {why}"
         )
     if getattr(text, "num_attention_heads", None) is None:
         raise UnsupportedModelError(

@@ -110,6 +110,17 @@ class Shape:
     linear_weights: int  # elements of one decoder layer's linear weights (q, k, v, o, MLP)
     elem_bytes: int
     windows: tuple = ()  # per layer: its sliding window, or None (full attention); () = all full
+    kv_elems: int = 0  # elements a token's cached K/V holds per layer; 0: K and V of every KV head
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """Bytes of one token's cached K/V in one layer: what pass-KV moves per token (MLA: the latent)."""
+        return (self.kv_elems or 2 * self.kv_heads * self.head_dim) * self.elem_bytes
+
+    @property
+    def kv_heads_equivalent(self) -> float:
+        """The KV heads of a plain GQA model that would move as many bytes per token (kv_heads but for MLA)."""
+        return self.kv_token_bytes / (2 * self.head_dim * self.elem_bytes)
 
     def window_counts(self) -> dict:
         """{window or None: how many layers}: what every per-layer sum below runs over."""
@@ -139,7 +150,10 @@ class Shape:
         tp = tensor_parallel(model)[1]
         if tp > 1:  # the heads this rank's attention gets (collective over the TP group)
             heads, kv = heads_per_rank(model) or (heads // tp, kv // tp)
-        return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config))
+        latent = config_value(text, "kv_lora_rank")  # MLA caches one latent and a RoPE part per token
+        kv_elems = latent + (config_value(text, "qk_rope_head_dim") or 0) if latent else 0
+        head_dim = (config_value(text, "qk_head_dim") or head_dim) if latent else head_dim
+        return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config), kv_elems)
 
 
 def config_value(config, name: str):
@@ -197,9 +211,9 @@ def ring_attention_times(
     """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds.
     On a sliding layer the blocks outside the window are skipped, not computed (approximated here
     as an even share per ring step), and pass-KV carries only the cached keys the layer kept."""
-    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
+    e, d, h = shape.elem_bytes, shape.head_dim, shape.heads
     a = attention_flops(T, shape, P, window) / N / m.attn_flops  # one rank's share
-    kv_msg = m.latency + 2 * (T + kept_keys(P, window)) / N * kv * d * e / m.bandwidth
+    kv_msg = m.latency + (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth
     q_msg = m.latency + T / N * h * d * e / m.bandwidth
     all2all = m.latency + (N - 1) * T / N * h * (d + 1) * 4 / m.bandwidth  # partial outputs + LSE home, fp32
     return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all
@@ -242,10 +256,10 @@ def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
     if strategy in ("ring_pass_kv", "ring_pass_q"):
         return ring_attention_times(T, P, N, shape, m, window)[strategy == "ring_pass_q"]
     if strategy == "allgather_kv":
-        return m.latency + (N - 1) * (T + kept_keys(P, window)) / N * 2 * kv * d * e / m.bandwidth + a
+        return m.latency + (N - 1) * (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth + a
     if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
         last = 4.0 * h * d * attended_keys(chunk, T - chunk, window) / m.attn_flops
-        return last + sum(m.latency + 2 * (i * chunk) * kv * d * e / m.bandwidth for i in range(1, N))
+        return last + sum(m.latency + (i * chunk) * shape.kv_token_bytes / m.bandwidth for i in range(1, N))
     if strategy == "ulysses" and P == 0 and ulysses_fits(h, kv, N):
         qkv = (N - 1) / N * chunk * (h + 2 * kv) * d * e / m.bandwidth
         out = (N - 1) / N * chunk * h * d * e / m.bandwidth

@@ -42,7 +42,7 @@ class Decision:
 
 def alg5_prefers_pass_kv(T: int, P: int, N: int, shape: Shape, cal: Machine) -> tuple[bool, float, float]:
     """Meta Alg. 5; also returns its two thresholds (on T, and on the miss rate T/(T+P))."""
-    h, kv, e = shape.heads, shape.kv_heads, shape.elem_bytes
+    h, kv, e = shape.heads, shape.kv_heads_equivalent, shape.elem_bytes
     t_threshold = N * cal.attn_flops * kv * e / (2 * h * cal.bandwidth)
     miss_threshold = 2 * kv / h - 4 * T * cal.bandwidth / (N * cal.attn_flops * e)
     return T >= t_threshold or T / (T + P) >= miss_threshold, t_threshold, miss_threshold

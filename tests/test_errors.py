@@ -105,7 +105,7 @@ def _from_config(model_type, **kw):
                 linear_value_head_dim=8,
                 layer_types=["linear_attention", "full_attention"],
             ),
-            "linear-attention",
+            "Linear-attention, state-space",
         ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
         (

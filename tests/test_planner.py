@@ -127,3 +127,16 @@ def test_calibrate_and_sweep_commands(tmp_path):
     rows = json.load(open(out))["rows"]
     assert len(rows) == 4 and all(r["pass_kv_s"] > 0 and r["pass_q_s"] > 0 for r in rows)
     assert "miss rate" in procs[0][1]
+
+
+def test_mla_pass_kv_moves_the_latent():
+    """An MLA model's pass-KV carries one cached latent + RoPE part per token, not per-head K/V: the cost
+    model and Alg. 5 see a GQA model of (latent + rope) / (2 qk_head_dim) KV heads (issue 32)."""
+    from hf_contextpar.tools.models import tiny_model
+
+    model = tiny_model("deepseek_v3")
+    shape, cfg = Shape.from_model(model), model.config
+    assert shape.kv_token_bytes == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert shape.kv_heads_equivalent == pytest.approx((cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (2 * 192))
+    expanded = Shape(shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.linear_weights, 4)
+    assert ring_attention_times(8192, 0, N, shape, CAL)[0] < ring_attention_times(8192, 0, N, expanded, CAL)[0]
