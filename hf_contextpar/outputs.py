@@ -28,15 +28,16 @@ def gather_outputs(output, outputs: Outputs, comm, model_name: str):
 
 
 def gather_rows(local, gather: Gather, comm):
-    """Rows (dim 1, or 0 for batch rows) held by each rank -> all of them in order, identical on every rank."""
-    if gather.dim == 0:
-        return gather_rows(local.transpose(0, 1), Gather(gather.slots, gather.total), comm).transpose(0, 1)
+    """Rows held by each rank -> all of them in order, identical on every rank. The rows are the token
+    dim (-2: logits (B, T, V), hidden states (B, T, H), Gemma 3n's AltUp-stacked (4, B, T, H)) or, for
+    batch rows (gather.dim 0), the sequence dim before it."""
+    axis = local.dim() - 2 if gather.dim == 1 else local.dim() - 3
+    rows = local.movedim(axis, 0)
     counts = [s.numel() for s in gather.slots]
-    width = max(counts)
-    padded = local.new_zeros((local.shape[0], width, *local.shape[2:]))
-    padded[:, : local.shape[1]] = local
+    padded = rows.new_zeros((max(counts), *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
     everyone = comm.all_gather(padded, tag="control")
-    out = local.new_empty((local.shape[0], gather.total, *local.shape[2:]))
+    out = rows.new_empty((gather.total, *rows.shape[1:]))
     for r, slots in enumerate(gather.slots):
-        out[:, slots.to(out.device)] = everyone[r, :, : counts[r]]
-    return out
+        out[slots.to(out.device)] = everyone[r, : counts[r]]
+    return out.movedim(0, axis).contiguous()

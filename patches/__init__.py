@@ -140,6 +140,20 @@ for _patch in [
             laurel_rank=8,
         ),
     ),
+    # Gemma 4: sliding and global layers of different head sizes (256 and 512 in the checkpoints), proportional
+    # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one
+    FamilyPatch(
+        "gemma4_text",
+        "Gemma 4 (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
+        tiny=dict(
+            num_hidden_layers=4,
+            num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=24,
+            vocab_size_per_layer_input=384,
+            hidden_size_per_layer_input=16,
+        ),
+    ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention

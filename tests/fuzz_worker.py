@@ -575,6 +575,7 @@ def _hidden_diff(ref: dict, mine: dict) -> float:
     if b is None or a.shape != b.shape:
         return math.inf
     valid = ref["hidden_valid"]
+    a, b = a.flatten(0, a.dim() - 4), b.flatten(0, b.dim() - 4)  # Gemma 3n stacks AltUp's 4 streams per layer
     a, b = a[:, valid].double(), b[:, valid].double()  # (layers + 1, positions, hidden)
     finite = torch.isfinite(a).all(-1).all(0)
     a, b = a[:, finite], b[:, finite]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from hf_contextpar.patches import REGISTRY
 from transformers import AutoConfig, AutoModelForCausalLM
 
 _SMALL = dict(
@@ -146,11 +147,115 @@ GEOMETRIES: dict[str, dict] = {
         max_position_embeddings=4096,
         rope_parameters=dict(rope_type="default", rope_theta=500000.0),
     ),
+    # gpt-oss-20b: 64 / 8 / 64, a learned sink per head, 128-token windows on alternate layers (scaled to 32),
+    # YaRN x32 from 4096; MoE shrunk to 2 experts, both active (bf16 noise cannot flip a routing)
+    "gpt_oss_20b": dict(
+        model_type="gpt_oss",
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=2,
+        num_experts_per_tok=2,
+        experts_implementation="eager",
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=4096,
+        ),
+    ),
+    # DeepSeek-V3 / R1 / Kimi-K2: MLA with V3's latent ranks (q 1536, kv 512) and head sizes (128 + 64 RoPE
+    # keys, 128 values), YaRN x40 with mscale; 16 heads of V3's 128 (each head is a 1536 x 192 slice of
+    # q_b_proj); dense MLPs (V3's router is fp32)
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        first_k_dense_replace=2,
+        initializer_range=0.05,
+        max_position_embeddings=163840,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=4096,
+        ),
+    ),
+    # Llama 4 Scout: 40 / 8 / 128, chunks of 8192 and temperature-tuning floor 8192 (both scaled to 32), NoPE
+    # every 4th layer (here every 2nd), QK L2-norm, llama3 x16 scaling; dense MLPs (its router is fp32)
+    "llama4_scout": dict(
+        model_type="llama4_text",
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        attention_chunk_size=32,
+        floor_scale=32,
+        no_rope_layer_interval=2,
+        intermediate_size_mlp=128,
+        moe_layers=[],
+        max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=16.0,
+            low_freq_factor=1.0,
+            high_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    # Gemma 3n E2B: 8 / 2 / 256, 512-token windows (scaled to 24), the last layers reuse the K/V of an earlier
+    # one of their kind (10 of 30; here 2 of 4), AltUp, LAuReL, per-layer inputs, activation sparsity
+    "gemma3n_e2b": dict(
+        model_type="gemma3n_text",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=24,
+        vocab_size_per_layer_input=384,
+        hidden_size_per_layer_input=16,
+        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+        laurel_rank=8,
+    ),
+    # Gemma 4: 8 / 4 heads of 256 on sliding layers (512 windows, scaled to 24) and of 512 on global ones
+    # (proportional RoPE on a quarter of their dims), per-layer inputs; the last 2 of 4 layers share KV
+    "gemma4": dict(
+        model_type="gemma4_text",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=24,
+        vocab_size_per_layer_input=384,
+        hidden_size_per_layer_input=16,
+    ),
 }
 
 # The largest window or position threshold of each geometry that has one (scaled down):
-# Gemma-2's window, Gemma-3's local window, Phi-3's longrope switch (original_max_position_embeddings).
-GEOMETRY_THRESHOLD = {"gemma2_9b": 32, "gemma3_4b": 24, "phi3_mini_128k": 64}
+# Gemma-2's window, Gemma-3's local window, Phi-3's longrope switch (original_max_position_embeddings),
+# gpt-oss's window, Llama 4's chunk and temperature floor, Gemma 3n's and Gemma 4's windows.
+GEOMETRY_THRESHOLD = {
+    "gemma2_9b": 32,
+    "gemma3_4b": 24,
+    "phi3_mini_128k": 64,
+    "gpt_oss_20b": 32,
+    "llama4_scout": 32,
+    "gemma3n_e2b": 24,
+    "gemma4": 24,
+}
 
 
 def geometry_config(name: str, **overrides):
@@ -164,10 +269,11 @@ def geometry_config(name: str, **overrides):
 
 def geometry_model(name: str, dtype=torch.float32, seed: int = 0, attn_implementation: str | None = None, **overrides):
     """A seeded random-initialised model with `name`'s attention geometry (same weights on every rank).
-    Default attention: eager for Gemma2 (HF runs its soft-capping only there), SDPA otherwise."""
+    Default attention: the family's reference implementation (patches.REGISTRY), else SDPA."""
     config = geometry_config(name, **overrides)
-    if attn_implementation is None:
-        attn_implementation = "eager" if config.model_type == "gemma2" else "sdpa"
+    if attn_implementation is None:  # the family's reference (eager for Gemma2's soft-capping, gpt-oss's sinks)
+        family = REGISTRY.get(config.model_type)
+        attn_implementation = family.reference_attn if family is not None else "sdpa"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
 
