@@ -11,7 +11,8 @@ class UnsupportedModelError(ContextParallelError, ValueError):
 
 
 class HeadsNotDivisibleError(UnsupportedModelError):
-    """strategy="ulysses" on a number of ranks that does not divide the query and KV head counts."""
+    """strategy="ulysses" where the heads cannot be split over the ranks: N does not divide the query and KV
+    head counts, or the layer caches one latent for all heads (MLA)."""
 
 
 class UnsupportedInputError(ContextParallelError, ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UnsupportedModelError
+from .errors import HeadsNotDivisibleError
 
 _RECORD = "_hf_contextpar_expanded"
 
@@ -56,7 +56,7 @@ def refuse_ulysses(model):
     send the per-head K/V MLA exists to avoid."""
     modules = latent_modules(model)
     if modules:
-        raise UnsupportedModelError(
+        raise HeadsNotDivisibleError(
             f"{type(modules[0]).__name__} caches one latent for all heads (MLA), which strategy='ulysses' cannot "
             "split by head: use strategy='auto' or any ring strategy."
         )

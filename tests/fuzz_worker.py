@@ -321,7 +321,7 @@ def build_config(family: str, rope: str = "default", window: int | None = None):
 
 def _family_config(family: str, rope: str):
     overrides = copy.deepcopy(ROPE_OVERRIDES.get(rope, {}))  # configs edit rope dicts in place
-    if overrides and model_type(family) == "gemma3_text":  # per-layer-type RoPE: the global layers take it
+    if overrides and model_type(family) in ("gemma3_text", "gemma4_text"):  # per-layer-type RoPE: global layers take it
         overrides["rope_parameters"] = {
             "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
             "full_attention": overrides["rope_parameters"],
@@ -656,8 +656,10 @@ def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> boo
 
 
 def ulysses_fits(case: dict) -> bool:
+    """N divides the query and KV heads, and they are heads: MLA caches one latent for all of them."""
     config = build_config(case["family"])
-    return config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
+    latent = getattr(config, "kv_lora_rank", None) is not None
+    return not latent and config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
 
 
 def decode_rows_of(turn: dict, rows: int) -> int:
