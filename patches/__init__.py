@@ -38,6 +38,7 @@ class FamilyPatch:
     tiny: dict | None = None  # config overrides for the family's tiny random model (the exactness matrix)
     reference_attn: str = "sdpa"  # the stock attention implementation exactness is measured against
     fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
+    fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
     census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
 
 
@@ -141,11 +142,16 @@ for _patch in [
         ),
     ),
     # Gemma 4: sliding and global layers of different head sizes (256 and 512 in the checkpoints), proportional
-    # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one
+    # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one. Its
+    # unpatched fp32 forward is 1.2e-4 (tiny, 120 tokens) to 1.3e-4 (geometry, 53 tokens) from the same
+    # weights in fp64: twice that is its fp32 bound. Init 0.05: at 0.2 swapping the kernel alone moves bf16
+    # logits by 1.24 (scale 6.6); at 0.05 by 0.56
     FamilyPatch(
         "gemma4_text",
         "Gemma 4 (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
+        fp32_tolerance=3e-4,
         tiny=dict(
+            initializer_range=0.05,
             num_hidden_layers=4,
             num_kv_shared_layers=2,
             layer_types=["sliding_attention", "full_attention"] * 2,

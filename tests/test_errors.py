@@ -43,7 +43,7 @@ def _results(procs):
         ("lookup_from_embeds_unchecked", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
         ("registered_diffllama", "UnsupportedModelError", "more than once per forward"),
-        ("registered_jetmoe", "UnsupportedModelError", "other keys or values than its cache"),
+        ("registered_jetmoe", "UnsupportedModelError", "other keys or values than a cache layer returned"),
         ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
     ],
 )
