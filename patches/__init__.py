@@ -65,6 +65,17 @@ for _mt, (_tol, _attn) in VERIFIED.items():
     )
 
 # what is particular to a family (a check, a tolerance, a patch, the exactness matrix's tiny config)
+# Gemma 3n / 4's layer pattern, shrunk: sliding and global layers alternate, the last 2 of 4 reuse the K/V of
+# the earlier layer of their kind, per-layer inputs (the tiny models and tests/geometries.py share it)
+SHARED_KV_GEMMA = dict(
+    num_hidden_layers=4,
+    num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=24,
+    vocab_size_per_layer_input=384,
+    hidden_size_per_layer_input=16,
+)
+
 for _patch in [
     FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
     FamilyPatch("mistral", "Mistral: GQA, sliding window on every layer", tiny=dict(sliding_window=24)),
@@ -130,16 +141,7 @@ for _patch in [
     FamilyPatch(
         "gemma3n_text",
         "Gemma 3n (text): KV shared across layers, alternating sliding/global layers, AltUp, per-layer inputs",
-        tiny=dict(
-            num_hidden_layers=4,
-            num_kv_shared_layers=2,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            sliding_window=24,
-            vocab_size_per_layer_input=384,
-            hidden_size_per_layer_input=16,
-            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-            laurel_rank=8,
-        ),
+        tiny=dict(**SHARED_KV_GEMMA, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=8),
     ),
     # Gemma 4: sliding and global layers of different head sizes (256 and 512 in the checkpoints), proportional
     # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one. Its
@@ -150,15 +152,7 @@ for _patch in [
         "gemma4_text",
         "Gemma 4 (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
         fp32_tolerance=3e-4,
-        tiny=dict(
-            initializer_range=0.05,
-            num_hidden_layers=4,
-            num_kv_shared_layers=2,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            sliding_window=24,
-            vocab_size_per_layer_input=384,
-            hidden_size_per_layer_input=16,
-        ),
+        tiny=dict(**SHARED_KV_GEMMA, initializer_range=0.05),
     ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from hf_contextpar.patches import REGISTRY
+from hf_contextpar.patches import REGISTRY, SHARED_KV_GEMMA
 from transformers import AutoConfig, AutoModelForCausalLM
 
 _SMALL = dict(
@@ -222,12 +222,7 @@ GEOMETRIES: dict[str, dict] = {
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=256,
-        num_hidden_layers=4,
-        num_kv_shared_layers=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=24,
-        vocab_size_per_layer_input=384,
-        hidden_size_per_layer_input=16,
+        **SHARED_KV_GEMMA,
         activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
         laurel_rank=8,
     ),
@@ -238,12 +233,7 @@ GEOMETRIES: dict[str, dict] = {
         model_type="gemma4_text",
         num_attention_heads=8,
         num_key_value_heads=4,
-        num_hidden_layers=4,
-        num_kv_shared_layers=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=24,
-        vocab_size_per_layer_input=384,
-        hidden_size_per_layer_input=16,
+        **SHARED_KV_GEMMA,
     ),
 }
 
