@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import attention, latent
 from .agreement import agree_at_apply
-from .contract import check_model, check_ulysses
+from .contract import check_model
 from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
 from .errors import PatchStateError, UnsupportedModelError
 from .runtime import ContextParallelRuntime
@@ -71,7 +71,6 @@ def apply_context_parallel(
     runtime = None
     try:
         if strategy == "ulysses":
-            check_ulysses(model.config, world)
             latent.refuse_ulysses(model)
         runtime = ContextParallelRuntime(
             model,

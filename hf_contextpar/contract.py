@@ -82,19 +82,18 @@ def check_model(model):
 
 def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
     """Ulysses moves whole heads: N must divide the query heads and the KV heads each rank holds (no KV
-    head is repeated). held: (query heads, KV heads) this rank's attention receives under tensor
-    parallelism (costmodel.Shape.from_model reads them; the runtime checks with them); without it, a
-    model transformers loaded with tp > 1 (config.distributed_config) is left to that check."""
+    head is repeated). held: (query heads, KV heads) this rank's attention receives (the runtime reads them:
+    under tensor parallelism, and in families whose config counts differ, e.g. dbrx); without it the
+    config's counts, and a model transformers loaded with tp > 1 (config.distributed_config) is left to that."""
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     kv_heads = config_value(text, "num_key_value_heads") or heads
-    tensor_parallel = held is not None
     if held is None and (getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1) > 1:
         return
     if held is not None:
         heads, kv_heads = held
     if heads == 0 or kv_heads == 0 or not ulysses_fits(heads, kv_heads, world):
-        each = " on each tensor-parallel rank" if tensor_parallel else ""
+        each = " in each rank's attention" if held is not None else ""
         raise HeadsNotDivisibleError(
             f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
             f"heads and {kv_heads} KV heads{each}, which {world} does not divide. Use strategy='ring_pass_kv' (or "

@@ -24,7 +24,7 @@ from .comm import Comm
 from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
 from .errors import PatchStateError
-from .mesh import check_cp_group, tensor_parallel
+from .mesh import check_cp_group, heads_per_rank, tensor_parallel
 from .outputs import gather_outputs
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Policy, build_plan
@@ -61,8 +61,9 @@ class ContextParallelRuntime:
         self.tp_group, self.tp = tensor_parallel(model)
         check_cp_group(group, self.tp_group)
         self.shape = Shape.from_model(model)
-        if strategy == "ulysses" and self.tp > 1:
-            check_ulysses(model.config, world, (self.shape.heads, self.shape.kv_heads))
+        if strategy == "ulysses":  # the heads this rank's attention receives, not the config's (dbrx, TP)
+            held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
+            check_ulysses(model.config, world, held)
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
