@@ -220,3 +220,8 @@ class ContextParallelRuntime:
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][mine]
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int):  # the rows an int means, as an index: a model may act on an int itself (Gemma 4
+            # drops the other rows before its KV-shared layers, by each rank's own token count)
+            x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
+            kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
