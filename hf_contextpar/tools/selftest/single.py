@@ -93,6 +93,13 @@ def _backend_checks(records, device, dname, dtype, tol):
                 f"backend/flash{'_causal' if causal_ else ''}/{dname}",
                 lambda c=causal_: against(*flash(q, k, v, 0.0, c, False, scale=scale)[:2], causal if c else None),
             )
+        if torch.cuda.get_device_capability(device) >= (8, 0):  # cuDNN's fused attention: Ampere and later
+            cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+            _check(
+                records,
+                f"backend/cudnn_causal/{dname}",
+                lambda: against(*_cudnn_lse(cudnn(q, k, v, None, True, 0.0, True, False, scale=scale), s), causal),
+            )
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention
     _check(
         records,
@@ -112,6 +119,10 @@ def _backend_checks(records, device, dname, dtype, tol):
             raise AssertionError(f"kernels rejected the fused CUDA kernels for {dtype}: every block runs the math path")
 
     _check(records, f"backend/kernels_use_fused/{dname}", accepted)
+
+
+def _cudnn_lse(res, s):
+    return res[0], res[1].reshape(*res[1].shape[:3])[..., :s]  # its LSE is (B, H, Tq, 1)
 
 
 def _masked_reference(q, k, v, vis, scale):
@@ -218,8 +229,9 @@ def run_checks(device: torch.device, dtypes: list[str], worlds=(2, 3, 4), log=pr
                     )
         mine = records[before:]
         bad = sum(r["status"] != "pass" for r in mine)
+        used = f", fused kernels {kernels.cuda_kernels(dtype, device)}" if device.type == "cuda" else ""
         log(
-            f"  {dname}: {len(mine) - bad}/{len(mine)} checks passed ({time.perf_counter() - t0:.1f} s)"
+            f"  {dname}: {len(mine) - bad}/{len(mine)} checks passed ({time.perf_counter() - t0:.1f} s{used})"
             + "".join(f"\n    FAIL {r['name']}: {r['detail'].splitlines()[0]}" for r in mine if r["status"] != "pass")
         )
     return records
