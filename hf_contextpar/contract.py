@@ -159,6 +159,13 @@ class InputContract:
         batch, num_new = x.shape[0], x.shape[1]
         if num_new == 0:  # one process fails inside the model too
             raise UnsupportedInputError("the input holds no tokens (sequence length 0); pass at least one.")
+        keep = kwargs.get("logits_to_keep", 0)
+        if isinstance(keep, int) and keep < 0:  # outside transformers' documented "keep the last N rows"
+            raise UnsupportedInputError(
+                f"logits_to_keep={keep}: a negative int is not supported under context parallelism (models "
+                "disagree on it: most keep the rows from -logits_to_keep on, Gemma 4 drops those rows twice); "
+                "pass a 1D tensor of the row indices you want."
+            )
 
         cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0

@@ -123,6 +123,8 @@ def main():
                 model.generate(inputs_embeds=emb, prompt_lookup_num_tokens=3, max_new_tokens=4, do_sample=False)
             elif scenario == "zero_tokens":  # one process fails inside the model (a reshape of 0 elements)
                 model(ids[:, :0])
+            elif scenario == "negative_keep":  # Gemma 4 slices by it twice: refused for every model
+                model(ids, logits_to_keep=-2)
             elif scenario == "foreign_cache":
                 cache = DynamicCache()
                 cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)

@@ -53,8 +53,9 @@ sequences than ranks (DecodeBatchError; conversely a decode that runs anyway is 
 sequences (PackedSequenceError), assisted / prompt-lookup decoding over a cache an earlier turn
 filled (transformers feeds the whole sequence again on top of the cache there; CacheMismatchError,
 as for the later turns whose masks then no longer match the cache, and for Phi-3's dropped caller
-cache), and assisted / prompt-lookup decoding from inputs_embeds (with or without input_ids;
-transformers drafts from input_ids and crops the mask to them: CandidateDecodingError).
+cache), assisted / prompt-lookup decoding from inputs_embeds (with or without input_ids;
+transformers drafts from input_ids and crops the mask to them: CandidateDecodingError), and a
+negative int logits_to_keep (UnsupportedInputError: Gemma 4 slices by it twice).
 Tolerances, the near-tie rule and the digests are the exactness oracle's (hf_contextpar.eval.oracle).
 """
 
@@ -623,6 +624,9 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         # turns' masks no longer match the cache, which is refused too
         over_filled = any(case["turns"][t]["mode"] in ("assisted", "lookup") for t in range(1, turn + 1))
         return over_filled or phi3_dropped_the_callers_cache(case, exc, turn)
+    if type(exc) is hf_contextpar.UnsupportedInputError:  # a negative int's meaning is the model's own
+        keep = case.get("logits_to_keep", 0)
+        return isinstance(keep, int) and keep < 0 and case["turns"][turn]["mode"] == "forward"
     return False
 
 

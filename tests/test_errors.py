@@ -42,6 +42,7 @@ def _results(procs):
         ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("lookup_from_embeds_unchecked", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
+        ("negative_keep", "UnsupportedInputError", "a negative int is not supported"),
         ("registered_diffllama", "UnsupportedModelError", "more than once per forward"),
         ("registered_jetmoe", "UnsupportedModelError", "other keys or values than a cache layer returned"),
         ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
