@@ -29,6 +29,14 @@ MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_siz
 ROPE = dict(rope_type="default", rope_theta=1e4)
 DBRX_FFN = dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)
 PERIOD_2 = dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
+# Gemma 3n / 4 text: 4 layers, sliding and global alternating, the last 2 reusing the K/V of the earlier layer of
+# their kind (the default 2-layer config shares nothing), a window shorter than the census's 61-token prompt
+SHARED_KV = dict(
+    num_hidden_layers=4,
+    num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=24,
+)
 MAX_PARAMS = 20e6  # a "tiny" config above this needs an override (two fp64 copies per rank)
 
 # where the generic keys do not fit: family -> config overrides (a dict value updates a sub-config). Two
@@ -42,9 +50,15 @@ OVERRIDES: dict[str, dict] = {
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
     "dots3_note_text": dict(index_n_heads=4, index_head_dim=16, index_topk=32, shared_experts_intermediate_size=32),
-    "gemma3n_text": dict(num_kv_shared_layers=0, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    "gemma3n_text": dict(
+        **SHARED_KV,
+        intermediate_size=64,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+    ),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
-    "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    "gemma4_text": dict(**SHARED_KV, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gptj": dict(rotary_dim=8),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], **MAMBA),
