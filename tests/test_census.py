@@ -86,13 +86,23 @@ def test_verified_families_need_no_opt_in_and_the_rest_are_refused():
         patch = patches.resolve(type("Config", (), dict(model_type=mt))())
         assert not patch.census or (patch.fp64_tolerance, patch.reference_attn) == (tol, attn), mt
     for mt, why in NOT_VERIFIED.items():
-        if mt in patches.REGISTRY:  # a hand entry (a family's check, or one made exact since)
+        if mt in patches.REGISTRY or mt in patches.INEXACT:  # a hand entry, or refused whatever the census says
             continue
         with pytest.raises(UnsupportedModelError, match="model census") as e:
             patches.resolve(type("Config", (), dict(model_type=mt))())
         assert why[:40] in str(e.value), (mt, str(e.value))
     with pytest.raises(UnsupportedModelError, match="not in the model census"):
         patches.resolve(type("C", (), dict(model_type="a_future_family"))())
+
+
+def test_inexact_families_are_refused_even_when_registered(monkeypatch):
+    """A family whose attention the library cannot serve exactly stays refused after a user's register()."""
+    assert patches.INEXACT
+    for mt, why in patches.INEXACT.items():
+        monkeypatch.setitem(patches.REGISTRY, mt, patches.FamilyPatch(mt, "a user's opt-in"))
+        with pytest.raises(UnsupportedModelError, match="registered or not") as e:
+            patches.resolve(type("Config", (), dict(model_type=mt))())
+        assert why in str(e.value)
 
 
 def _draw(report: dict, salt: str = "", k: int = DRAW) -> list[str]:
