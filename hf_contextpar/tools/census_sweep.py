@@ -221,13 +221,16 @@ def sweep_family(model_type: str, base: dict, world: int, census, known=None, st
 
 def per_row_reference(model, census, ids, more, mask) -> dict:
     """A padded batch's reference from each row run alone without its padding, laid out as the batch's (the
-    forward's padded positions zero: they are not compared)."""
+    forward's padded positions zero: they are not compared). Each row gets an explicit all-ones mask, as the
+    batch's rows do: without one, generate() infers a mask from pad_token_id and a generated token that happens
+    to be the pad id is masked in the second turn (granitemoe_swa's row 3 at N = 4 generated id 0: its
+    reference was 4.07 from the unpatched model's own forward of the same tokens, ours 5e-6)."""
     rows = []
     for r in range(ids.shape[0]):
-        keep = mask[r].bool()
+        row = ids[r : r + 1, mask[r].bool()]
         rows.append(
             census.conversation(
-                copy.deepcopy(model), ids[r : r + 1, keep], None if more is None else more[r : r + 1], []
+                copy.deepcopy(model), row, None if more is None else more[r : r + 1], [], torch.ones_like(row)
             )
         )
     forward = rows[0]["forward"].new_zeros(ids.shape[0], ids.shape[1], rows[0]["forward"].shape[-1])
