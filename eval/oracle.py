@@ -8,7 +8,10 @@ test and the exactness / geometry matrices (tests/).
   `FamilyPatch.fp64_tolerance` where transformers' own fp64 reference is fp32-limited (Gemma2's
   eager softmax: 1e-5); fp32 1e-4, or the family's `FamilyPatch.fp32_tolerance` where the unpatched
   fp32 model is itself about that far from its fp64 self (Gemma 4's 512-wide heads: 3e-4). Far above what a reordered sum costs, far below what a wrong
-  mask or a missing block costs. bf16/fp16: the **kernel-swap bound** (`kernel_swap_bound`), what
+  mask or a missing block costs. Where a caller measures it (`fp32_self_error`: the unpatched fp32
+  model against the same weights in fp64), the fp32 bound is the model's own: `fp32_bound`, twice that
+  error rounded up to one significant digit, at least 1e-4, in place of the family's fixed exception.
+  bf16/fp16: the **kernel-swap bound** (`kernel_swap_bound`), what
   swapping the unpatched model's attention kernel between eager and SDPA alone changes
   (`kernel_swap`), with a floor of 1e-2.
 - **Near-tie rule** (`near_tie`): a generated token may differ from the reference's only at a step
@@ -23,7 +26,9 @@ Light on purpose: torch and the family registry only.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import math
 from contextlib import contextmanager
 
 import torch
@@ -45,10 +50,36 @@ def kernel_swap_bound(kernel_swap: float | None) -> float:
     return max(kernel_swap if kernel_swap is not None else 0.0, LOW_PRECISION_FLOOR)
 
 
-def tolerance(dtype, model_type: str = "", kernel_swap: float | None = None) -> tuple[float, str]:
+def fp32_bound(self_error: float) -> float:
+    """The fp32 tolerance of a model whose own fp32 forward is `self_error` from its fp64 self: twice that,
+    rounded up to one significant digit (Gemma 4's 1.3e-4 gives 3e-4), never below the fixed 1e-4."""
+    fixed = FLOAT_TOL[torch.float32]
+    if not self_error > 0:
+        return fixed
+    twice = 2 * self_error
+    exp = math.floor(math.log10(twice))
+    return max(fixed, float(f"{math.ceil(round(twice / 10.0**exp, 9))}e{exp}"))
+
+
+def fp32_self_error(model, ids: torch.Tensor) -> float:
+    """Max |logit diff| between the unpatched fp32 `model` and the same weights in fp64 on `ids`: how far the
+    model's own fp32 arithmetic is from exact (wide heads, long sums); a context-parallel run, which reorders
+    those sums, cannot be held closer than that. The model is left as it was."""
+    twin = copy.deepcopy(model).to(torch.float64)
+    with torch.no_grad():
+        return logits_diff(model(ids).logits, twin(ids).logits)
+
+
+def tolerance(
+    dtype, model_type: str = "", kernel_swap: float | None = None, fp32_error: float | None = None
+) -> tuple[float, str]:
     """(max |logit diff| allowed, how it was chosen) for a model of `dtype` (a torch dtype or its name)
-    and `config.model_type`; `kernel_swap` is the measured kernel swap (low precision only)."""
+    and `config.model_type`; `kernel_swap` is the measured kernel swap (low precision only), `fp32_error`
+    the model's measured `fp32_self_error` (fp32 only: it replaces the family's fixed bound)."""
     dtype = _dtype(dtype)
+    if dtype == torch.float32 and fp32_error is not None:
+        bound = fp32_bound(fp32_error)
+        return bound, f"fp32, max(twice the model's own fp32-vs-fp64 error {fp32_error:.2g}, 1e-4)"
     if dtype in FLOAT_TOL:
         family = REGISTRY.get(model_type)
         if dtype == torch.float64 and family is not None and family.fp64_tolerance != FLOAT_TOL[dtype]:
@@ -78,9 +109,9 @@ def describe_tolerances(swap_on: str = "") -> str:
     )
 
 
-def logit_tolerance(model_type: str, dtype, kernel_swap: float | None = None) -> float:
+def logit_tolerance(model_type: str, dtype, kernel_swap: float | None = None, fp32_error: float | None = None) -> float:
     """`tolerance`'s number alone."""
-    return tolerance(dtype, model_type, kernel_swap)[0]
+    return tolerance(dtype, model_type, kernel_swap, fp32_error)[0]
 
 
 # -- the near-tie rule ------------------------------------------------------------------------
