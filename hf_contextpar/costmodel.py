@@ -10,7 +10,8 @@ and the strategies differ in what they send and what overlaps (alpha: one messag
 BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
     ring_pass_kv   (N-1) max(A/N, alpha + 2 ((T+P)/N) Hkv d e / BW) + A/N           (Alg. 2, overlapped)
     ring_pass_q    (N-1) max(A/N, alpha + (T/N) H d e / BW) + A/N
-                   + alpha + (N-1) (T/N) H (d+1) 4 / BW                              (Alg. 3 + All2All home)
+                   + alpha_a2a + (N-1) (T/N) H (d+1) e_p / BW_a2a                  (Alg. 3 + All2All home;
+                                                                                    e_p: the partials' bytes, fp32 here)
     allgather_kv   alpha + (N-1) ((T+P)/N) 2 Hkv d e / BW + A                        (gather, then attend)
     kv_runahead    the last rank of an even contiguous split: attention over all T keys for its T/N
                    queries, 4 H d (T/N)(T - T/(2N)), plus (N-1) hops of the growing prefix chain
@@ -22,6 +23,9 @@ at most w keys per query (its skipped blocks cost nothing) and holds, so sends, 
 tokens; a model's total sums its full and sliding layers (`Shape.windows`, from its own cache). Table 3 counts 4 T d (T+P)
 FLOPs, i.e. the new x new block in full; its Alg. 1/5 thresholds stay available in `planner`.
 Every forward adds `per_forward_collectives` small collectives (input check, logits gather).
+Few new tokens: a GPU attention kernel runs one tile of `query_tile` query rows x one head per SM
+(`compute_units`), each streaming all of its keys, so a call over fewer rows x heads than that takes
+as long as one tile: A is multiplied by max(1, SMs tile / (H T/N)) (`Machine.occupancy`; off on CPU).
 C_attn is measured on a fully visible block (what the causal FLOP count above divides by),
 C_gemm on a matmul the size of the model's MLP, BW and alpha on the running process group.
 N = 1 is the unpatched model: L (linear + A).
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ContextParallelError
 
@@ -56,6 +60,14 @@ class Machine:
     bandwidth: float = float("inf")  # BW: ring send/recv bytes/s (N >= 2)
     latency: float = 0.0  # alpha: seconds of one small collective / message (N >= 2)
     memory_bandwidth: float = float("inf")  # bytes/s the device reads its memory at (decode is bound by it)
+    # pass-Q's All2All where it runs at other rates than the ring's SendRecv (None: the ring's)
+    all2all_bandwidth: float | None = None
+    all2all_latency: float | None = None
+    # The attention kernel's parallelism: `compute_units` blocks of `query_tile` query rows run at once
+    # (a GPU's SMs and the kernel's tile), so a call with fewer rows x heads than that leaves units idle
+    # and takes as long as one tile over its keys. 0: not modelled (CPU kernels split over keys too).
+    compute_units: int = 0
+    query_tile: int = 128
     source: str = "default"
     h_coefficients: tuple = PAPER_H  # App. D's empirical rule, for planner_rule="empirical"
     details: dict = field(default_factory=dict)
@@ -63,11 +75,29 @@ class Machine:
     def __post_init__(self):
         rates = dict(attn_flops=self.attn_flops, gemm_flops=self.gemm_flops, bandwidth=self.bandwidth)
         rates["memory_bandwidth"] = self.memory_bandwidth
+        if self.all2all_bandwidth is not None:
+            rates["all2all_bandwidth"] = self.all2all_bandwidth
         if not all(v > 0 for v in rates.values()):  # a division by zero (or a negative time) later
             raise ContextParallelError(
                 f"a calibration's rates must be positive, got {rates}; measure them again with "
                 "`python -m hf_contextpar calibrate`."
             )
+
+    @property
+    def a2a_bandwidth(self) -> float:
+        return self.bandwidth if self.all2all_bandwidth is None else self.all2all_bandwidth
+
+    @property
+    def a2a_latency(self) -> float:
+        return self.latency if self.all2all_latency is None else self.all2all_latency
+
+    def occupancy(self, rows: float) -> float:
+        """How many times longer than its FLOPs at C_attn an attention call over `rows` query rows x
+        heads takes: compute_units * query_tile / rows where that is above 1 (the kernel cannot use
+        more units than it has query tiles, and each unit still streams every key), else 1."""
+        if not self.compute_units or rows <= 0:
+            return 1.0
+        return max(1.0, self.compute_units * self.query_tile / rows)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +141,12 @@ class Shape:
     elem_bytes: int
     windows: tuple = ()  # per layer: its sliding window, or None (full attention); () = all full
     kv_elems: int = 0  # elements a token's cached K/V holds per layer; 0: K and V of every KV head
+    weight_bytes: int = 0  # bytes per weight where they differ from the activations' (FP8 weights); 0: elem_bytes
+    partial_bytes: int = 4  # bytes per element of pass-Q's partial outputs sent home (ours: fp32 + LSE)
+
+    @property
+    def weight_elem_bytes(self) -> int:
+        return self.weight_bytes or self.elem_bytes
 
     @property
     def kv_token_bytes(self) -> int:
@@ -153,7 +189,10 @@ class Shape:
         latent = config_value(text, "kv_lora_rank")  # MLA caches one latent and a RoPE part per token
         kv_elems = latent + (config_value(text, "qk_rope_head_dim") or 0) if latent else 0
         head_dim = (config_value(text, "qk_head_dim") or head_dim) if latent else head_dim
-        return cls(text.num_hidden_layers, heads, kv, head_dim, weights, elem, config_windows(model.config), kv_elems)
+        windows = config_windows(model.config)
+        return cls(
+            text.num_hidden_layers, heads, kv, head_dim, weights, elem, windows, kv_elems, partial_bytes=max(4, elem)
+        )
 
 
 def config_value(config, name: str):
@@ -210,13 +249,25 @@ def ring_attention_times(
 ) -> tuple[float, float]:
     """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds.
     On a sliding layer the blocks outside the window are skipped, not computed (approximated here
-    as an even share per ring step), and pass-KV carries only the cached keys the layer kept."""
+    as an even share per ring step), and pass-KV carries only the cached keys the layer kept. Each
+    step attends T/N queries of every head, so few new tokens leave the kernel's units idle
+    (`Machine.occupancy`)."""
     e, d, h = shape.elem_bytes, shape.head_dim, shape.heads
-    a = attention_flops(T, shape, P, window) / N / m.attn_flops  # one rank's share
+    a = attention_time(attention_flops(T, shape, P, window) / N, h * T / N, m)  # one rank's share
     kv_msg = m.latency + (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth
     q_msg = m.latency + T / N * h * d * e / m.bandwidth
-    all2all = m.latency + (N - 1) * T / N * h * (d + 1) * 4 / m.bandwidth  # partial outputs + LSE home, fp32
-    return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all
+    return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all_time(T, N, shape, m)
+
+
+def attention_time(flops: float, rows: float, m: Machine) -> float:
+    """Seconds of attention kernels doing `flops` over `rows` query rows x heads per call."""
+    return flops / m.attn_flops * m.occupancy(rows)
+
+
+def all2all_time(T: int, N: int, shape: Shape, m: Machine) -> float:
+    """pass-Q's All2All home: every rank sends the N-1 other ranks' partial outputs and LSE."""
+    home = (N - 1) * T / N * shape.heads * (shape.head_dim + 1) * shape.partial_bytes
+    return m.a2a_latency + home / m.a2a_bandwidth
 
 
 def model_ring_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[float, float]:
@@ -249,7 +300,7 @@ def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine, P: int
 def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
     """One layer's attention time in a prefill, with the strategy's communication."""
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    a = attention_flops(T, shape, P, window) / N / m.attn_flops  # one rank's share of the causal attention
+    a = attention_time(attention_flops(T, shape, P, window) / N, h * T / N, m)  # one rank's share
     if N == 1:  # the unpatched model (a patch on one process changes nothing)
         return a
     chunk = T / N
@@ -258,7 +309,7 @@ def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
     if strategy == "allgather_kv":
         return m.latency + (N - 1) * (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth + a
     if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
-        last = 4.0 * h * d * attended_keys(chunk, T - chunk, window) / m.attn_flops
+        last = attention_time(4.0 * h * d * attended_keys(chunk, T - chunk, window), h * chunk, m)
         return last + sum(m.latency + (i * chunk) * shape.kv_token_bytes / m.bandwidth for i in range(1, N))
     if strategy == "ulysses" and P == 0 and ulysses_fits(h, kv, N):
         qkv = (N - 1) / N * chunk * (h + 2 * kv) * d * e / m.bandwidth
@@ -271,7 +322,8 @@ def exposed_comm(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> flo
     """Predicted communication time not hidden behind compute (seconds), for comparison with comm wait."""
     if N == 1:
         return 0.0
-    no_comm = Machine(m.attn_flops, m.gemm_flops, float("inf"), 0.0)
+    inf = float("inf")
+    no_comm = replace(m, bandwidth=inf, latency=0.0, all2all_bandwidth=inf, all2all_latency=0.0)
     full, bare = predict_ttft(strategy, T, N, shape, m), predict_ttft(strategy, T, N, shape, no_comm)
     return None if full is None else full - bare
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from ..costmodel import (
     PER_FORWARD_COLLECTIVES,
@@ -33,13 +34,42 @@ from .cliargs import fractions, positive_int, positive_ints
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
 # linear layers at Meta's achieved 502 TF/s per H100 at 1M tokens (App. A); HBM3 3.35 TB/s (H100 SXM
-# datasheet). Bandwidth per GPU and direction: NVLink 4 900 GB/s bidirectional (datasheet); RDMA
-# 400 Gb/s per GPU (Meta's GTT hosts, 4.1); TCP 100 Gb/s per GPU of which ~3 GB/s per rank was
-# achieved (Meta's GTI hosts, 4.2.1). Latencies are typical NCCL small-message figures (assumed).
-_H100 = dict(attn_flops=5.4e14, gemm_flops=5.0e14, memory_bandwidth=3.35e12)
+# datasheet). An H100 SXM has 132 SMs (datasheet) and FA3 gives each one query tile of 128 rows x one
+# head (d = 128) at a time, streaming every key: an attention call over fewer rows x heads than
+# 132 x 128 takes as long as one tile (`Machine.occupancy`). Bandwidth per GPU and direction: NVLink 4
+# 900 GB/s bidirectional (datasheet); TCP 100 Gb/s per GPU of which ~3 GB/s per rank was achieved
+# (Meta's GTI hosts, 4.2.1). RDMA: what Meta measured per ring step on its GTT hosts (400 Gb/s per
+# GPU), Table 5 (`RDMA_TABLE5`): pass-Q's SendRecv of a 16-bit query block, 3.28 MB in 166 us and
+# 13.1 MB in 544 us, is 26 GB/s after 40 us (pass-KV's 16.4 MB: 670 us predicted, 627 / 631 measured);
+# its All2All of 16-bit partial outputs + LSE, 9.9 MB in 424 us and 39.6 MB in 1,023 us, is the NIC's
+# 50 GB/s after 224 us. Other latencies are typical NCCL small-message figures (assumed).
+_H100 = dict(attn_flops=5.4e14, gemm_flops=5.0e14, memory_bandwidth=3.35e12, compute_units=132, query_tile=128)
+# Meta CP paper Table 5 (Llama 3 405B, 4 GTT nodes, TP8, 128K context; per GPU and ring step):
+# (new tokens T, pass-Q SendRecv us, All2All us) at 2.5% and 10% miss rates.
+RDMA_TABLE5 = ((3200, 166e-6, 424e-6), (12800, 544e-6, 1023e-6))
+
+
+def line_through(points) -> tuple[float, float]:
+    """(bandwidth, latency) of the line t = latency + bytes / bandwidth through two (bytes, t)."""
+    (b1, t1), (b2, t2) = points
+    bandwidth = (b2 - b1) / (t2 - t1)
+    return bandwidth, t1 - b1 / bandwidth
+
+
+def rdma_from_table5(N: int = 4, heads: int = 16, d: int = 128, e: int = 2) -> dict:
+    """The RDMA preset's ring and All2All rates from Table 5's per-step times and the message sizes
+    of its runs (405B under TP8: 16 query heads per GPU, d 128, 16-bit activations, N = 4)."""
+    q_msg = [(T / N * heads * d * e, t) for T, t, _ in RDMA_TABLE5]
+    home = [((N - 1) * T / N * heads * (d + 1) * e, t) for T, _, t in RDMA_TABLE5]
+    (bw, lat), (a2a_bw, a2a_lat) = line_through(q_msg), line_through(home)
+    return dict(bandwidth=bw, latency=lat, all2all_bandwidth=a2a_bw, all2all_latency=a2a_lat)
+
+
 PRESETS = {
     "h100-nvlink": Machine(**_H100, bandwidth=4.5e11, latency=1e-5, source="preset: H100 SXM, NVLink inside a node"),
-    "h100-rdma": Machine(**_H100, bandwidth=5.0e10, latency=2e-5, source="preset: H100, RDMA 400 Gb/s between nodes"),
+    "h100-rdma": Machine(
+        **_H100, **rdma_from_table5(), source="preset: H100, RDMA 400 Gb/s between nodes (Meta's Table 5 rates)"
+    ),
     "h100-tcp": Machine(**_H100, bandwidth=3.0e9, latency=5e-5, source="preset: H100, TCP, ~3 GB/s achieved per rank"),
 }
 
@@ -84,17 +114,22 @@ GEOMETRIES = {
         windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
     ),
 }
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}  # float8: weights; activations 16-bit
 STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 
 
-def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
-    """The cost model's shape of one CP rank (a TP group of `tp` GPUs counts as one rank)."""
+LLAMA_TP_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise"}
+
+
+def shape_of(model: str, elem_bytes: int, tp: int = 1, weight_bytes: int = 0) -> Shape:
+    """The cost model's shape of one CP rank (a TP group of `tp` GPUs counts as one rank), with the
+    heads each GPU's attention gets under the model's TP plan (`tp_heads`). weight_bytes: FP8
+    weights (1) with 16-bit activations and KV, as in Meta's runs; 0: elem_bytes."""
     if model in GEOMETRIES:
         g = GEOMETRIES[model]
         layers, hidden, inter = g["num_hidden_layers"], g["hidden_size"], g["intermediate_size"]
         heads, kv, d = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
-        windows = g.get("windows", ())
+        windows, plan = g.get("windows", ()), LLAMA_TP_PLAN  # all four are Llama-style: q/k/v colwise
     else:
         config = load_config(model)
         text = config.get_text_config(decoder=True)
@@ -102,9 +137,54 @@ def shape_of(model: str, elem_bytes: int, tp: int = 1) -> Shape:
         heads = text.num_attention_heads
         kv = getattr(text, "num_key_value_heads", None) or heads
         d = getattr(text, "head_dim", None) or hidden // heads
-        windows = config_windows(config)
-    weights = hidden * heads * d * 2 + hidden * kv * d * 2 + 3 * hidden * inter  # q, o; k, v; gated MLP
-    return Shape(layers, max(1, heads // tp), max(1, kv // tp), d, weights // tp, elem_bytes, windows)
+        windows, plan = config_windows(config), getattr(text, "base_model_tp_plan", None) or {}
+    h, k, _ = tp_heads(heads, kv, tp, plan)
+    # q, o: the query heads a rank attends with; k, v: its KV heads (a replicated head's weights on each
+    # of its ranks); the gated MLP split over the TP group
+    weights = hidden * h * d * 2 + hidden * k * d * 2 + 3 * hidden * inter // tp
+    return Shape(layers, h, k, d, weights, elem_bytes, windows, weight_bytes=weight_bytes)
+
+
+def tp_heads(heads: int, kv: int, tp: int, plan: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, ranks holding each KV head) per GPU of a TP group, as transformers' TP
+    plan leaves them: `colwise` q/k/v projections split the heads over the group, and where there
+    are fewer KV heads than ranks each KV head is replicated on tp / kv of them (max(1, kv / tp) per
+    rank); a fused projection the plan gathers back (phi3's `colwise_gather_output`) leaves every
+    rank all heads (mesh.heads_per_rank reads the same from a loaded model)."""
+    if tp == 1:
+        return heads, kv, 1
+    styles = {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if "attn" in k}
+    fused = styles.get("qkv_proj") or styles.get("query_key_value") or ""
+    if fused.endswith("gather_output") or styles.get("q_proj", "").endswith("gather_output"):
+        return heads, kv, tp
+    if heads % tp:
+        raise SystemExit(f"--tp {tp} does not divide the model's {heads} query heads.")
+    if kv >= tp:
+        if kv % tp:
+            raise SystemExit(f"--tp {tp} does not divide the model's {kv} KV heads.")
+        return heads // tp, kv // tp, 1
+    if tp % kv:
+        raise SystemExit(f"--tp {tp} is not a multiple of the model's {kv} KV heads (each is replicated).")
+    return heads // tp, 1, tp // kv
+
+
+def shape_of_dtype(model: str, dtype: str, tp: int = 1) -> Shape:
+    """shape_of for a --dtype: float8 is FP8 weights with 16-bit activations, K/V and messages."""
+    if dtype == "float8":
+        return shape_of(model, 2, tp, weight_bytes=1)
+    return shape_of(model, DTYPE_BYTES[dtype], tp)
+
+
+def tp_replicas(model: str, tp: int) -> int:
+    """How many TP ranks hold each KV head (1: the heads are split, not replicated)."""
+    if tp == 1:
+        return 1
+    if model in GEOMETRIES:
+        g = GEOMETRIES[model]
+        return tp_heads(g["num_attention_heads"], g["num_key_value_heads"], tp, LLAMA_TP_PLAN)[2]
+    text = load_config(model).get_text_config(decoder=True)
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return tp_heads(text.num_attention_heads, kv, tp, getattr(text, "base_model_tp_plan", None) or {})[2]
 
 
 def load_config(model: str):
@@ -158,7 +238,7 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
         keys = T + kept_keys(P, w)  # what pass-KV and all-gather carry: the new tokens and what the layer kept
         per_layer = {
             "ring_pass_kv": (N - 1) * 2 * keys / N * kv * d * e,
-            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * 4,
+            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * shape.partial_bytes,
             "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
             "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
             "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and ulysses_fits(h, kv, N) else None,
@@ -174,7 +254,7 @@ def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
     and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
     one small collective per layer."""
     bw = m.memory_bandwidth
-    linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.elem_bytes / bw)
+    linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.weight_elem_bytes / bw)
     total = 0.0
     for w, count in shape.window_counts().items():
         keys = kept_keys(context, w) + 1
@@ -198,6 +278,58 @@ def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | 
     return best
 
 
+# Meta CP paper Table 4: Llama 3 405B (FP8 weights, TP8 per node), 128K context on 4 GTT nodes (RDMA):
+# (new tokens T, pass-KV TTFT ms, pass-Q TTFT ms) per KV-cache miss rate T / 128000.
+TABLE4 = (
+    (1280, 1023.39, 898.71),
+    (3200, 1110.18, 1046.43),
+    (4160, 1298.92, 1280.10),
+    (6400, 1305.56, 1302.01),
+    (12800, 2080.67, 2205.27),
+    (25600, 3353.02, 3617.02),
+    (38400, 4629.23, 4922.52),
+    (51200, 5745.08, 6217.83),
+    (64000, 6845.21, 7367.99),
+    (76800, 7890.35, 8468.66),
+    (89600, 8697.27, 9666.62),
+    (102400, 10105.78, 10652.39),
+    (115200, 11136.40, 11571.62),
+    (128000, 11462.15, 12360.57),
+)
+
+
+def table4_rows(partial_bytes: int = 2, context: int = 128000) -> list[dict]:
+    """The cost model against Table 4 with nothing taken from Table 4: the 405B geometry under TP8,
+    FP8 weights, the h100-rdma preset (Table 5's ring and All2All rates), N = 4. partial_bytes: 2
+    for Meta's implementation (16-bit partials: what Table 5's All2All sizes at the NIC's rate
+    imply), 4 for ours (fp32)."""
+    shape = replace(shape_of_dtype("llama-3.1-405b", "float8", 8), partial_bytes=partial_bytes)
+    m, rows = PRESETS["h100-rdma"], []
+    for T, kv, q in TABLE4:
+        P = context - T
+        pkv, pq = (predict_ttft(s, T, 4, shape, m, P) * 1e3 for s in ("ring_pass_kv", "ring_pass_q"))
+        rows.append(dict(T=T, miss=T / context, paper_kv=kv, paper_q=q, kv=pkv, q=pq))
+    return rows
+
+
+def table4_report(partial_bytes: int = 2) -> str:
+    """Table 4 next to the cost model's prediction (`predict --table4`), and both tipping points."""
+    rows = table4_rows(partial_bytes)
+    lines = [
+        "| miss rate | T | pass-KV paper | predicted | error | pass-Q paper | predicted | error |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['miss']:.2%} | {r['T']} | {r['paper_kv']:,.0f} ms | {r['kv']:,.0f} ms | {r['kv'] / r['paper_kv'] - 1:+.0%} "
+            f"| {r['paper_q']:,.0f} ms | {r['q']:,.0f} ms | {r['q'] / r['paper_q'] - 1:+.0%} |"
+        )
+    shape = replace(shape_of_dtype("llama-3.1-405b", "float8", 8), partial_bytes=partial_bytes)
+    tip = pass_q_threshold(128000, 4, shape, PRESETS["h100-rdma"])
+    lines += ["", f"pass-Q overtakes pass-KV below a miss rate of {tip:.2%} (paper: between 2.5% and 10%, 5%)"]
+    return "\n".join(lines)
+
+
 def format_seconds(x):
     if x is None:
         return "-"
@@ -213,15 +345,19 @@ def format_bytes(x):
     return f"{x / 2**10:.1f} KiB"
 
 
-def report(model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1) -> str:
+def report(
+    model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1, partial_bytes: int = 4
+) -> str:
     m = machine_of(hardware)
-    shape = shape_of(model, DTYPE_BYTES[dtype], tp)
+    shape = replace(shape_of_dtype(model, dtype, tp), partial_bytes=partial_bytes)
+    replicas = tp_replicas(model, tp)
     sliding = {w: c for w, c in shape.window_counts().items() if w is not None}
     slides = ", ".join(f"{c} sliding (window {w})" for w, c in sorted(sliding.items()))
     lines = [
         f"model {model} ({shape.layers} layers{': ' + slides if slides else ''}, per CP rank {shape.heads} "
-        f"query / {shape.kv_heads} KV heads "
-        f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), {dtype}, TP {tp}",
+        f"query / {shape.kv_heads} KV heads{f' (each KV head replicated on {replicas} TP ranks)' if replicas > 1 else ''} "
+        f"x {shape.head_dim}, {shape.linear_weights * shape.layers / 1e9:.2f} G linear weights), "
+        f"{dtype}{' weights, 16-bit activations and KV' if dtype == 'float8' else ''}, TP {tp}",
         f"machine {hardware}: {m.source}; C_attn {m.attn_flops / 1e12:.1f} TFLOP/s, C_gemm "
         f"{m.gemm_flops / 1e12:.1f} TFLOP/s, BW {m.bandwidth / 1e9:.1f} GB/s, latency {m.latency * 1e6:.0f} us, "
         f"memory {m.memory_bandwidth / 1e12:.2f} TB/s",
@@ -285,9 +421,24 @@ def add_arguments(p: argparse.ArgumentParser):
     )
     p.add_argument("--node-gpus", type=positive_int, default=8, help="GPUs per node: TP stays inside one (--gpus)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GB of memory per GPU (--gpus; default 80)")
+    p.add_argument(
+        "--partials",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of pass-Q's partial outputs sent home: float32 is what hf-contextpar sends, bfloat16 Meta's",
+    )
+    p.add_argument(
+        "--table4",
+        action="store_true",
+        help="print the Meta CP paper's Table 4 (405B, 128K, 4 nodes) next to the prediction and exit",
+    )
 
 
 def run(args) -> str:
+    if args.table4:
+        text = table4_report(2 if args.partials == "bfloat16" else 4)
+        print(text)
+        return text
     if args.gpus:
         from .layout import report as layouts
 
@@ -302,6 +453,7 @@ def run(args) -> str:
         args.miss_rates,
         args.dtype,
         args.tp,
+        2 if args.partials == "bfloat16" else 4,
     )
     print(text)
     return text
