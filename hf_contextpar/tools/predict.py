@@ -35,8 +35,8 @@ from .cliargs import fractions, positive_int, positive_ints
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
 # linear layers at Meta's achieved 502 TF/s per H100 at 1M tokens (App. A); HBM3 3.35 TB/s (H100 SXM
 # datasheet). An H100 SXM has 132 SMs (datasheet) and FA3 gives each one query tile of 128 rows x one
-# head (d = 128) at a time, streaming every key: an attention call over fewer rows x heads than
-# 132 x 128 takes as long as one tile (`Machine.occupancy`). Bandwidth per GPU and direction: NVLink 4
+# head (d = 128) at a time, streaming every key: an attention call takes whole waves of 132 tiles
+# (`Machine.occupancy`, measured on an H200's 132 SMs). Bandwidth per GPU and direction: NVLink 4
 # 900 GB/s bidirectional (datasheet); TCP 100 Gb/s per GPU of which ~3 GB/s per rank was achieved
 # (Meta's GTI hosts, 4.2.1). RDMA: what Meta measured per ring step on its GTT hosts (400 Gb/s per
 # GPU), Table 5 (`RDMA_TABLE5`): pass-Q's SendRecv of a 16-bit query block, 3.28 MB in 166 us and
