@@ -154,3 +154,26 @@ def test_other_models_are_refused(tmp_path):
     done = run(["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf", tmp_path)], timeout=300)
     assert done.returncode != 0 and "data parallelism" in done.stderr, done.stderr[-2000:]
     assert not os.listdir(tmp_path)
+
+
+def test_tensor_parallel_inside_context_parallel(reference, tmp_path):
+    """`tp=2` on 4 processes: TP 2 x CP 2 through mesh.py's loader (weights read sharded), the
+    reference's evaluation (TP's all-reduces only reorder fp32 sums: within the same bounds)."""
+    cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
+    args = lm_eval_args("hf-cp", tmp_path)
+    args[args.index("--model_args") + 1] += ",tp=2"
+    done = run([*cmd, "-m", "hf_contextpar", "lm_eval", *args])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("|Version|Filter|") == 1, done.stdout[-3000:]
+    got = written(tmp_path)
+    assert got[0]["config"]["context_parallel_processes"] == 2  # the CP group: 4 ranks / tp 2
+    assert_same_evaluation(got, reference)
+
+
+def test_use_cache_is_refused(tmp_path):
+    """lm-eval's --use_cache keeps one response database per local rank: a rank finding a response there
+    would skip a forward its peers run. Refused before any model loads, nothing written."""
+    cache = tmp_path / "cache"
+    done = run(["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path / "out"), "--use_cache", str(cache)])
+    assert done.returncode != 0 and "--use_cache" in done.stderr and "skip" in done.stderr, done.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out") and not glob.glob(str(cache) + "*")

@@ -5,7 +5,11 @@
 
 `hf-cp` is lm-eval's `hf` model (HFLM: every `hf` model argument works) with
 `apply_context_parallel` applied after loading; its own arguments: `strategy`, `decode`, `timeout`
-(apply_context_parallel's). Every rank evaluates every request, one sequence split over all ranks;
+(apply_context_parallel's) and `tp`: tensor parallelism inside groups of `tp` ranks, context
+parallelism across them, the weights read already sharded by transformers' TP plan (`mesh.py`, as
+`hf_contextpar generate --tp` loads). lm-eval's `--use_cache` is refused: its request cache is a
+database per local rank, so a rank that finds a response there would skip a forward its peers run.
+Every rank evaluates every request, one sequence split over all ranks;
 lm-eval would otherwise shard the requests over the processes (data parallelism: with the patched
 model, each rank would then refuse its peers' different inputs). Only global rank 0 returns results,
 so only it prints and writes --output_path / --log_samples (lm-eval checks LOCAL_RANK alone, which
@@ -16,6 +20,7 @@ tears the process group down before the interpreter exits.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -37,22 +42,32 @@ class ContextParallelLM(HFLM):
 
     strategy, decode: apply_context_parallel's (default "auto"). timeout: seconds a rank waits for its
     peers (default 300; the group lm-eval's Accelerator makes waits 52 weeks), through a group of
-    hf-contextpar's own. pretrained: anything `hf` takes, or a built-in model name (needle-lm).
+    hf-contextpar's own. tp: ranks per tensor-parallel group (default 1; it must divide the processes).
+    pretrained: anything `hf` takes, or a built-in model name (needle-lm, or tiny-<family> with tp).
     """
 
-    def __init__(self, pretrained, strategy="auto", decode="auto", timeout=DEFAULT_TIMEOUT_S, **kwargs):
+    def __init__(self, pretrained, strategy="auto", decode="auto", timeout=DEFAULT_TIMEOUT_S, tp=1, **kwargs):
         import hf_contextpar
 
         if kwargs.get("parallelize") or kwargs.get("tp_plan") is not None:
-            raise ValueError(f"{MODEL}: parallelize / tp_plan do not combine with context parallelism; leave them out.")
+            raise ValueError(
+                f"{MODEL}: parallelize / tp_plan do not combine with context parallelism; leave them out "
+                "(tensor parallelism: tp=N)."
+            )
         if str(kwargs.get("batch_size", 1)).startswith("auto"):
             # the search catches out-of-memory errors, which one rank may meet and its peers not: they would hang
             raise ValueError(f"{MODEL}: --batch_size auto is not supported; give a number (default 1).")
-        if isinstance(pretrained, str):
+        tp, cp_group = int(tp), None
+        if tp > 1:  # HFLM takes the loaded model as it is: no Accelerator, no device move
+            pretrained, tokenizer, cp_group = _load_tp(pretrained, tp, kwargs.get("dtype", "auto"), kwargs)
+            kwargs.setdefault("tokenizer", tokenizer)
+        elif isinstance(pretrained, str):
             pretrained = builtin_model_path(pretrained) or pretrained
         super().__init__(pretrained=pretrained, **kwargs)
         timeout = None if timeout in (None, "", "none", "None") else float(timeout)
-        hf_contextpar.apply_context_parallel(self._model, strategy=strategy, decode=decode, timeout=timeout)
+        hf_contextpar.apply_context_parallel(
+            self._model, strategy=strategy, decode=decode, timeout=timeout, group=cp_group
+        )
         runtime = hf_contextpar.get_runtime(self._model)
         self.cp_world = runtime.world if runtime is not None else 1
         # one model for lm-eval: no request sharding, no gathers of results between ranks
@@ -63,6 +78,25 @@ class ContextParallelLM(HFLM):
         info = super().get_model_info()
         info["context_parallel_processes"] = self.cp_world
         return info
+
+
+def _load_tp(name: str, tp: int, dtype, kwargs: dict):
+    """(model, tokenizer, cp group) of `name` over the (cp, tp) mesh, read sharded (tools/tpload.py),
+    on this rank's GPU for a CUDA --device, else the CPU."""
+    import torch
+
+    from .tpload import load_tp
+
+    if tp < 1:
+        raise ValueError(f"{MODEL}: tp must be a positive number of ranks, got {tp}.")
+    cuda = str(kwargs.get("device") or "cuda").startswith("cuda") and torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    if dtype in (None, "auto"):
+        dtype = "auto" if not str(name).startswith("tiny-") else torch.float32
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model, tokenizer, cp_group, _ = load_tp(name, tp, dtype, device)
+    return model, tokenizer, cp_group
 
 
 def _global_rank() -> int:
@@ -78,6 +112,12 @@ def _results_on_rank_zero(simple_evaluate):
             raise SystemExit(
                 f"error: `hf_contextpar lm_eval` runs lm-eval with --model {MODEL}, got --model {model!r}; "
                 f"under torchrun, lm-eval's own models shard the requests over the processes (data parallelism)."
+            )
+        if inspect.signature(simple_evaluate).bind(model, *args, **kwargs).arguments.get("use_cache") is not None:
+            raise SystemExit(
+                "error: `hf_contextpar lm_eval` does not take --use_cache: lm-eval keeps that response cache in "
+                "one database per local rank, so a rank that finds a request there would skip the forward its "
+                "peers run for it. Leave --use_cache out."
             )
         results = simple_evaluate(model, *args, **kwargs)
         return results if _global_rank() == 0 else None
