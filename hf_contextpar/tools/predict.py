@@ -8,9 +8,11 @@ published geometries below) on a machine (a preset below, or a calibration JSON 
 hf_contextpar calibrate`), prints per CP world size N, context length and KV-cache miss rate:
 each strategy's predicted TTFT (costmodel.predict_ttft), TTIT of the decode that follows (one
 token, sharded-KV decode), KV cache and attention traffic per rank, which strategy `auto` picks,
-and the miss rate below which pass-Q overtakes pass-KV. `--tp` divides heads and weights over
-that many GPUs per CP rank (Meta's layout: TP8 inside a node, CP across nodes; TP's own
-communication is not modelled). Presets use published figures; measured constants beat them.
+and the miss rate below which pass-Q overtakes pass-KV. `--tp` spreads each CP rank over that many
+GPUs (Meta's layout: TP8 inside a node, CP across nodes), each with the heads the model's TP plan
+leaves it (`tp_heads`; TP's own communication is not modelled). `--table4` checks the model against
+the Meta CP paper's measured partial prefill. Presets use published or measured figures; your own
+measured constants (`calibrate`) beat them.
 """
 
 from __future__ import annotations
