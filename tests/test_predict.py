@@ -193,7 +193,8 @@ def test_rdma_preset_is_table5s_measured_rates():
     40 us, which predicts pass-KV's 16.4 MB step within 7% of the 627 / 631 us measured; the All2All's
     two sizes give the NIC's 400 Gb/s (50 GB/s) after 224 us."""
     from hf_contextpar.costmodel import all2all_time
-    from hf_contextpar.tools.predict import RDMA_TABLE5, shape_of_dtype
+    from hf_contextpar.tools.predict import shape_of_dtype
+    from hf_contextpar.tools.presets import RDMA_TABLE5
 
     m, s = PRESETS["h100-rdma"], shape_of_dtype("llama-3.1-405b", "float8", 8)
     assert m.bandwidth == pytest.approx(26.0e9, rel=0.01) and m.latency == pytest.approx(40e-6, rel=0.01)

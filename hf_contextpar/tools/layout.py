@@ -42,7 +42,8 @@ TTFT_SLACK = 0.10  # a prefill this much slower is worth a faster decode
 
 def geometry(model: str) -> dict:
     """hidden size, vocabulary, query and KV heads of a model (predict's published geometries or its config)."""
-    from .predict import GEOMETRIES, load_config
+    from .predict import load_config
+    from .presets import GEOMETRIES
 
     if model in GEOMETRIES:
         g = GEOMETRIES[model]
