@@ -12,6 +12,7 @@ PAGES = [
     "docs/design.md",
     "docs/benchmarks.md",
     "docs/testing.md",
+    "docs/tools.md",
     "hf_contextpar/assets/needle-lm/README.md",
 ]
 
