@@ -7,6 +7,7 @@ from .agreement import agree_at_apply
 from .contract import check_model
 from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
 from .errors import PatchStateError, UnsupportedModelError
+from .mesh import dcp_of
 from .runtime import ContextParallelRuntime
 from .shm import open_shm_gather
 
@@ -66,7 +67,7 @@ def apply_context_parallel(
     family = check_model(model)
     device = next(model.parameters()).device
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
-    if world == 1:
+    if world == 1 and dcp_of(model) is None:  # with DCP one CP rank still shares its KV heads' tokens
         return model
     runtime = None
     try:

@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from .kernels import unpack_kv
-from .plan import rank_counts, sequence_counts, window_drops
+from .plan import window_drops
+from .shard_layout import ShardLayout
 
 
 def cache_argument(model) -> str:
@@ -50,57 +51,6 @@ def cache_windows(cache: Cache) -> list:
         getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
         for layer in cache.layers
     ]
-
-
-class ShardLayout:
-    """Which global columns every rank stores; shared by all layers of one cache.
-
-    cols[r] is 1D while every sequence holds the same columns on rank r (prefill, replicated
-    decode), and becomes a (batch, slots) table once batched pass-Q decode has placed each
-    sequence's tokens on different ranks (-1 marks an empty slot). The layout changes only when
-    a forward ends (`commit`), to what that forward's plan said.
-    """
-
-    def __init__(self, rank: int, world: int, windows=()):
-        self.rank, self.world = rank, world
-        self.cols: list[torch.Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(world)]
-        self.seq_length = 0  # committed global length (tokens of finished forwards)
-        self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
-        self.run = None  # the decode run left open (plan.Storage.run), continued by the next decode step
-        self.store = None  # the running forward's plan.Store for this rank; None between forwards
-        # per sliding window: how many leading slots of each rank's columns its layers have dropped
-        self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
-        self.record_past = False  # generate()'s assisted decoding: keep everything until crop()
-        self.batch = None  # sequences of the committed tokens (None: none committed yet)
-
-    def commit(self, storage):
-        """Take the layout a forward's plan (`plan.Storage`) leaves."""
-        self.cols, self.seq_length, self.rotation, self.run, self.batch = (
-            list(storage.cols),
-            storage.seq_length,
-            storage.rotation,
-            storage.run,
-            storage.batch,
-        )
-        if self.dropped:
-            self.dropped = storage.dropped
-
-    def slots(self, rank: int) -> int:
-        return self.cols[rank].shape[-1]
-
-    def sequence_counts(self, batch: int) -> torch.Tensor:
-        """(batch, world): how many tokens of each sequence every rank stores."""
-        return sequence_counts(self.cols, batch)
-
-    def counts(self) -> list[int]:
-        """Tokens per rank (the most any one sequence holds there)."""
-        return rank_counts(self.cols)
-
-    def map_rows(self, fn):
-        """Apply a batch reordering (beam search, batch selection) to per-sequence column tables."""
-        self.cols = [fn(c) if c.dim() == 2 else c for c in self.cols]
-        if self.batch is not None:
-            self.batch = fn(torch.zeros(self.batch, 1, dtype=torch.long)).shape[0]
 
 
 class ShardedLayer(CacheLayerMixin):
@@ -164,6 +114,10 @@ class ShardedLayer(CacheLayerMixin):
         """Leading slots of this rank's layout columns the layer no longer holds (as committed)."""
         return 0 if self.window is None else self.layout.dropped[self.window][self.layout.rank]
 
+    def held_dropped(self) -> int:
+        """Of those, the ones this rank held (all of them without DCP): buffer entries gone."""
+        return self.layout.held(self.dropped())
+
     def trim(self, by: int):
         """Drop the `by` oldest tokens (a sliding layer, when a forward is committed or the cache
         cropped); a buffer left mostly empty is given back."""
@@ -193,8 +147,14 @@ class ShardedLayer(CacheLayerMixin):
         self.handed = True
         if store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
-            slots = slots + (self.first - self.dropped())  # layout slot -> buffer index
-            n = max(self.n, int(slots.max()) + 1) if slots.numel() else self.n
+            layout, base = self.layout, self.first - self.layout.held(self.dropped())
+            n = max(self.n, base + layout.held(int(slots.max()) + 1)) if slots.numel() else self.n
+            if layout.dcp_size > 1:  # DCP: only the slots this rank holds (key_states: one row per sequence)
+                keep = layout.mine(slots)
+                rows, slots = rows[keep], slots[keep]
+                keep = keep.to(key_states.device)
+                key_states, value_states = key_states[keep], value_states[keep]
+            slots = base + layout.held(slots)  # layout slot -> buffer index
             moved = self._reserve(n)
             n, slots = n - moved, slots - moved
             self.kv[:, :, :, self.n : n] = 0  # new slots start empty; masked, but must hold finite values
@@ -208,6 +168,11 @@ class ShardedLayer(CacheLayerMixin):
             if store.rows.numel() == 0:  # decode: this token is stored on another rank
                 return self.keys, self.values
             rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token
+            key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
+        if self.layout.dcp_size > 1:  # DCP: of the new slots (after the layout's), those this rank holds
+            start = self.layout.slots(self.layout.rank)
+            rows = torch.nonzero(self.layout.mine(torch.arange(start, start + key_states.shape[2]))).view(-1)
+            rows = rows.to(key_states.device)
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
         m = key_states.shape[2]
         self._reserve(self.n + m)
@@ -313,7 +278,7 @@ class ShardedCache(Cache):
         failed, forget what it stored."""
         self.layout.store = None
         if ok:
-            before = [layer.dropped() for layer in self.layers]
+            before = [layer.held_dropped() for layer in self.layers]
             self.layout.commit(storage)
             self._trim(before)
         else:
@@ -323,12 +288,12 @@ class ShardedCache(Cache):
     def _trim(self, before: list):
         """Sliding layers drop what the layout dropped since `before` (per layer)."""
         for layer, was in zip(self.layers, before):
-            layer.trim(layer.dropped() - was)
+            layer.trim(layer.held_dropped() - was)
 
     @property
     def local_length(self) -> int:
         """Tokens stored on this rank per layer (for the sequence holding the most here)."""
-        return self.layout.counts()[self.layout.rank]
+        return self.layout.held_count()
 
     def local_nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers if layer.kv is not None)
@@ -379,12 +344,14 @@ class ShardedCache(Cache):
         layout.cols, layout.seq_length = cols, keep
         layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
         for layer in self.layers:
-            layer._keep(layer.first + layout.slots(layout.rank) - layer.dropped())
-        before = [layer.dropped() for layer in self.layers]
+            layer._keep(layer.first + layout.held(layout.slots(layout.rank)) - layer.held_dropped())
+        before = [layer.held_dropped() for layer in self.layers]
         layout.dropped = drops
         self._trim(before)
 
     def reset(self):
         """Empty the cache, keeping the object (DynamicCache.reset)."""
         super().reset()
+        dcp = self.layout.dcp_index, self.layout.dcp_size
         self.layout.__init__(self.layout.rank, self.layout.world, self.windows)
+        self.layout.dcp_index, self.layout.dcp_size = dcp

@@ -13,6 +13,12 @@ must equal WORLD_SIZE) and ignores a `device_mesh` argument; `from_pretrained` h
 TP sub-mesh of our (cp, tp) mesh in its place (`_tp_submesh`), everything else as transformers does it.
 Every TP rank then holds heads / tp query heads and kv_heads / tp KV heads of each layer, which the
 library reads (`tensor_parallel`), and context parallelism runs over the CP group unchanged.
+
+Where tp exceeds the KV heads (vLLM's DCP), the dcp = tp / kv_heads TP ranks that would each hold a
+copy of one KV head hold it whole instead (the plan's k/v projections are loaded replicated and cut to
+that head: transformers' `colwise` would split the head), and each keeps every dcp-th slot of its CP
+rank's tokens of it in its cache (`cache.ShardLayout.held`); attention gathers the group's query heads
+and merges the partials by LSE (attention/__init__.py), so the cache is split cp x dcp ways.
 """
 
 from __future__ import annotations
@@ -61,17 +67,73 @@ def check_cp_group(group, tp_group) -> None:
         )
 
 
-def check_tp_heads(config, tp: int) -> None:
-    """Each TP rank must hold whole heads: tp must divide the query and the KV heads."""
+def check_tp_heads(config, tp: int) -> int:
+    """Each TP rank must hold whole heads: tp must divide the query heads, and divide or be a multiple of
+    the KV heads. Returns dcp: the TP ranks sharing one KV head (1: tp divides the KV heads)."""
     text = config.get_text_config(decoder=True)
     heads = config_value(text, "num_attention_heads")
     kv = config_value(text, "num_key_value_heads") or heads
-    if heads is None or heads % tp or kv % tp:
+    if heads is None or heads % tp or (kv % tp and tp % kv):
         raise HeadsNotDivisibleError(
             f"tensor parallelism over {tp} ranks splits every layer's heads, but this model has {heads} query and "
-            f"{kv} KV heads, which {tp} does not divide (transformers would split a head). Use a tp that divides "
-            f"{kv}, and more context-parallel ranks instead."
+            f"{kv} KV heads: {tp} must divide the query heads and divide the KV heads or be a multiple of them "
+            "(then the TP ranks sharing a KV head hold sequence shards of it, DCP). Use such a tp, and more "
+            "context-parallel ranks instead."
         )
+    return max(1, tp // kv)
+
+
+DCP_ATTR = "hf_contextpar_dcp"
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+
+def dcp_of(model):
+    """(group, index, size) of this rank's DCP group where load_tp_cp loaded the model with tp > KV heads: the
+    TP ranks holding the same KV head, each storing every size-th token of it; None otherwise."""
+    return getattr(model, DCP_ATTR, None)
+
+
+def _dcp_plan(config, dcp: int) -> dict:
+    """The TP plan override for DCP: the k/v projections loaded whole (cut to one head after the load)."""
+    text = config.get_text_config(decoder=True)
+    plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+    keys = [k for k, style in plan.items() if k.rsplit(".", 1)[-1] in KV_PROJECTIONS and style == "colwise"]
+    if len(keys) != len(KV_PROJECTIONS):
+        raise HeadsNotDivisibleError(
+            f"tp is {dcp}x this model's KV heads, which needs DCP (the TP ranks sharing a KV head holding sequence "
+            "shards of it), and hf-contextpar runs DCP on TP plans with separate colwise k_proj / v_proj only; "
+            f"{type(text).__name__}'s plan has {sorted(k for k in plan if 'proj' in k)}. Use a tp that divides "
+            "the KV heads, and more context-parallel ranks instead."
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    prefix = getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "base_model_prefix", "model")
+    return {f"{prefix}.{k}": "replicate" for k in keys}
+
+
+def _keep_kv_head(model, config, tp_rank: int, dcp: int) -> None:
+    """Cut every layer's (replicated) k/v projection to the KV head this TP rank's query heads attend:
+    head tp_rank // dcp, the one transformers' colwise q shard pairs with under GQA."""
+    text = config.get_text_config(decoder=True)
+    head_dim = config_value(text, "head_dim") or text.hidden_size // text.num_attention_heads
+    rows = slice((tp_rank // dcp) * head_dim, (tp_rank // dcp + 1) * head_dim)
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in KV_PROJECTIONS and isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.data[rows].clone(), requires_grad=False)
+            if module.bias is not None:
+                module.bias = torch.nn.Parameter(module.bias.data[rows].clone(), requires_grad=False)
+            module.out_features = head_dim
+
+
+def _dcp_groups(tp: int, dcp: int):
+    """Every rank's DCP group (dcp consecutive ranks of one TP group: the TP ranks of one KV head); every
+    rank of the world makes all of them, in one order. (group, index, size) for this rank."""
+    rank, world, mine = dist.get_rank(), dist.get_world_size(), None
+    for start in range(0, world, dcp):
+        group = dist.new_group(list(range(start, start + dcp)))
+        if start <= rank < start + dcp:
+            mine = (group, rank - start, dcp)
+    return mine
 
 
 def init_world(device_type: str = "cpu") -> None:
@@ -129,14 +191,16 @@ def load_tp_cp(path: str, tp: int, dtype=torch.float32, device: torch.device | N
     from transformers.distributed import DistributedConfig
 
     device = device or torch.device("cpu")
-    check_tp_heads(AutoConfig.from_pretrained(path), tp)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    dcp = check_tp_heads(config, tp)
+    overrides = _dcp_plan(config, dcp) if dcp > 1 else None
     mesh, cp_group, tp_group = build_mesh(tp, device.type)
     if tp == 1:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
         return model.eval(), cp_group, None
     with _tp_submesh(mesh, device):
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp), **kwargs
+            path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp, tp_plan=overrides), **kwargs
         )
     got, size = tensor_parallel(model)
     if size != tp:
@@ -144,6 +208,9 @@ def load_tp_cp(path: str, tp: int, dtype=torch.float32, device: torch.device | N
             f"{type(model).__name__} has no tensor-parallel plan that shards its weights (transformers' "
             "base_model_tp_plan); it cannot run with tp > 1."
         )
+    if dcp > 1:
+        _keep_kv_head(model, config, mesh["tp"].get_local_rank(), dcp)
+        setattr(model, DCP_ATTR, _dcp_groups(tp, dcp))
     return model.eval(), cp_group, tp_group
 
 

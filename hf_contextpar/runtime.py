@@ -23,8 +23,8 @@ from .attention import current_step
 from .comm import Comm
 from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
-from .errors import PatchStateError
-from .mesh import check_cp_group, heads_per_rank, tensor_parallel
+from .errors import HeadsNotDivisibleError, PatchStateError
+from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .outputs import gather_outputs
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Policy, build_plan
@@ -61,6 +61,13 @@ class ContextParallelRuntime:
         self.tp_group, self.tp = tensor_parallel(model)
         check_cp_group(group, self.tp_group)
         self.shape = Shape.from_model(model)
+        dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
+        if dcp is not None and strategy == "ulysses":
+            raise HeadsNotDivisibleError(
+                f"strategy='ulysses' splits the KV heads over the context-parallel ranks, and each rank holds one KV "
+                f"head here, shared with {dcp[2] - 1} other TP rank(s) by sequence (DCP): use another strategy."
+            )
+        self.dcp = Comm(*dcp) if dcp is not None else None
         if strategy == "ulysses":  # the heads this rank's attention receives, not the config's (dbrx, TP)
             held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
             check_ulysses(model.config, world, held)
@@ -132,10 +139,12 @@ class ContextParallelRuntime:
         self._shard_inputs(kwargs, plan, inputs.position_ids)
         cache = inputs.cache
         if cache is not None:
+            # the cache stores this rank's DCP slots only (every slot without DCP); a cache split otherwise is refused
+            cache.layout.set_dcp(*((self.dcp.rank, self.dcp.world) if self.dcp is not None else (0, 1)))
             cache.begin(plan.storage)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
-        step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes)
+        step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp)
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
         self.last_forward = dict(

@@ -53,9 +53,13 @@ class Step:
     # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as seen by earlier
     # forwards: the runtime keeps one dict for the model's life, so an algorithm can post receives ahead
     kv_shapes: dict = field(default_factory=dict)
+    # DCP: the TP peers holding this rank's KV head, each every dcp-th slot of the CP rank's columns (the
+    # cache's ShardLayout.held); the algorithms see only this rank's slots, the adapter merges the peers'
+    dcp: Comm | None = None
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
+        self._held = {}  # window -> per rank: the key columns of the slots this rank holds (DCP)
 
     def unpack(self, block: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) to attend to from rank src's K/V block of the running layer."""
@@ -87,10 +91,28 @@ class Step:
     @property
     def kv_cols(self) -> list:
         """Per rank: the key columns the running layer holds (a sliding layer keeps fewer)."""
-        return self.plan.shards.kv_cols_for(self.windows[self.kv_layer])
+        window = self.windows[self.kv_layer]
+        return self.plan.shards.kv_cols_for(window) if self.dcp is None else self.held_cols(window)
 
     def kv_size(self, rank: int, layer: int | None = None) -> int:
-        return self.plan.shards.kv_size(rank, self.windows[self.kv_layer if layer is None else layer])
+        window = self.windows[self.kv_layer if layer is None else layer]
+        if self.dcp is None:
+            return self.plan.shards.kv_size(rank, window)
+        return self.held_cols(window)[rank].shape[-1]
+
+    def held_cols(self, window) -> list:
+        """DCP: per CP rank, the columns of the slots the rank at this DCP index holds. A sliding layer's
+        columns start after the slots it dropped before this forward (the cache commits drops at the end)."""
+        if window not in self._held:
+            shards, layout = self.plan.shards, self.cache.layout if self.cache is not None else None
+            index, size = self.dcp.rank, self.dcp.world
+            held = []
+            for r, cols in enumerate(shards.kv_cols_for(window)):
+                base = layout.dropped[window][r] if window in shards.window_cols else 0
+                slots = torch.arange(base, base + cols.shape[-1])
+                held.append(cols[..., slots % size == index])
+            self._held[window] = held
+        return self._held[window]
 
     @property
     def padding(self):

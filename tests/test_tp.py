@@ -1,5 +1,6 @@
 """Tensor parallelism inside x context parallelism across (hf_contextpar.mesh, issue 29): TP 2 x CP 2
-on 4 gloo processes against the unpatched model on one process, and the refusals."""
+on 4 gloo processes against the unpatched model on one process, DCP (more TP ranks than KV heads:
+TP 4 x CP 1 on 2 KV heads, TP 2 x CP 2 on 1), and the refusals."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
 from launch import free_port, launch, matrix, tolerance  # noqa: E402
-from tp_worker import FAMILIES  # noqa: E402
+from tp_worker import DCP, FAMILIES  # noqa: E402
 
+from hf_contextpar.cache import ShardLayout  # noqa: E402
 from hf_contextpar.contract import check_ulysses  # noqa: E402
 from hf_contextpar.errors import HeadsNotDivisibleError  # noqa: E402
 from hf_contextpar.mesh import check_tp_heads  # noqa: E402
@@ -23,6 +26,8 @@ from hf_contextpar.tools.models import builtin_model_path, tiny_config  # noqa: 
 # (query, KV) heads each rank's attention receives: qwen2's plan shards them, phi3's gathers its
 # fused QKV back (every rank attends with all heads)
 HEADS = {"qwen2": [2, 1], "phi3": [4, 4], "qwen3": [2, 1], "qwen2_wide": [4, 2]}
+# DCP: each rank attends with its query heads and holds one KV head, shared with one other TP rank
+DCP_HEADS = {"qwen2_tp4": [1, 1], "qwen3_tp4": [1, 1], "qwen2_kv1": [2, 1], "qwen3_kv1": [2, 1]}
 
 
 def results(tmp_path_factory):
@@ -55,6 +60,57 @@ def test_tp_cp_exact(family, tmp_path_factory):
             assert mine["ring_pass_q_decode"]["algorithms"].get("ring_pass_q_decode", 0) > 0
 
 
+def dcp_results(tmp_path_factory):
+    return matrix("tp_worker.py", 4, tmp_path_factory, ("dcp",))
+
+
+@pytest.mark.parametrize("name", DCP)
+def test_dcp_exact(name, tmp_path_factory):
+    """DCP 2 (TP 4 x CP 1 on 2 KV heads; TP 2 x CP 2 on 1): every strategy, both decode modes, a padded
+    batch, two turns and beam search within the oracle's fp64 bound, tokens identical on all 4 ranks; each
+    rank's cache holds 1/(cp x dcp) of the tokens within one per layer, and about 1/tp of the weights."""
+    tp, _, strategies = DCP[name]
+    expected = [*strategies, "two_turns"] + (["ring_pass_q_decode"] if tp < 4 else [])
+    expected += ["beam_search", "after_errors"] if name.startswith("qwen2") else []
+    for rank, records in enumerate(dcp_results(tmp_path_factory)):
+        mine = {case: r for (fam, case), r in by_case(records).items() if fam == name}
+        assert set(expected) <= set(mine), f"rank {rank}: {sorted(mine)}"
+        for case in expected:
+            r = mine[case]
+            assert "error" not in r, f"rank {rank} {name} {case}: {r.get('message')}"
+            assert r["max_diff"] <= tolerance(name.split("_")[0], "float64"), f"rank {rank} {name} {case}: {r}"
+            assert r["tokens_equal"], f"rank {rank} {name} {case}"
+            if "heads" in r:
+                assert r["heads"] == DCP_HEADS[name], f"rank {rank} {name}: {r['heads']}"
+                held, total = r["kv"]
+                ways = 4 // tp * 2  # cp x dcp
+                assert abs(held - total / ways) <= 1, f"rank {rank} {name} {case}: holds {held} of {total} tokens"
+                assert r["weights_held"] < 1.2 / tp, f"rank {rank} {name}: holds {r['weights_held']:.2f}"
+            if case in strategies and case != "auto" and tp < 4:
+                assert r["algorithms"].get(case) == 2, r["algorithms"]  # the forward and generate()'s prefill
+            elif case in strategies and case not in ("auto", "kv_runahead"):  # CP 1: decode steps run it too
+                assert set(r["algorithms"]) == {case}, r["algorithms"]
+        if "ring_pass_q_decode" in expected:
+            assert mine["ring_pass_q_decode"]["algorithms"].get("ring_pass_q_decode", 0) > 0
+
+
+def test_dcp_refusals_and_fp32(tmp_path_factory):
+    """DCP: Ulysses refused at apply, DCP peers given different strategies a RankMismatchError on every rank
+    (the model exact after), a fused-QKV plan that cannot hold whole KV heads refused at load; in fp32 the
+    tokens of the unpatched model and logits within fp32's bound."""
+    for rank, records in enumerate(dcp_results(tmp_path_factory)):
+        cases = by_case(records)
+        for name in ("qwen2_tp4", "qwen2_kv1"):
+            assert cases[(name, "ulysses_refused")].get("error") == "HeadsNotDivisibleError", (rank, name)
+            assert cases[(name, "strategy_differs")].get("error") == "RankMismatchError", (rank, name)
+            for case in ("ring_pass_q", "auto"):
+                r = cases[(f"{name}_fp32", case)]
+                assert "error" not in r, f"rank {rank} {name} {case}: {r.get('message')}"
+                assert r["tokens_equal"] and r["max_diff"] <= tolerance("qwen2", "float32"), (rank, name, case, r)
+        refused = cases[("phi3_kv2", "load")]
+        assert refused.get("error") == "HeadsNotDivisibleError" and "k_proj" in refused["message"], (rank, refused)
+
+
 def test_tp_disagreements_fail_on_every_rank(tmp_path_factory):
     """TP peers given different strategies, or different inputs, while each CP group agrees within
     itself: a RankMismatchError on all 4 ranks (no gloo abort, no hang), and the model runs exactly after."""
@@ -82,15 +138,31 @@ def test_tp_cp_fp32_tokens(tmp_path_factory):
 def test_tp_head_checks():
     """Load-time refusal where tp does not divide the heads; Ulysses reads the heads a rank holds."""
     config = tiny_config("llama")  # 4 query / 2 KV heads
-    check_tp_heads(config, 2)
-    with pytest.raises(HeadsNotDivisibleError):
-        check_tp_heads(config, 4)
+    assert check_tp_heads(config, 2) == 1
+    assert check_tp_heads(config, 4) == 2  # DCP: two TP ranks per KV head
+    for tp in (3, 8):  # a query head split; more TP ranks than query heads
+        with pytest.raises(HeadsNotDivisibleError):
+            check_tp_heads(config, tp)
     check_ulysses(config, 2)
     check_ulysses(config, 2, held=(4, 2))
     with pytest.raises(HeadsNotDivisibleError):
         check_ulysses(config, 2, held=(2, 1))
     with pytest.raises(HeadsNotDivisibleError):
         check_ulysses(config, 2, held=(0, 0))
+
+
+def test_dcp_slot_split():
+    """The DCP split of a CP rank's slots: rank j of dcp holds the slots s with s % dcp == j, and `held`
+    counts them below any slot (an int or a tensor of slots), so buffer indices and trims agree with it."""
+    layout = ShardLayout(0, 1)
+    for size in range(1, 5):
+        for index in range(size):
+            layout.set_dcp(index, size)
+            slots = torch.arange(40)
+            assert torch.equal(layout.mine(slots), slots % size == index)
+            below = [sum(1 for s in range(x) if s % size == index) for x in range(40)]
+            assert [layout.held(x) for x in range(40)] == below
+            assert layout.held(slots).tolist() == below
 
 
 def test_main_job_tp2_cp2():
@@ -133,7 +205,30 @@ def test_bench_layouts(tmp_path):
     assert rows[4]["sent_per_rank"] == 0 and rows[1]["sent_per_rank"] > rows[2]["sent_per_rank"] > 0
 
 
-def test_main_job_refuses_tp_that_splits_a_kv_head():
-    """needle-lm has 2 KV heads: --tp 4 ends on every rank with one line and exit status 2, at load."""
-    for rank, (rc, _, err) in enumerate(launch(4, ["-m", "hf_contextpar", "generate", "--tp", "4"], timeout=300)):
-        assert rc == 2 and "error: tensor parallelism over 4 ranks" in err and "Traceback" not in err, (rank, err)
+def test_main_job_tp4_dcp():
+    """`torchrun --nproc_per_node 4 -m hf_contextpar generate --tp 4`: needle-lm has 2 KV heads, so two TP
+    ranks share each (DCP 2): the needle's answer, the unpatched model's tokens, each rank's cache half the
+    tokens (cp 1 x dcp 2) within one per layer, and about a quarter of the weights."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
+    cmd += ["-m", "hf_contextpar", "generate", "--tp", "4", "--prompt-tokens", "512"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    why = f"rc {res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, why
+    assert "expected: '7341' -> correct" in res.stdout and "tokens identical: True" in res.stdout, why
+    assert "processes TP 4 x CP 1 (DCP 2)" in res.stdout, why
+    rows = re.findall(
+        r"rank (\d) \(cp (\d), tp (\d)\): KV cache (\d+) tokens/layer, ([\d.]+) MiB, weights ([\d.]+)", res.stdout
+    )
+    assert [(int(r), int(c), int(t)) for r, c, t, *_ in rows] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3)], why
+    prompt, new = (int(re.search(rf"{w} (\d+) tokens", res.stdout).group(1)) for w in ("prompt", "new"))
+    assert all(abs(int(r[3]) - (prompt + new - 1) / 2) <= 1 for r in rows), why
+    assert sum(int(r[3]) for r in rows[:2]) == prompt + new - 1, why  # a DCP group holds every token once
+    whole = os.path.getsize(os.path.join(builtin_model_path("needle-lm"), "model.safetensors")) / 2**20
+    assert all(float(r[5]) < 0.3 * whole for r in rows), why
+
+
+def test_main_job_refuses_tp_that_splits_a_head():
+    """needle-lm has 4 query heads: --tp 3 ends on every rank with one line and exit status 2, at load."""
+    for rank, (rc, _, err) in enumerate(launch(4, ["-m", "hf_contextpar", "generate", "--tp", "3"], timeout=300)):
+        assert rc == 2 and "error: tensor parallelism over 3 ranks" in err and "Traceback" not in err, (rank, err)

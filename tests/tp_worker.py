@@ -2,7 +2,9 @@
 family's tiny model saved once and read back sharded by transformers' TP plan, then patched over the
 CP group; every strategy, both decode modes, a padded batch and two turns against the unpatched
 model on one process (fp64), and the disagreements between TP peers (an error on every rank, no
-hang). Writes OUT/rank{r}.json."""
+hang). With `dcp` after OUT: the DCP matrix instead (more TP ranks than KV heads: TP 4 x CP 1 on 2 KV
+heads, TP 2 x CP 2 on 1, so each KV head's tokens are split 2 ways inside the TP group). Writes
+OUT/rank{r}.json."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hf_contextpar.eval import logits_diff
 from launch import write_records
 
 import hf_contextpar
+from hf_contextpar.cache import returned_cache
 from hf_contextpar.mesh import init_world, load_tp_cp, local_numel
 from hf_contextpar.tools.models import tiny_model
 
@@ -30,9 +33,17 @@ FAMILIES = {
     # 8 query / 4 KV heads: 4 / 2 per TP rank, so Ulysses splits them over CP 2
     "qwen2_wide": (dict(num_attention_heads=8, num_key_value_heads=4), ["ulysses"]),
 }
+STRATEGIES = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "auto"]
+# DCP: name -> (tp, config overrides, strategies); the cache is split cp x dcp ways (2 at TP 4, 4 at TP 2)
+DCP = {
+    "qwen2_tp4": (4, {}, STRATEGIES),  # TP 4 x CP 1, 2 KV heads: DCP 2 (QKV bias, a sliding layer)
+    "qwen3_tp4": (4, {}, ["ring_pass_kv", "ring_pass_q"]),  # QK-norm
+    "qwen2_kv1": (2, dict(num_key_value_heads=1), STRATEGIES),  # TP 2 x CP 2, 1 KV head: DCP 2
+    "qwen3_kv1": (2, dict(num_key_value_heads=1), ["ring_pass_kv", "allgather_kv"]),
+}
 
 
-def load(family: str, overrides: dict, dtype=torch.float64):
+def load(family: str, overrides: dict, dtype=torch.float64, tp: int = TP):
     """(TP-sharded model, cp group, unpatched whole model) for a tiny family."""
     model_type = family.split("_")[0]
     where = [tempfile.mkdtemp(prefix="tp_worker_") if dist.get_rank() == 0 else None]
@@ -41,10 +52,12 @@ def load(family: str, overrides: dict, dtype=torch.float64):
     if dist.get_rank() == 0:
         ref.save_pretrained(where[0])
     dist.barrier()
-    model, cp, _ = load_tp_cp(where[0], TP, dtype, attn_implementation="sdpa")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(where[0], ignore_errors=True)
+    try:
+        model, cp, _ = load_tp_cp(where[0], tp, dtype, attn_implementation="sdpa")
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
     return model, cp, ref
 
 
@@ -66,10 +79,19 @@ def prefill_and_generate(model, ref, cp, strategy, decode, seed):
         same = torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
         runtime = hf_contextpar.get_runtime(model)
         algorithms, heads = dict(runtime.algorithm_counts), (runtime.shape.heads, runtime.shape.kv_heads)
+        kv = kv_held(model, ids, mask)
     finally:
         hf_contextpar.remove_context_parallel(model)
     held = sum(local_numel(p) for p in model.parameters()) / sum(p.numel() for p in model.parameters())
-    return dict(max_diff=diff, tokens_equal=same, algorithms=algorithms, heads=heads, weights_held=held)
+    return dict(max_diff=diff, tokens_equal=same, algorithms=algorithms, heads=heads, weights_held=held, kv=kv)
+
+
+def kv_held(model, ids, mask):
+    """(tokens per layer this rank's cache holds, the whole prompt's): after a 6-token greedy generate."""
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    cache = returned_cache(model.generate(ids, return_dict_in_generate=True, **kw))
+    full = [layer.live for layer in cache.layers if layer.window is None]  # phi3's layers all slide: the layout's
+    return [max(full) if full else cache.local_length, cache.get_seq_length()]
 
 
 @torch.no_grad()
@@ -109,9 +131,9 @@ def beam_search(model, ref, cp, seed):
     return dict(max_diff=0.0, tokens_equal=same)
 
 
-def tp_peers_disagree_on_strategy(model, cp):
-    """TP index 1 asks for pass-Q, TP index 0 for pass-KV: each CP group agrees within itself."""
-    strategy = "ring_pass_q" if dist.get_rank() % TP else "ring_pass_kv"
+def tp_peers_disagree_on_strategy(model, cp, tp=TP):
+    """Odd TP indices ask for pass-Q, even ones for pass-KV: each CP group agrees within itself."""
+    strategy = "ring_pass_q" if dist.get_rank() % tp % 2 else "ring_pass_kv"
     hf_contextpar.apply_context_parallel(model, group=cp, strategy=strategy)
     hf_contextpar.remove_context_parallel(model)
     return dict(applied=True)
@@ -136,6 +158,30 @@ def tp_peers_disagree_on_inputs(model, cp):
     return dict(forward=True)
 
 
+def dcp_matrix(record):
+    """More TP ranks than KV heads (DCP 2 in every layout): each name of DCP in fp64, its strategies with
+    replicated decode, batched decode where CP > 1, two turns, beam search, Ulysses and DCP peers that
+    disagree refused; fp32 tokens; a fused-QKV plan refused at load."""
+    for name, (tp, overrides, strategies) in DCP.items():
+        model, cp, ref = load(name, overrides, tp=tp)
+        for i, strategy in enumerate(strategies):
+            record(name, strategy, prefill_and_generate, model, ref, cp, strategy, "replicated", 20 + i)
+        if tp < 4:
+            record(name, "ring_pass_q_decode", prefill_and_generate, model, ref, cp, "ring_pass_kv", "ring_pass_q", 7)
+        record(name, "two_turns", two_turns, model, ref, cp, 5)
+        if name.startswith("qwen2"):
+            record(name, "beam_search", beam_search, model, ref, cp, 8)
+            record(name, "ulysses_refused", prefill_and_generate, model, ref, cp, "ulysses", "replicated", 3)
+            record(name, "strategy_differs", tp_peers_disagree_on_strategy, model, cp, tp)
+            record(name, "after_errors", prefill_and_generate, model, ref, cp, "ring_pass_kv", "replicated", 4)
+    for name in ("qwen2_tp4", "qwen2_kv1"):
+        tp, overrides, _ = DCP[name]
+        model, cp, ref = load(name, overrides, torch.float32, tp=tp)
+        record(f"{name}_fp32", "ring_pass_q", prefill_and_generate, model, ref, cp, "ring_pass_q", "replicated", 9)
+        record(f"{name}_fp32", "auto", prefill_and_generate, model, ref, cp, "auto", "auto", 12)
+    record("phi3_kv2", "load", lambda: load("phi3", dict(num_key_value_heads=2), tp=4) and {})
+
+
 def main():
     torch.set_num_threads(1)
     init_world("cpu")
@@ -148,6 +194,11 @@ def main():
             records.append(
                 dict(family=family, case=case, error=type(e).__name__, message=f"{e}\n{traceback.format_exc()[-1500:]}")
             )
+
+    if sys.argv[2:] == ["dcp"]:
+        dcp_matrix(record)
+        write_records(sys.argv[1], records)
+        return
 
     for family, (overrides, strategies) in FAMILIES.items():
         model, cp, ref = load(family, overrides)

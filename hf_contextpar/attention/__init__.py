@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from contextvars import ContextVar
 
+import torch
+
 from .. import latent
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
-from ..kernels import pack_kv
+from ..kernels import acc_dtype, pack_kv
 from ..masks import Chunked
-from ..merge import with_sink
+from ..merge import merge_packed, pack_partial, with_sink
 from ..step import LayerKV
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
@@ -86,6 +88,9 @@ def context_parallel_attention(
             kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block
         kv_local = pack_kv(cached_k, cached_v)
+        if step.dcp is not None:  # DCP: this rank's slots of it, as the cache would hold them
+            held = torch.arange(kv_local.shape[3], device=kv_local.device) % step.dcp.world == step.dcp.rank
+            kv_local = kv_local[:, :, :, held]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     width = max(query.shape[-1], value.shape[-1])
     step.layer, step.kv_layer, step.sinks = idx, source, kwargs.get("s_aux")
@@ -98,12 +103,37 @@ def context_parallel_attention(
     )
     q = step.kv.pad(query)
     window = Chunked(chunk, step.left_padding) if chunk is not None else sliding_window
-    out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
+    if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
+        heads, sinks, step.sinks = q.shape[1], step.sinks, None
+        q = _gather_heads(step.dcp, q)
+        out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
+        out, lse = _merge_heads(step, q, out, lse, heads)
+        step.sinks = sinks
+    else:
+        out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = q.new_zeros(step.out_shape(q))
     elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
         out = with_sink(out, lse, step.sinks)
     return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _gather_heads(dcp, q: torch.Tensor) -> torch.Tensor:
+    """DCP: the query heads of every rank sharing this KV head, in DCP rank order, which is the order of
+    the TP plan's column shards: (B, dcp x heads, T, D)."""
+    b, h, t, d = q.shape
+    return dcp.all_gather(q).permute(1, 0, 2, 3, 4).reshape(b, dcp.world * h, t, d)
+
+
+def _merge_heads(step, q, out, lse, heads: int):
+    """DCP: the partial (out, LSE) of every query head over this rank's slots go to the head's owner (one
+    all-to-all, a reduce-scatter of partials), which merges the peers' in DCP rank order: exact, and
+    the same on every rank holding those heads' outputs."""
+    dcp = step.dcp
+    packed = pack_partial(None if out is None else (out, lse), step.out_shape(q), acc_dtype(q.dtype), q.device)
+    send = [packed[:, i * heads : (i + 1) * heads] for i in range(dcp.world)]
+    home = dcp.all_to_all(send, [send[dcp.rank].shape] * dcp.world)
+    return merge_packed(torch.stack(home))
 
 
 def chunk_size(module) -> int | None:

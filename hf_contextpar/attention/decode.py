@@ -10,7 +10,7 @@ that merge here.
 from __future__ import annotations
 
 from ..kernels import acc_dtype, attend
-from ..merge import merge_packed_out, pack_partial
+from ..merge import merge_packed, merge_packed_out, pack_partial
 
 
 def sharded_kv_decode(step, q, kv_local, **attn):
@@ -18,4 +18,6 @@ def sharded_kv_decode(step, q, kv_local, **attn):
     k, v = step.unpack(kv_local, rank)
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
     packed = pack_partial(res, step.out_shape(q), acc_dtype(q.dtype), q.device)
+    if step.dcp is not None:  # DCP merges these heads' partials with its peers' afterwards: it needs the LSE
+        return merge_packed(step.comm.all_gather(packed))
     return merge_packed_out(step.comm.all_gather(packed), step.sinks), None  # no caller reads a decode LSE

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..api import DECODES, STRATEGIES
 from ..cache import returned_cache
+from ..mesh import dcp_of
 from .cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
 from .models import DEFAULT_MODEL, DTYPES, load, max_positions
 
@@ -171,6 +172,8 @@ def cmd_generate(args):
             print(f"expected: {task.keywords[0]!r} -> {'correct' if found else 'WRONG'}")
         print("-" * 60)
         layout = f"TP {args.tp} x CP {world}" if tp_group is not None else f"{world}"
+        if dcp_of(model) is not None:  # TP ranks sharing a KV head, each holding 1/dcp of its tokens
+            layout += f" (DCP {dcp_of(model)[2]})"
         print(
             f"model {args.model}  dtype {args.dtype}  processes {layout}  prompt {ids.shape[1]} tokens  "
             f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}"
