@@ -32,12 +32,14 @@ FAMILIES = {
     "lfm2_moe": "conv",  # short convolutions
     "zamba2": "linear_attention",  # Mamba2
     "qwen3_5_text": "linear_attention",  # GatedDeltaNet
+    "kimi_linear": "linear_attention",  # KDA
 }
-# Not here: kimi_linear (KDA) passes all 6 cases but takes 50-100 s each on 2 shared cores. Mamba1's scan
+# Not here: Mamba1's scan
 # (mamba, falcon_mamba) starts every multi-token forward from a zero state (transformers: "Initial hidden
 # state is not supported by the kernel path"), so it cannot continue from a passed one without a patch:
-# chained, it is 1.3 (N = 2) to 3.0 (N = 4) off. MiniMax refuses any cache but its own MiniMaxCache (the
-# mixin must go there). bailing_hybrid's kernels refuse fp64 on one process.
+# chained, it is 1.3 (N = 2) to 3.0 (N = 4) off. MiniMax keeps its lightning attention's state in its own
+# MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's
+# kernels refuse fp64 on one process.
 # smaller states than the census's tiny configs (those take 10-20 s a forward here), chunked scans cut
 # inside every partition
 GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
@@ -48,6 +50,7 @@ SIZES = {
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
     "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=16),
     "zamba2": dict(mamba_d_state=16, chunk_size=16),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
 }
 EXACT = 1e-11
 LENGTH = 61
