@@ -186,23 +186,32 @@ def test_main_job_tp2_cp2():
     assert all(float(r[5]) < 0.55 * whole for r in rows), why  # the tied embedding / head is sharded too
 
 
-def test_bench_layouts(tmp_path):
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_bench_layouts(tmp_path, kv_heads):
     """TP 1 x CP 4, TP 2 x CP 2 and TP 4 x CP 1 of one model in one run: tokens identical to the unpatched
     model, weights per rank 1/tp (plus the replicated norms), the KV cache split 4 ways in each, no CP
-    traffic without CP."""
+    traffic without CP. With 2 KV heads TP 4 is DCP 2: the same KV per rank, its own DCP traffic, and each
+    rank holds its KV head's k/v projections whole (half of theirs instead of a quarter)."""
     out = tmp_path / "layouts.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
     cmd += ["-m", "hf_contextpar.tools.bench.layouts", "--length", "256", "--new-tokens", "4", "--repeats", "1"]
+    cmd += ["--kv-heads", str(kv_heads)]
     res = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     rows = {r["tp"]: r for r in json.load(open(out))["rows"]}
     assert sorted(rows) == [1, 2, 4] and all(r["tokens_identical"] for r in rows.values()), rows
-    assert abs(rows[2]["weights_per_rank"] * 2 - rows[1]["weights_per_rank"]) < 0.01 * rows[1]["weights_per_rank"]
-    assert abs(rows[4]["weights_per_rank"] * 4 - rows[1]["weights_per_rank"]) < 0.01 * rows[1]["weights_per_rank"]
+    assert [rows[tp]["dcp"] for tp in (1, 2, 4)] == [1, 1, 4 // kv_heads], rows
+    whole = rows[1]["weights_per_rank"]
+    assert abs(rows[2]["weights_per_rank"] * 2 - whole) < 0.01 * whole
+    if kv_heads == 4:
+        assert abs(rows[4]["weights_per_rank"] * 4 - whole) < 0.01 * whole
+    else:
+        assert 0.25 * whole < rows[4]["weights_per_rank"] < 0.3 * whole, rows
     kv = [r["kv_per_rank"] for r in rows.values()]
     assert max(kv) - min(kv) <= max(kv) / 64, kv  # within a token per layer of a quarter of the cache
     assert rows[4]["sent_per_rank"] == 0 and rows[1]["sent_per_rank"] > rows[2]["sent_per_rank"] > 0
+    assert (rows[4]["dcp_sent_per_rank"] > 0) == (kv_heads == 2) and rows[2]["dcp_sent_per_rank"] == 0
 
 
 def test_main_job_tp4_dcp():

@@ -9,7 +9,9 @@ warm-up), TTIT (the decode steps of a greedy generate), the weights and KV cache
 the attention bytes it sent in the prefill (CP's traffic; TP's all-reduces inside transformers'
 layers are not counted). Rank 0 first times the unpatched model alone, and every layout's greedy
 tokens are checked against it. The default model is a built-in tiny Llama with 8 query and 4 KV
-heads, so that TP 4 holds whole KV heads.
+heads, so that TP 4 holds whole KV heads; with `--kv-heads 2`, TP 4 runs DCP 2 (two TP ranks per KV
+head, each holding half its tokens), and the DCP group's traffic (query heads gathered, partials
+merged) is its own column.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from ...api import STRATEGIES
 from ...cache import returned_cache
 from ...errors import ContextParallelError
+from ...mesh import dcp_of
 from ..cliargs import exits_cleanly, positive_int, positive_ints, writable_file
 from ..models import DTYPES, load, tiny_model
 from ..tpload import load_tp, weight_bytes
@@ -41,21 +44,25 @@ def measure(model, ids, new_tokens: int, repeats: int, runtime) -> dict:
     """TTFT (median prefill forward), TTIT, tokens, KV bytes and prefill attention bytes sent, this rank."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up
-    times, sent = [], 0
+    times, sent, dcp_sent = [], 0, 0
+    dcp = runtime.dcp.tagged["attention"] if runtime is not None and runtime.dcp is not None else None
     for _ in range(repeats):
         dist.barrier()
+        before = dcp.bytes_sent if dcp is not None else 0
         start = time.perf_counter()
         model(ids, logits_to_keep=1).logits.argmax(-1)
         times.append(time.perf_counter() - start)
         if runtime is not None:
             sent = runtime.last_forward["bytes_sent"]
+        dcp_sent = dcp.bytes_sent - before if dcp is not None else 0
     dist.barrier()
     start = time.perf_counter()
     out = model.generate(ids, **kw)
     total = time.perf_counter() - start
     ttft = statistics.median(times)
     ttit = max(0.0, total - ttft) / max(1, new_tokens - 1)
-    return dict(ttft=ttft, ttit=ttit, tokens=out.sequences, kv=kv_bytes(returned_cache(out)), sent=sent)
+    kv = kv_bytes(returned_cache(out))
+    return dict(ttft=ttft, ttit=ttit, tokens=out.sequences, kv=kv, sent=sent, dcp_sent=dcp_sent)
 
 
 def layout_row(args, tp: int, ids, reference, device) -> dict:
@@ -70,11 +77,13 @@ def layout_row(args, tp: int, ids, reference, device) -> dict:
         model, _, cp_group, _ = load_tp(args.model, tp, dtype, device, **overrides)
     except ContextParallelError as e:
         return dict(row, refused=f"{type(e).__name__}: {e}")
-    if row["cp"] > 1:
+    dcp = dcp_of(model)
+    row["dcp"] = dcp[2] if dcp is not None else 1
+    if row["cp"] > 1 or dcp is not None:  # DCP runs the engine even over one CP rank
         hf_contextpar.apply_context_parallel(model, group=cp_group, strategy=args.strategy)
     runtime = hf_contextpar.get_runtime(model)
     got = measure(model, ids, args.new_tokens, args.repeats, runtime)
-    mine = torch.tensor([weight_bytes(model), got["kv"], got["sent"]], dtype=torch.float64)
+    mine = torch.tensor([weight_bytes(model), got["kv"], got["sent"], got["dcp_sent"]], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     everyone = torch.stack(everyone)
@@ -87,6 +96,7 @@ def layout_row(args, tp: int, ids, reference, device) -> dict:
         weights_per_rank=everyone[:, 0].max().item(),
         kv_per_rank=everyone[:, 1].max().item(),
         sent_per_rank=everyone[:, 2].max().item(),
+        dcp_sent_per_rank=everyone[:, 3].max().item(),
         tokens_identical=bool(torch.equal(got["tokens"].cpu(), reference)),
     )
 
@@ -99,17 +109,19 @@ def fmt_rows(args, rows, base) -> str:
         f"unpatched, 1 process: TTFT {base['ttft'] * 1e3:.1f} ms, TTIT {base['ttit'] * 1e3:.2f} ms, weights "
         f"{base['weights'] / mib:.2f} MiB, KV {base['kv'] / mib:.2f} MiB",
         "",
-        "| layout | TTFT | TTIT | weights / rank | KV / rank | CP bytes sent / rank | tokens identical |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| layout | TTFT | TTIT | weights / rank | KV / rank | CP bytes sent / rank | DCP bytes sent / rank "
+        "| tokens identical |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        name = f"TP {r['tp']} x CP {r['cp']}"
+        name = f"TP {r['tp']} x CP {r['cp']}" + (f" (DCP {r['dcp']})" if r.get("dcp", 1) > 1 else "")
         if "refused" in r:
-            lines.append(f"| {name} | refused: {r['refused']} | | | | | |")
+            lines.append(f"| {name} | refused: {r['refused']} | | | | | | |")
             continue
         lines.append(
             f"| {name} | {r['ttft_s'] * 1e3:.1f} ms | {r['ttit_s'] * 1e3:.2f} ms | {r['weights_per_rank'] / mib:.2f} MiB | "
-            f"{r['kv_per_rank'] / mib:.2f} MiB | {r['sent_per_rank'] / mib:.2f} MiB | {r['tokens_identical']} |"
+            f"{r['kv_per_rank'] / mib:.2f} MiB | {r['sent_per_rank'] / mib:.2f} MiB | "
+            f"{r['dcp_sent_per_rank'] / mib:.2f} MiB | {r['tokens_identical']} |"
         )
     return "\n".join(lines)
 
