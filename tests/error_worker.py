@@ -25,6 +25,11 @@ REGISTERED = {
         "jetmoe",
         dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, num_local_experts=2),
     ),
+    # a learned score bias handed to the attention as its mask: caught by the structural guard alone (INEXACT lifted)
+    "registered_doge": (
+        "doge",
+        dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, keep_window_size=8),
+    ),
     # attention not written against transformers' AttentionInterface: the switch does not take
     "registered_gpt_neo": (
         "gpt_neo",
@@ -40,6 +45,7 @@ def registered(scenario):
     from hf_contextpar import patches
 
     model_type, config = REGISTERED[scenario]
+    patches.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
     patches.register(patches.FamilyPatch(model_type, "registered by hand"))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()

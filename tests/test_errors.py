@@ -46,6 +46,7 @@ def _results(procs):
         ("registered_diffllama", "UnsupportedModelError", "more than once per forward"),
         ("registered_jetmoe", "UnsupportedModelError", "other keys or values than a cache layer returned"),
         ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
+        ("registered_doge", "UnsupportedModelError", "score bias or mask of its own"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, error, needle):

@@ -60,6 +60,14 @@ def context_parallel_attention(
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
+    if (attention_mask is not None and attention_mask.dim() != 2) or kwargs.get("position_bias") is not None:
+        # context_parallel_mask hands over None or the 2D padding mask: anything else is the model's own mask or
+        # score bias (Doge's learned per-key bias), which the algorithms' global-column masks would drop
+        raise UnsupportedModelError(
+            f"{type(module).__name__} adds a score bias or mask of its own to its attention, which hf-contextpar's "
+            "attention (masks built from each block's global columns) cannot take: this model cannot run exactly "
+            "under context parallelism."
+        )
     idx = module.layer_idx
     expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
     if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
