@@ -134,14 +134,13 @@ def _cuda_run(name, mode, q, k, v, bias, is_causal, scale):
 
 def _cuda_fused(q, k, v, bias, is_causal, scale):
     low = q.dtype in (torch.float16, torch.bfloat16)
-    for name in _CUDA_KERNELS:
+    for name, mode in cuda_kernels(q.dtype, q.device).items():  # checked once per dtype, in _CUDA_KERNELS order
         if name != "efficient" and (bias is not None or not low):
             continue
         if name == "cudnn" and q.shape[2] * k.shape[2] < _CUDNN_MIN_SCORES:
             continue
         shape_key = (name, q.dtype, q.shape[-1], v.shape[-1])
-        mode = cuda_kernels(q.dtype, q.device).get(name)
-        if mode is None or shape_key in _cuda_refused:
+        if shape_key in _cuda_refused:
             continue
         try:
             return _cuda_run(name, mode, q, k, v, bias, is_causal, scale)
