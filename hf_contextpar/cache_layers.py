@@ -1,0 +1,229 @@
+"""The layers of a `ShardedCache`: one rank's share of an attention layer's K/V, and a hybrid layer's.
+
+`ShardedLayer` holds the K/V of the tokens this rank owns in one buffer of shape (2, batch, kv_heads,
+capacity, head_dim) (see cache.py for why); `ShardedHybridLayer` is transformers' hybrid layer
+(`LinearAttentionAndFullAttentionLayer`: a layer whose block runs attention and a recurrent mixer
+side by side, Falcon-H1 and Zamba's) with that K/V: its conv / recurrent states are transformers'
+own, whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+
+from .errors import PatchStateError, UnsupportedModelError
+from .kernels import unpack_kv
+from .shard_layout import ShardLayout
+
+
+class ShardedLayer(CacheLayerMixin):
+    is_croppable = True
+
+    def __init__(self, layout: ShardLayout, window: int | None = None):
+        super().__init__()
+        self.layout = layout
+        self.window, self.is_sliding = window, window is not None
+        self.kv: torch.Tensor | None = None  # (2, B, Hkv, capacity, D), or (1, B, Hkv, capacity, Dk + Dv)
+        self.key_dim: int | None = None  # where a joint (1, ...) buffer splits into keys and values
+        self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
+        self.n = 0  # buffer index after the newest
+        self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
+
+    # transformers' generate() switches past recording on and off on the layers that have it
+    @property
+    def record_past(self) -> bool:
+        return self.layout.record_past
+
+    @record_past.setter
+    def record_past(self, value: bool):
+        self.layout.record_past = bool(value)
+
+    def activate_past_recording(self):
+        self.layout.record_past = True
+
+    def lazy_initialization(self, key_states, value_states):
+        if key_states.shape[:-1] != value_states.shape[:-1]:
+            raise UnsupportedModelError(
+                "hf-contextpar packs K and V together and needs them to have the same batch, head and token "
+                f"counts; this model has keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}."
+            )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        if value_states.shape[-1] == d:
+            self.kv = torch.empty((2, b, h, 0, d), dtype=self.dtype, device=self.device)
+        else:  # keys and values of different head sizes share one buffer, side by side
+            self.key_dim = d
+            self.kv = torch.empty((1, b, h, 0, d + value_states.shape[-1]), dtype=self.dtype, device=self.device)
+        self.first = 0
+        self._keep(0)
+        self.is_initialized = True
+
+    def _reserve(self, n: int) -> int:
+        """Make room up to buffer index n: grow the buffer, or first move the kept tokens to its start
+        (a sliding layer's dropped ones leave room there). Returns how far the kept tokens moved down."""
+        if n <= self.kv.shape[3]:
+            return 0
+        moved, live = self.first, self.live
+        two, b, h, cap, d = self.kv.shape
+        if n - moved > cap:  # grow (a sliding layer to twice what it holds: it drops as it appends)
+            cap = max(2 * cap, n - moved, 64) if self.window is None else max(2 * (n - moved), 64)
+        target = torch.empty((two, b, h, cap, d), dtype=self.kv.dtype, device=self.kv.device)
+        target[:, :, :, :live] = self.kv[:, :, :, moved : self.n]
+        self.kv, self.first = target, 0
+        self._keep(live)
+        return moved
+
+    def dropped(self) -> int:
+        """Leading slots of this rank's layout columns the layer no longer holds (as committed)."""
+        return 0 if self.window is None else self.layout.dropped[self.window][self.layout.rank]
+
+    def held_dropped(self) -> int:
+        """Of those, the ones this rank held (all of them without DCP): buffer entries gone."""
+        return self.layout.held(self.dropped())
+
+    def trim(self, by: int):
+        """Drop the `by` oldest tokens (a sliding layer, when a forward is committed or the cache
+        cropped); a buffer left mostly empty is given back."""
+        if self.kv is None:  # nothing stored yet
+            return
+        self.first += by
+        live = self.live
+        if self.kv.shape[3] > max(64, 4 * live):
+            self.kv = self.kv[:, :, :, self.first : self.n].clone()  # the rest goes back to the allocator
+            self.first = 0
+        self._keep(self.first + live)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        store = self.layout.store
+        if store is None:  # e.g. the stock model after remove_context_parallel: it would attend to 1/N of the keys
+            raise PatchStateError(
+                "this ShardedCache holds one rank's share of a context-parallel KV cache and works only with "
+                "the patched model; after remove_context_parallel, start again without it (or with a new cache)."
+            )
+        if self.handed:
+            raise UnsupportedModelError(
+                "this model updates one cache layer twice in a forward; hf-contextpar's sharded cache stores each "
+                "layer's new tokens once, so it cannot run under context parallelism."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.handed = True
+        if store.slots is not None:  # batched decode: one token for some sequences
+            rows, slots = store.slots
+            layout, base = self.layout, self.first - self.layout.held(self.dropped())
+            n = max(self.n, base + layout.held(int(slots.max()) + 1)) if slots.numel() else self.n
+            if layout.dcp_size > 1:  # DCP: only the slots this rank holds (key_states: one row per sequence)
+                keep = layout.mine(slots)
+                rows, slots = rows[keep], slots[keep]
+                keep = keep.to(key_states.device)
+                key_states, value_states = key_states[keep], value_states[keep]
+            slots = base + layout.held(slots)  # layout slot -> buffer index
+            moved = self._reserve(n)
+            n, slots = n - moved, slots - moved
+            self.kv[:, :, :, self.n : n] = 0  # new slots start empty; masked, but must hold finite values
+            rows, slots = rows.to(self.kv.device), slots.to(self.kv.device)
+            keys, values = unpack_kv(self.kv, self.key_dim)
+            keys[rows, :, slots] = key_states[:, :, 0]
+            values[rows, :, slots] = value_states[:, :, 0]
+            self._keep(n)
+            return self.keys, self.values
+        if store.rows is not None and store.rows.numel() < key_states.shape[2]:
+            if store.rows.numel() == 0:  # decode: this token is stored on another rank
+                return self.keys, self.values
+            rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token
+            key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
+        if self.layout.dcp_size > 1:  # DCP: of the new slots (after the layout's), those this rank holds
+            start = self.layout.slots(self.layout.rank)
+            rows = torch.nonzero(self.layout.mine(torch.arange(start, start + key_states.shape[2]))).view(-1)
+            rows = rows.to(key_states.device)
+            key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
+        m = key_states.shape[2]
+        self._reserve(self.n + m)
+        keys, values = unpack_kv(self.kv[:, :, :, self.n : self.n + m], self.key_dim)
+        keys.copy_(key_states)
+        values.copy_(value_states)
+        self._keep(self.n + m)
+        return self.keys, self.values
+
+    def block(self) -> torch.Tensor:
+        """This rank's K/V for the layer, (2, B, Hkv, tokens, D) (or the joint layout): a view of the buffer,
+        contiguous (so it can be sent as it is) while the buffer holds exactly these tokens, as after a
+        first prefill."""
+        return self.kv[:, :, :, self.first : self.n]
+
+    def get_seq_length(self) -> int:
+        return self.layout.seq_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.layout.seq_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self):
+        self.kv, self.keys, self.values, self.is_initialized, self.key_dim = None, None, None, False, None
+        self.first = self.n = 0
+
+    @property
+    def live(self) -> int:
+        """Tokens this layer holds on this rank."""
+        return self.n - self.first
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V this layer holds on this rank."""
+        two, b, h, _, d = self.kv.shape
+        return self.live * two * b * h * d * self.kv.element_size()
+
+    def _keep(self, n: int):
+        self.n = n
+        if self.kv is not None:
+            self.keys, self.values = unpack_kv(self.kv[:, :, :, self.first : n], self.key_dim)
+
+    def _map_batch(self, fn):
+        if self.kv is not None:
+            live = self.live
+            self.kv, self.first = fn(self.kv[:, :, :, self.first : self.n]).contiguous(), 0
+            self._keep(live)
+
+    def reorder_cache(self, beam_idx):
+        self._map_batch(lambda kv: kv.index_select(1, beam_idx.to(kv.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._map_batch(lambda kv: kv.repeat_interleave(repeats, dim=1))
+
+    def batch_select_indices(self, indices):
+        self._map_batch(lambda kv: kv[:, indices])
+
+    def crop(self, tokens_to_remove: int):  # all layers share one layout: ShardedCache.crop does them together
+        raise NotImplementedError("crop the ShardedCache, not one of its layers")
+
+
+class ShardedHybridLayer(LinearAttentionLayer, ShardedLayer):
+    """A hybrid layer: this rank's share of the K/V (ShardedLayer) beside the layer's whole conv and
+    recurrent states (transformers' LinearAttentionLayer), as `LinearAttentionAndFullAttentionLayer` joins them."""
+
+    is_compileable = False  # as transformers' hybrid layer (generate() would prepare 4D masks for a compileable cache)
+
+    def __init__(self, layout: ShardLayout, window: int | None, number_of_states: int):
+        ShardedLayer.__init__(self, layout, window)
+        recording = layout.record_past
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        layout.record_past = recording  # its __init__ sets record_past False: the layout's, shared by every layer
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:  # the K/V's update
+            ShardedLayer.lazy_initialization(self, *args)
+        else:  # update_conv_state / update_recurrent_state
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        ShardedLayer.reset(self)
+
+    def reorder_cache(self, beam_idx):
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        ShardedLayer.reorder_cache(self, beam_idx)
+
+    def get_max_length(self) -> int:
+        return -1
