@@ -65,6 +65,7 @@ class Policy:
     prefill: Callable[[int, int], str] = lambda num_new, past: "ring_pass_kv"  # (T, P) -> strategy
     kvr_sizes: Callable[[int], list] | None = None  # T -> KV-Runahead partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
+    chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class ForwardPlan:
     shards: Shards
     storage: Storage | None  # None: the forward runs without a cache
     outputs: Outputs
+    chained: bool = False  # recurrent layers pass their states down the ranks (contiguous partitions in order)
 
     @property
     def seq_length(self) -> int:
@@ -159,7 +161,9 @@ def build_plan(
     """This forward's plan. `layout` is the cache's ShardLayout (None without a cache); nothing is modified."""
     before = _Before.of(layout, policy.world, uses_cache)
     new_cols = torch.arange(before.past, before.past + num_new)
-    if num_new >= policy.world:
+    # a chained rank's recurrent mixers take its padding from its own >= 2 tokens (transformers reads a 1-token
+    # forward as decode, unmasked): fewer tokens run on every rank
+    if num_new >= policy.world * (2 if policy.chain else 1):
         algorithm, shards, storage, outputs = _shard_tokens(policy, before, new_cols, logits_to_keep)
     else:
         offset, run = (
@@ -191,6 +195,7 @@ def build_plan(
         shards=shards,
         storage=storage,
         outputs=outputs,
+        chained=policy.chain and shards.token_rows is not None,
     )
 
 
@@ -272,6 +277,10 @@ def droppable(cols: torch.Tensor, line: int) -> int:
 def _prefill(policy: Policy, cols, num_new: int, past: int):
     """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
     algorithm = policy.prefill(num_new, past)
+    if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
+        sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
+        sizes = sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world)
+        return ("ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm), contiguous_plan(sizes)
     if algorithm == "kv_runahead":
         if past == 0:
             sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
@@ -312,7 +321,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
     shards stay within `interleave` tokens. Right after an uneven prefill the few replicated steps
     that level the shards come first."""
     world = policy.world
-    if policy.decode == "replicated":
+    if policy.decode == "replicated" or policy.chain:  # recurrent states: every rank holds them all
         return None, None
     if batch < world:
         if policy.decode == "ring_pass_q":

@@ -124,10 +124,15 @@ class StateChain:
             payload = self.comm.recv_prev((nbytes,), torch.uint8, header.device).wait() if nbytes else None
             load_states(cache.layers[layer_idx], unpack(header, payload) if nbytes else {})
 
-    def finish(self, cache) -> None:
-        """The forward is over: send the last layer's state, and wait for every send."""
+    def settle(self, cache) -> None:
+        """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
+        now (before any attention message, which may wait for every rank: ring pass-KV does)."""
         self._flush(cache)
         self.current = None
+
+    def finish(self, cache) -> None:
+        """The forward is over: send the last layer's state, and wait for every send."""
+        self.settle(cache)
         for pending in self._sends:
             pending.wait()
         self._sends.clear()
@@ -170,6 +175,11 @@ class ChainedStates:
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):
             self.chain.enter(self, layer_idx)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.chain is not None:  # K/V of an attention layer: the recurrent layer before it is done
+            self.chain.settle(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         self._enter(layer_idx)

@@ -23,12 +23,13 @@ from .attention import current_step
 from .comm import Comm
 from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
-from .errors import HeadsNotDivisibleError, PatchStateError
+from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .outputs import gather_outputs
 from .partitions import PartitionTable
 from .plan import ForwardPlan, Policy, build_plan
 from .planner import Calibration, choose
+from .recurrent import share_final_states
 from .rope import patch_rope, unpatch_rope
 from .step import Step
 
@@ -80,6 +81,16 @@ class ContextParallelRuntime:
         self.check_inputs = check_inputs
         self.contract = InputContract(model, rank, world, ATTENTION_NAME)
         self.num_layers = self.contract.num_layers
+        # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
+        self.chain = any(r is not None for r in self.contract.recurrence)
+        if self.chain and (decode == "ring_pass_q" or dcp is not None):
+            what = (
+                "decode='ring_pass_q' (it moves sequences between ranks)" if dcp is None else "DCP (--tp over KV heads)"
+            )
+            raise UnsupportedModelError(
+                f"{what} is not supported on a model with recurrent layers: their states are whole on every rank "
+                "and pass down the ranks in prefill. Use decode='auto' or 'replicated', and TP up to the KV heads."
+            )
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
@@ -136,12 +147,22 @@ class ContextParallelRuntime:
             self.ranks.inputs(inputs, self._sizing(inputs))
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
-        self._shard_inputs(kwargs, plan, inputs.position_ids)
+        self._shard_inputs(kwargs, plan, inputs)
         cache = inputs.cache
+        scratch = cache is None and plan.chained  # no cache asked for: the states still need one to pass through
+        if scratch:
+            cache = self.contract.new_cache()
         if cache is not None:
             # the cache stores this rank's DCP slots only (every slot without DCP); a cache split otherwise is refused
             cache.layout.set_dcp(*((self.dcp.rank, self.dcp.world) if self.dcp is not None else (0, 1)))
+            if plan.chained and any(getattr(layer, "record_past", False) for layer in cache.layers):
+                raise UnsupportedInputError(  # assisted decoding's: the conv states would then grow per rank
+                    "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
+                    "on models with recurrent layers under context parallelism: decode without them."
+                )
             cache.begin(plan.storage)
+            if plan.chained:
+                cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp)
@@ -159,16 +180,22 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        self._pending.append((token, step, grad, inputs.as_tuple))
+        self._pending.append((token, step, grad, inputs.as_tuple, scratch))
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         if not self._pending:
             return output
-        token, step, grad, as_tuple = self._pending.pop()
+        token, step, grad, as_tuple, scratch = self._pending.pop()
         current_step.reset(token)
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
+            if ok and plan.chained:
+                step.cache.end_chain()  # the last layer's states to the next rank
+                if scratch:
+                    output[self.contract.cache_arg] = None  # what the caller gets without use_cache
+                else:  # decode runs every recurrent layer on every rank, from the last partition's states
+                    share_final_states(step.cache, self.comm, root=self.world - 1)
             if ok:
                 self.comm.settle()  # a forward with no attention collective (none ran) still checks
             self.last_forward["bytes_sent"] += self._attention.bytes_sent
@@ -181,6 +208,8 @@ class ContextParallelRuntime:
             ok = False
             raise
         finally:
+            if step.cache is not None:
+                step.cache.chain = None  # a forward that raised leaves its chain unfinished
             self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
             if step.cache is not None:
                 step.cache.end(plan.storage, ok)
@@ -194,11 +223,13 @@ class ContextParallelRuntime:
 
     def _policy(self) -> Policy:
         sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
-        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave)
+        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":
             return self.strategy
+        if self.chain:  # one way down the ranks, as the states go (plan.py: ring pass-KV over a cache)
+            return "kv_runahead"
         self.last_decision = choose(num_new, past, self.world, self.shape, self.calibration, self.planner_rule)
         return self.last_decision.strategy
 
@@ -212,12 +243,15 @@ class ContextParallelRuntime:
         cache = inputs.cache.sizing() if inputs.cache is not None else []
         return cache + [inputs.as_tuple, hidden is None, bool(hidden), *keep]
 
-    def _shard_inputs(self, kwargs, plan: ForwardPlan, position_ids):
+    def _shard_inputs(self, kwargs, plan: ForwardPlan, inputs: Inputs):
         """This rank's share of the inputs: its new tokens (sequence sharding) or its sequences (batched decode)."""
-        kwargs["position_ids"] = position_ids
+        kwargs["position_ids"] = inputs.position_ids
         shards = plan.shards
         if shards.token_rows is not None:
             mine = shards.token_rows[self.rank]
+            if plan.chained and inputs.mask is not None:  # the mask up to its partition's end: transformers'
+                # recurrent mixers take their padding from the mask's last columns, as in a chunked prefill
+                kwargs["attention_mask"] = inputs.mask[:, : plan.past + int(mine[-1]) + 1]
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]

@@ -15,6 +15,7 @@ import torch
 from .comm import Comm
 from .kernels import unpack_kv
 from .plan import ForwardPlan
+from .recurrent import is_recurrent
 
 if TYPE_CHECKING:
     from .cache import ShardedCache
@@ -113,6 +114,10 @@ class Step:
                 held.append(cols[..., slots % size == index])
             self._held[window] = held
         return self._held[window]
+
+    def chained_at(self, layer: int) -> bool:
+        """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V)?"""
+        return self.plan.chained and self.cache is not None and is_recurrent(self.cache.layers[layer])
 
     @property
     def padding(self):

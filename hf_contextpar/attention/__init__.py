@@ -161,7 +161,9 @@ def _source_layer(step, module, key, value) -> int:
     layers = step.cache.layers if step.cache is not None else None
     source = idx
     if layers is not None and not _handed(layers[idx], key, value):  # shared: the very tensors another returned
-        source = next((j for j, layer in enumerate(layers) if layer.handed and key is layer.keys), None)
+        source = next(
+            (j for j, layer in enumerate(layers) if getattr(layer, "handed", False) and key is layer.keys), None
+        )
         if source is not None and value is not layers[source].values:
             source = None
     if idx in step.attended or source is None:

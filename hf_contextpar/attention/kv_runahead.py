@@ -11,7 +11,9 @@ Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 rec
 (blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
 done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection:
 once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`; layers may differ
-in head size, as Gemma 4's do, and a receive of the wrong size would abort the group).
+in head size, as Gemma 4's do, and a receive of the wrong size would abort the group), and unless
+layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: messages between two
+ranks match in posting order, and its state may go first).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
 """
 
@@ -49,7 +51,7 @@ def kv_runahead(step, q, kv_local, **attn):
             sends.append(comm.send_next(block))
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-    if step.layer + 1 in step.kv_shapes:
+    if step.layer + 1 in step.kv_shapes and not step.chained_at(step.layer + 1):
         _post_receives(step, step.layer + 1, kv_local, step.kv_shapes[step.layer + 1])
     for s in sends:  # the blocks must stay untouched until they are out
         s.wait()
