@@ -47,7 +47,7 @@ def model_signature(model) -> tuple:
     return (
         text.model_type,
         text.num_hidden_layers,
-        text.num_attention_heads,
+        config_value(text, "num_attention_heads"),
         config_value(text, "num_key_value_heads"),
         config_value(text, "head_dim"),
         text.vocab_size,

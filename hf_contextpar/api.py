@@ -90,8 +90,11 @@ def apply_context_parallel(
         runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
         attention.register()
         runtime.original_attn = model.config._attn_implementation
-        model.set_attn_implementation(attention.NAME)
-        if model.config._attn_implementation != attention.NAME:  # the same model on every rank: all refuse
+        if runtime.contract.attention_name is not None:  # None: no attention layer at all (Mamba2's)
+            model.set_attn_implementation(attention.NAME)
+        if (
+            model.config._attn_implementation != attention.NAME and runtime.contract.attention_name is not None
+        ):  # the same model on every rank: all refuse
             raise UnsupportedModelError(
                 f"{type(model).__name__} does not take an attention implementation from transformers' "
                 "AttentionInterface (transformers keeps its own attention for it: it is not written against "
@@ -116,7 +119,8 @@ def remove_context_parallel(model):
     if runtime is None:
         return model
     runtime.uninstall()
-    model.set_attn_implementation(runtime.original_attn)
+    if runtime.contract.attention_name is not None:
+        model.set_attn_implementation(runtime.original_attn)
     if runtime.family_undo is not None:
         runtime.family_undo()
     runtime.latent_undo()

@@ -14,9 +14,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .cache import ShardedCache, cache_argument, cache_windows
+from .cache import ShardedCache, cache_argument, cache_recurrence, cache_windows
 from .costmodel import config_value, ulysses_fits
 from .errors import (
     CacheMismatchError,
@@ -27,15 +27,20 @@ from .errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
+from .patches import REGISTRY
 from .patches import resolve as resolve_family
+from .recurrent import is_recurrent
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+_RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain
+_STATELESS_LAYER_TYPES = {"moe", "mlp"}  # a block with neither K/V nor a state (Nemotron-H's)
 _WHY = {  # why a layer kind is refused (transformers' layer_types names)
     "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
     "scores over all earlier tokens; exact under context parallelism that is a top-k over every rank's keys "
     "per query and layer, which hf-contextpar does not run.",
     "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
-    "sequence, which hf-contextpar does not pass between ranks yet.",
+    "sequence; hf-contextpar passes it between ranks only for mixers that read and write it through "
+    "transformers' cache state API and continue a multi-token forward from it, as verified per family.",
 }
 
 
@@ -49,14 +54,20 @@ def check_model(model):
         )
     text = config.get_text_config(decoder=True)
     layer_types = set(getattr(text, "layer_types", None) or [])
-    if layer_types - _ATTENTION_LAYER_TYPES:
-        kinds = sorted(layer_types - _ATTENTION_LAYER_TYPES)
+    kinds = layer_types - _ATTENTION_LAYER_TYPES - _STATELESS_LAYER_TYPES
+    chained = kinds & _RECURRENT_LAYER_TYPES
+    family = REGISTRY.get(config.model_type)
+    if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
+        kinds -= chained
+    if kinds:
+        kinds = sorted(kinds)
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         raise UnsupportedModelError(
-            f"this model has {kinds} layers; hf-contextpar supports only softmax attention layers (full, "
-            f"sliding-window or chunked). {why}"
+            f"this model ({config.model_type}) has {kinds} layers; hf-contextpar supports softmax attention layers "
+            f"(full, sliding-window or chunked), and recurrent layers in the families verified to continue from a "
+            f"passed state ({', '.join(sorted(m for m, p in REGISTRY.items() if p.recurrent))}). {why}"
         )
-    if getattr(text, "num_attention_heads", None) is None:
+    if getattr(text, "num_attention_heads", None) is None and not chained:
         raise UnsupportedModelError(
             f"{type(model).__name__}'s config declares no attention heads (num_attention_heads): its layers are "
             "not softmax attention (a recurrence such as RWKV's), which hf-contextpar does not shard."
@@ -128,7 +139,11 @@ class InputContract:
         self.attention_name = attention_name
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         # the sliding layers of the cache the unpatched model makes when given none
-        self.windows = cache_windows(DynamicCache(config=model.config))
+        template = DynamicCache(config=model.config)
+        self.windows = cache_windows(template)
+        self.recurrence = cache_recurrence(template)  # per layer: its conv / recurrent states, None for K/V alone
+        if all(r is not None and not r[1] for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
+            self.attention_name = None
         self.params = list(inspect.signature(model.forward).parameters)
         # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
         self.cache_arg = cache_argument(model)
@@ -147,7 +162,9 @@ class InputContract:
         if kwargs.get("output_attentions"):
             raise UnsupportedInputError("output_attentions=True is not supported under context parallelism.")
         implementation = self.model.config._attn_implementation
-        if implementation != self.attention_name:  # else each rank attends to its shard alone
+        if (
+            self.attention_name is not None and implementation != self.attention_name
+        ):  # else each rank attends to its shard alone
             raise PatchStateError(
                 f"the model's attention implementation is {implementation!r}, changed after apply_context_parallel; "
                 "call remove_context_parallel(model), set the implementation, then apply again."
@@ -188,6 +205,9 @@ class InputContract:
         )
         return kwargs, inputs
 
+    def new_cache(self) -> ShardedCache:
+        return ShardedCache(self.num_layers, self.rank, self.world, self.windows, self.recurrence)
+
     def _take_cache(self, kwargs):
         """The caller's cache (removed from kwargs). Given under both names, transformers 5.24 takes
         `cache` and ignores `past_key_values` (with a warning): so does this."""
@@ -206,8 +226,8 @@ class InputContract:
                 raise CacheMismatchError("this ShardedCache belongs to a different context-parallel group.")
             return cache
         if cache is None:
-            return ShardedCache(self.num_layers, self.rank, self.world, self.windows) if use_cache else None
-        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            return self.new_cache() if use_cache else None
+        if type(cache) is DynamicCache and _is_empty(cache):
             if getattr(cache, "offloading", False):
                 raise CacheMismatchError(
                     "an offloaded cache (cache_implementation='offloaded') is not supported under context "
@@ -216,7 +236,7 @@ class InputContract:
                 )
             # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
             # the object itself becomes the sharded cache, so the caller's reference carries the state
-            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world)
+            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world, self.recurrence)
         if isinstance(cache, Cache):
             raise CacheMismatchError(
                 f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "
@@ -227,6 +247,15 @@ class InputContract:
                 "filled without context parallelism."
             )
         raise CacheMismatchError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
+
+
+def _is_empty(cache) -> bool:
+    """No layer holds a token or a state (`get_seq_length` asks an attention layer, which Mamba2's cache lacks)."""
+    return not any(
+        (is_recurrent(layer) and any(layer.has_previous_state.values()))
+        or (isinstance(layer, CacheLayerMixin) and layer.get_seq_length() > 0)
+        for layer in cache.layers
+    )
 
 
 def _is_packed(position_ids: torch.Tensor) -> bool:

@@ -183,7 +183,7 @@ class Shape:
         from .mesh import heads_per_rank, local_numel, tensor_parallel
 
         text = model.config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
+        heads = config_value(text, "num_attention_heads") or 1  # none: recurrent layers alone (Mamba2)
         head_dim = config_value(text, "head_dim") or text.hidden_size // heads
         linear = [local_numel(m.weight) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
         weights = sum(linear) // max(1, text.num_hidden_layers)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import UnsupportedModelError
 
-from . import llama4_text, opt
+from . import bamba, llama4_text, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -40,6 +40,7 @@ class FamilyPatch:
     fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
     fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
     census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
+    recurrent: bool = False  # its recurrent layers' mixers continue from a passed state: the chain runs them
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -170,6 +171,28 @@ for _patch in [
     ),
 ]:
     register(_patch)
+# Hybrids: recurrent layers (linear attention, state-space, short convolutions) beside attention. Their mixers read
+# and write their states only through transformers' cache API and continue a multi-token forward from a cached
+# state, so the states pass down the ranks in the cache (recurrent.py); tests/test_hybrid.py checks each against
+# one process at N = 2, 3, 4 (fp64 with the models' fp32 internals in fp64). Not here: Mamba1's scan (mamba,
+# falcon_mamba, jamba, zamba) starts every multi-token forward from a zero state; MiniMax keeps its lightning
+# attention's state in a cache class of its own; bailing_hybrid's kernels refuse fp64, so it is unchecked
+for _mt, _what in [
+    ("qwen3_next", "Qwen3-Next: Gated DeltaNet layers beside gated attention, MoE"),
+    ("qwen3_5_text", "Qwen3.5 (text): Gated DeltaNet layers beside gated attention"),
+    ("granitemoehybrid", "Granite 4.0-H: Mamba2 layers beside attention, MoE"),
+    ("nemotron_h", "Nemotron-H: Mamba2, MLP and attention layers"),
+    ("falcon_h1", "Falcon-H1: attention and Mamba2 side by side in every layer"),
+    ("zamba2", "Zamba2: Mamba2 layers and a shared attention block"),
+    ("mamba2", "Mamba2: state-space layers alone"),
+    ("lfm2", "LFM2: short-convolution layers beside attention"),
+    ("lfm2_moe", "LFM2-MoE: short-convolution layers beside attention, MoE"),
+    ("kimi_linear", "Kimi-Linear: KDA layers beside latent (MLA) attention"),
+    ("olmo_hybrid", "OLMo-hybrid: Gated DeltaNet layers beside attention"),
+]:
+    register(FamilyPatch(_mt, _what, recurrent=True))
+# Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
+register(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
 
 
