@@ -1,0 +1,95 @@
+"""One rank of the hybrid matrix (issue 30): for every family of tests/hybrids.py, the patched model
+against the unpatched one on this process, fp64 with the models' fp32 internals in fp64: a padded,
+uneven prompt's logits; a second turn over the cache (chained) and a third shorter than 2 tokens per
+rank (every rank runs it); a forward without a cache; greedy, beam-search and sampled generation from the padded batch;
+fp32 greedy. Writes OUT/rank{r}.json. argv: OUT [families] [strategy]."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cp_worker import gathered_equal  # noqa: E402
+from hybrids import FAMILIES, hybrid_model  # noqa: E402
+from launch import write_records  # noqa: E402
+
+import hf_contextpar  # noqa: E402
+from hf_contextpar.cache import returned_cache  # noqa: E402
+from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
+
+
+def diff(a, b, rows=None) -> float:
+    d = (a - b).abs().amax(-1)
+    return float((d[rows] if rows is not None else d).max())
+
+
+@torch.no_grad()
+def check(family: str, n: int, strategy: str, rec):
+    g = torch.Generator().manual_seed(n)
+    length = 6 * n + 5  # uneven at every N
+    ids = torch.randint(3, 250, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, : 2 * n + 3] = 0  # row 1's padding reaches past the first partition
+    more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
+    last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
+    ref, cp = hybrid_model(family), hybrid_model(family)
+    hf_contextpar.apply_context_parallel(cp, strategy=strategy, timeout=120)
+    with Fp64Internals():
+        outs = []
+        for model in (ref, cp):
+            first = model(ids, attention_mask=mask)
+            m2 = torch.cat([mask, torch.ones_like(more)], 1)
+            second = model(more, attention_mask=m2, cache=returned_cache(first))
+            m3 = torch.cat([m2, torch.ones_like(last)], 1)
+            third = model(last, attention_mask=m3, cache=returned_cache(second))
+            plain = model(ids, attention_mask=mask, use_cache=False)
+            outs.append((first.logits, second.logits, third.logits, plain))
+        (a1, a2, a3, ap), (b1, b2, b3, bp) = outs
+        rec("prefill", max_diff=diff(a1, b1, mask.bool()))
+        rec("second_turn", max_diff=diff(a2, b2))
+        rec("short_turn", max_diff=diff(a3, b3))
+        rec("no_cache", max_diff=diff(ap.logits, bp.logits, mask.bool()), cache_none=returned_cache(bp) is None)
+        kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
+        rec("greedy", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+        kw.update(num_beams=2, max_new_tokens=4, min_new_tokens=4)  # reorder_cache over the states and the shards
+        a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
+        rec("beams", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+        kw.update(num_beams=1, do_sample=True, top_k=20)
+        torch.manual_seed(5)
+        a = ref.generate(ids, **kw)
+        torch.manual_seed(5)
+        b = cp.generate(ids, **kw)
+        rec("sample", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+    ref, cp = ref.float(), cp.float()
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    a, b = ref.generate(ids[:1], **kw), cp.generate(ids[:1], **kw)
+    rec("greedy_fp32", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+
+
+def main():
+    out_dir = sys.argv[1]
+    families = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else FAMILIES
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    records = []
+    for family in families:
+        try:
+            check(family, n, strategy, lambda case, **kw: records.append(dict(family=family, n=n, case=case, **kw)))
+        except Exception as e:  # recorded, so one broken family does not hide the others
+            import traceback
+
+            records.append(dict(family=family, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
+    write_records(out_dir, records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Tiny hybrid models (recurrent layers beside attention) for the chain's tests: per family, a random
+model with its realistic layer mix (3 recurrent layers to 1 attention layer where the config takes a
+pattern), small states, and scans chunked inside every partition. fp64 runs use the census's
+`Fp64Internals`, so the models' deliberate fp32 internals (chunked scans, gates) run in fp64 too."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_contextpar.tools.census_configs import _known, tiny_config
+
+GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
+SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a forward), chunks of 16
+    "qwen3_next": GDN,
+    "qwen3_5_text": GDN,
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=16),
+    "zamba2": dict(mamba_d_state=16, chunk_size=16),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "falcon_h1": dict(mamba_d_state=16, mamba_chunk_size=16),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
+}
+MIX = ["linear_attention"] * 3 + ["full_attention"]
+LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
+    "qwen3_next": dict(layer_types=MIX),
+    "qwen3_5_text": dict(layer_types=MIX),
+    "granitemoehybrid": dict(layer_types=MIX),
+    "nemotron_h": dict(layer_types=MIX),
+    "kimi_linear": dict(layer_types=MIX),
+    "olmo_hybrid": dict(layer_types=MIX),
+    "lfm2": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "bamba": dict(attn_layer_indices=[3]),
+    "falcon_h1": None,  # every layer runs attention and Mamba2 side by side
+    "zamba2": None,  # Mamba2 layers and a shared attention block
+    "mamba2": None,  # recurrent layers alone
+}
+FAMILIES = list(LAYOUT)
+
+
+def hybrid_config(family: str):
+    config = tiny_config(family)
+    kw = {**_known(config), **SIZES.get(family, {})}
+    layout = LAYOUT[family]
+    if layout is None:
+        pattern = {k: v for k, v in config.to_dict().items() if k in ("hybrid_layer_ids", "layers_block_type")}
+        kw.update(pattern)
+    else:
+        n = len(layout.get("layer_types", [])) or 4
+        kw.update(layout, num_hidden_layers=n)
+    return AutoConfig.for_model(family, **kw)
+
+
+def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
+    config = hybrid_config(family)
+    torch.manual_seed(seed)
+    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": "sdpa"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager", **attn).eval()
