@@ -145,13 +145,14 @@ class Comm:
         recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
         return self._post("ring_shift", send, recv)
 
-    def send_next(self, send: torch.Tensor) -> Pending:
-        """Post `send` to rank+1 (KV-Runahead's chain); wait() before touching `send` again."""
-        return self._post("ring_send", send, None)
+    def send_next(self, send: torch.Tensor, op: str = "ring_send") -> Pending:
+        """Post `send` to rank+1 (KV-Runahead's chain, the recurrent states'); wait() before touching `send` again.
+        op: the name its bytes and waits are counted under."""
+        return self._post(op, send, None)
 
-    def recv_prev(self, shape, dtype, device) -> Pending:
+    def recv_prev(self, shape, dtype, device, op: str = "ring_recv") -> Pending:
         """Post the receive of a block of `shape` from rank-1; wait() returns it."""
-        return self._post("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
+        return self._post(op, None, torch.empty(shape, dtype=dtype, device=device))
 
     def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> Pending:
         self.settle()

@@ -27,7 +27,7 @@ from .errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from .patches import REGISTRY
+from .patches import NOT_CHAINED, REGISTRY
 from .patches import resolve as resolve_family
 from .recurrent import is_recurrent
 
@@ -60,12 +60,14 @@ def check_model(model):
     if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
         kinds -= chained
     if kinds:
-        kinds = sorted(kinds)
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
+        hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
+        also = f", and recurrent layers in the families verified to continue from a passed state ({hybrids})"
+        if config.model_type in NOT_CHAINED:
+            why = f"{config.model_type}: {NOT_CHAINED[config.model_type]}. {why}"
         raise UnsupportedModelError(
-            f"this model ({config.model_type}) has {kinds} layers; hf-contextpar supports softmax attention layers "
-            f"(full, sliding-window or chunked), and recurrent layers in the families verified to continue from a "
-            f"passed state ({', '.join(sorted(m for m, p in REGISTRY.items() if p.recurrent))}). {why}"
+            f"this model ({config.model_type}) has {sorted(kinds)} layers; hf-contextpar supports softmax attention "
+            f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}"
         )
     if getattr(text, "num_attention_heads", None) is None and not chained:
         raise UnsupportedModelError(

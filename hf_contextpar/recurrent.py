@@ -96,7 +96,8 @@ class StateChain:
     """One forward's chain on one rank: receive from rank - 1 (unless first), send to rank + 1 (unless last).
 
     `comm`: the runtime's `Comm` (or a simulated one): `recv_prev` / `send_next` on the ring, whose
-    messages are matched in posting order per pair of ranks, so both sides post in layer order.
+    messages are matched in posting order per pair of ranks, so both sides post in layer order (counted
+    as "state_recv" / "state_send": a rank's waits there are the chain's idle time).
     """
 
     def __init__(self, comm, receive: bool, send: bool):
@@ -119,9 +120,11 @@ class StateChain:
         self.current = layer_idx
         self.visited.add(layer_idx)
         if self.receive:
-            header = self.comm.recv_prev((HEADER,), torch.long, _device(cache, layer_idx)).wait()
+            header = self.comm.recv_prev((HEADER,), torch.long, _device(cache, layer_idx), op="state_recv").wait()
             nbytes = int(header[1])
-            payload = self.comm.recv_prev((nbytes,), torch.uint8, header.device).wait() if nbytes else None
+            payload = (
+                self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
+            )
             load_states(cache.layers[layer_idx], unpack(header, payload) if nbytes else {})
 
     def settle(self, cache) -> None:
@@ -142,9 +145,9 @@ class StateChain:
         if layer_idx is None or not self.send or layer_idx in self.sent:
             return
         header, payload = pack(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
-        self._sends.append(self.comm.send_next(header))
+        self._sends.append(self.comm.send_next(header, op="state_send"))
         if payload.numel():
-            self._sends.append(self.comm.send_next(payload))
+            self._sends.append(self.comm.send_next(payload, op="state_send"))
         self.sent.add(layer_idx)
 
 
@@ -200,6 +203,11 @@ class ChainedStates:
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         self._enter(layer_idx)
         return super().has_previous_state(layer_idx, state_idx)
+
+
+def state_nbytes(cache) -> int:
+    """Bytes of the conv and recurrent states a cache's recurrent layers hold."""
+    return sum(t.nbytes for layer in cache.layers if is_recurrent(layer) for t in layer_states(layer).values())
 
 
 def share_final_states(cache, comm, root: int) -> int:

@@ -191,6 +191,17 @@ for _mt, _what in [
     ("olmo_hybrid", "OLMo-hybrid: Gated DeltaNet layers beside attention"),
 ]:
     register(FamilyPatch(_mt, _what, recurrent=True))
+# why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
+_MAMBA1 = "its Mamba1 scan starts every multi-token forward from a zero state (no initial state is passed in)"
+NOT_CHAINED = {
+    "mamba": _MAMBA1,
+    "falcon_mamba": _MAMBA1,
+    "jamba": _MAMBA1,
+    "zamba": _MAMBA1,
+    "minimax": "its lightning attention keeps its state in a cache class of its own (MiniMaxCache), outside the API",
+    "bailing_hybrid": "its kernels refuse fp64, so the chain could not be verified exact against one process",
+    "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
+}
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 register(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))

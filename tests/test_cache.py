@@ -287,3 +287,37 @@ def test_local_nbytes_with_an_emptied_sliding_layer():
     assert cache.local_nbytes() == 300 * 2 * B * H * D * 8
     layer.kv, layer.first, layer.n = layer.kv[:, :, :, :0], 0, 0  # what trim leaves of a large emptied buffer
     assert cache.local_nbytes() == 300 * 2 * B * H * D * 8
+
+
+def test_recurrent_and_hybrid_layers_keep_transformers_semantics():
+    """Recurrent layers are transformers' own (whole on every rank), hybrid ones hold both: reorder_cache,
+    crop and reset behave as in the single-process cache built from the same layer kinds."""
+    from transformers.cache_utils import (
+        Cache,
+        DynamicLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionLayer,
+    )
+
+    from hf_contextpar.cache_layers import ShardedHybridLayer
+
+    sharded = ShardedCache(3, 0, 1, recurrence=[(1, False), None, (1, True)])
+    single = Cache(layers=[LinearAttentionLayer(), DynamicLayer(), LinearAttentionAndFullAttentionLayer()])
+    assert [type(x).__name__ for x in sharded.layers] == ["LinearAttentionLayer", "ShardedLayer", "ShardedHybridLayer"]
+    assert isinstance(sharded.layers[2], ShardedHybridLayer) and sharded.kv_layers == sharded.layers[1:]
+    g = torch.Generator().manual_seed(0)
+    conv, state = torch.randn(3, 4, 5, generator=g), torch.randn(3, 2, 6, generator=g)
+    for cache in (sharded, single):
+        for i in (0, 2):
+            cache.update_conv_state(conv, i)
+            cache.update_recurrent_state(state, i)
+        assert cache.has_previous_state(0) and not cache.is_croppable
+        cache.reorder_cache(torch.tensor([2, 0, 1]))
+    for i in (0, 2):
+        assert torch.equal(sharded.get_conv_state(i), single.get_conv_state(i))
+        assert torch.equal(sharded.get_recurrent_state(i), single.get_recurrent_state(i))
+    for cache in (sharded, single):  # crop needs recorded past on a recurrent layer, as one process has it
+        with pytest.raises(RuntimeError, match="does not track past states"):
+            cache.crop(0)
+        cache.reset()
+        assert not cache.has_previous_state(0) and cache.get_conv_state(2) is None

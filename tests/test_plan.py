@@ -255,3 +255,25 @@ def test_droppable_slots():
     # a hole before a filled slot (a later prefill appended to every sequence) is never filled: it goes
     assert droppable(torch.tensor([[0, -1, 7], [1, 2, 8]]), 5) == 2
     assert droppable(torch.tensor([[0, -1, 7], [1, 2, 8]]), 9) == 3
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
+    """A model with recurrent layers: every sharded forward (fresh, and over a cache) cuts contiguous
+    partitions in rank order of >= 2 tokens (a partition table's too short ones give way to even ones);
+    fewer than 2 tokens per rank run on every rank; decode is replicated whatever the batch."""
+    policy = Policy(world, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t: [t - world + 1] + [1] * (world - 1))
+    policy = Policy(**{**policy.__dict__, "chain": True})
+    layout = ShardLayout(0, world)
+    for num_new, chained in [(2 * world + 1, True), (2 * world - 1, False), (2 * world, True)]:
+        plan = plan_for(layout, num_new, batch=world + 1, policy=policy)
+        assert plan.chained == chained
+        if chained:
+            rows = [r.tolist() for r in plan.shards.token_rows]
+            assert sum(rows, []) == list(range(num_new)) and min(len(r) for r in rows) >= 2
+            assert plan.algorithm == ("kv_runahead" if layout.seq_length == 0 else "ring_pass_kv")
+        else:
+            assert plan.algorithm == "decode"
+        layout.commit(plan.storage)
+    plan = plan_for(layout, 1, batch=world + 1, policy=policy)
+    assert plan.algorithm == "decode" and not plan.chained

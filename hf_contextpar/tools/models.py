@@ -43,6 +43,22 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=1,
         head_dim=32,
     ),
+    # benchmark hybrid (issue 30): Qwen3-Next's pattern, 3 Gated DeltaNet layers to 1 attention layer, dense MLPs
+    "qwen3_next_hybrid": dict(
+        model_type="qwen3_next",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_value_heads=8,
+        linear_num_key_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        mlp_only_layers=list(range(8)),
+    ),
     # the same with 2 KV heads (Llama-3-8B's ratio 4:1), so Ulysses can split heads over N=2
     "llama_gqa4": dict(
         model_type="llama",

@@ -136,13 +136,13 @@ class SimulatedComm:
         """One ring hop, posted without waiting: `send` to rank+1, a block of `recv_shape` from rank-1."""
         return self._post_p2p("ring_shift", send, torch.empty(recv_shape, dtype=send.dtype, device=send.device))
 
-    def send_next(self, send: torch.Tensor) -> _Pending:
+    def send_next(self, send: torch.Tensor, op: str = "ring_send") -> _Pending:
         """Post `send` to rank+1; wait() before touching `send` again."""
-        return self._post_p2p("ring_send", send, None)
+        return self._post_p2p(op, send, None)
 
-    def recv_prev(self, shape, dtype, device) -> _Pending:
+    def recv_prev(self, shape, dtype, device, op: str = "ring_recv") -> _Pending:
         """Post the receive of a block of `shape` from rank-1; wait() returns it."""
-        return self._post_p2p("ring_recv", None, torch.empty(shape, dtype=dtype, device=device))
+        return self._post_p2p(op, None, torch.empty(shape, dtype=dtype, device=device))
 
     def _post_p2p(self, op: str, send, recv) -> _Pending:
         """Empty blocks are not posted (on either side, as in `Comm`)."""

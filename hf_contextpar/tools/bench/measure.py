@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ...cache import cache_argument, returned_cache
+from ...recurrent import state_nbytes
 from ..calibrate import sync
 
 
@@ -50,7 +51,8 @@ def _peak(device) -> int:
 def _kv_bytes(cache) -> int:
     if hasattr(cache, "local_nbytes"):
         return cache.local_nbytes()
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
 
 
 def _median(xs):
@@ -110,6 +112,7 @@ def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, de
         decode_comm_wait_s=_median(waits) if waits else 0.0,
         tokens=tokens,
         kv_bytes=_kv_bytes(cache),
+        state_bytes=state_nbytes(cache),  # recurrent layers' conv and recurrent states (whole on every rank)
     )
 
 
@@ -183,6 +186,7 @@ class PeerSamples:
             self.final = dict(
                 tokens=[int(token[0, 0])],
                 kv_bytes=0,
+                state_bytes=0,
                 peak_bytes=peak,
                 peak_delta_bytes=max(0, peak - rss0) if device.type == "cpu" else peak,
             )

@@ -189,6 +189,17 @@ def format_report(report) -> str:
             f"{_mib(max(r['bytes_sent_per_rank'])):.2f} | {_mib(max(r['bytes_received_per_rank'])):.2f} | "
             f"{f(r.get('tokens_match_unpatched'), '')} |"
         )
+    states = [r for r in report["rows"] if max(r.get("state_bytes_per_rank") or [0])]
+    if states:  # a model with recurrent layers: their states per rank, and the chain's idle time (state_recv waits)
+        lines += [
+            "",
+            "Recurrent states per rank (whole on every rank; = one process's): "
+            + ", ".join(
+                f"{r['strategy']} N={r['N']} T={r['length']}: {_mib(max(r['state_bytes_per_rank'])):.3f} MiB"
+                f"{'' if r.get('state_matches_unpatched', True) else ' (differs from one process!)'}"
+                for r in states
+            ),
+        ]
     lines += [
         "",
         "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "

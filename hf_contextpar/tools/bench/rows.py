@@ -31,6 +31,7 @@ def make_row(kind, strategy, world, length, threads, per_rank: list[dict]):
     )
     for key in (
         "kv_bytes",
+        "state_bytes",
         "peak_bytes",
         "peak_delta_bytes",
         "bytes_sent",
@@ -73,6 +74,8 @@ def annotate(rows, run_info, shape, machine):
             r["tokens_match_unpatched"] = r["tokens"] == one["tokens"]
             r["kv_bound_bytes"] = one["kv_bytes_per_rank"][0] / r["N"] + token_bytes
             r["kv_within_bound"] = max(r["kv_bytes_per_rank"]) <= r["kv_bound_bytes"]
+            # recurrent layers' states: whole on every rank, as on one process
+            r["state_matches_unpatched"] = set(r["state_bytes_per_rank"]) == {one["state_bytes_per_rank"][0]}
             r["peak_vs_unpatched"] = max(r["peak_delta_bytes_per_rank"]) / max(1, one["peak_delta_bytes_per_rank"][0])
         if allc is not None:
             r["speedup_vs_unpatched_all_cores"] = allc["ttft_s"] / r["ttft_s"]
