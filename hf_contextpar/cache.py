@@ -37,13 +37,37 @@ from .plan import window_drops
 from .recurrent import ChainedStates, is_recurrent
 from .shard_layout import ShardLayout
 
-__all__ = ["ShardedCache", "ShardedLayer", "cache_argument", "cache_recurrence", "cache_windows", "returned_cache"]
+__all__ = [
+    "ShardedCache",
+    "ShardedLayer",
+    "cache_aliases",
+    "cache_argument",
+    "cache_recurrence",
+    "cache_windows",
+    "returned_cache",
+]
 
 
 def cache_argument(model) -> str:
     """The name `model.forward` takes its cache under: transformers 5.24 renamed `past_key_values` to
     `cache` (keeping the old name as a deprecated alias); remote-code models may still use the old one."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_aliases(model) -> tuple:
+    """The deprecated names `model.forward` still takes its `cache` under (transformers' `deprecate_kwarg`
+    wrappers: `past_key_values` for most families, `cache_params` for Mamba2's): a name it does not alias
+    lands in its **kwargs and is ignored on one process, so it must be ignored here too."""
+    names, f = [], type(model).forward
+    while f is not None:
+        try:
+            scope = inspect.getclosurevars(f).nonlocals
+        except TypeError:  # not a plain function (a partial, a callable object): no alias there
+            scope = {}
+        if scope.get("new_name") == "cache" and isinstance(scope.get("old_name"), str):
+            names.append(scope["old_name"])
+        f = getattr(f, "__wrapped__", None)
+    return tuple(names)
 
 
 def returned_cache(output):

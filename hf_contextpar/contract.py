@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .cache import ShardedCache, cache_argument, cache_recurrence, cache_windows
+from .cache import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows
 from .costmodel import config_value, ulysses_fits
 from .errors import (
     CacheMismatchError,
@@ -99,7 +99,9 @@ def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
     under tensor parallelism, and in families whose config counts differ, e.g. dbrx); without it the
     config's counts, and a model transformers loaded with tp > 1 (config.distributed_config) is left to that."""
     text = config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
+    heads = config_value(text, "num_attention_heads")
+    if heads is None:  # no attention layer at all (Mamba2): no head to split, nothing for Ulysses to do
+        return
     kv_heads = config_value(text, "num_key_value_heads") or heads
     if held is None and (getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1) > 1:
         return
@@ -149,7 +151,7 @@ class InputContract:
         self.params = list(inspect.signature(model.forward).parameters)
         # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
         self.cache_arg = cache_argument(model)
-        self.cache_names = ("cache", "past_key_values") if self.cache_arg == "cache" else ("past_key_values",)
+        self.cache_names = ("cache", *cache_aliases(model)) if self.cache_arg == "cache" else ("past_key_values",)
 
     def read(self, args, kwargs) -> tuple[dict, Inputs]:
         """(the forward's keyword arguments without the cache, its checked Inputs)."""
@@ -189,7 +191,9 @@ class InputContract:
         cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0
         mask = kwargs.get("attention_mask")
-        position_ids = _checked_positions(kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device)
+        position_ids = _checked_positions(
+            kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device, self.attention_name is not None
+        )
         return_dict = kwargs.get("return_dict")
         inputs = Inputs(
             ids=ids,
@@ -236,6 +240,11 @@ class InputContract:
                     "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
                     "Drop cache_implementation."
                 )
+            if any(self.recurrence) and cache_recurrence(cache) != self.recurrence:
+                raise CacheMismatchError(  # one process fails inside the model (no layer to hold the states)
+                    "this model has recurrent layers, and the DynamicCache passed has not the model's layers: pass "
+                    "DynamicCache(config=model.config), or no cache."
+                )
             # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
             # the object itself becomes the sharded cache, so the caller's reference carries the state
             return ShardedCache.bind(cache, self.num_layers, self.rank, self.world, self.recurrence)
@@ -267,7 +276,7 @@ def _is_packed(position_ids: torch.Tensor) -> bool:
     return bool((torch.diff(position_ids, prepend=first, dim=-1) != 1).any())
 
 
-def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past: int, device):
+def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past: int, device, attends=True):
     """The forward's global position ids (B, T), after refusing inputs whose mask the plan cannot
     reproduce: a 4D or wrongly sized mask, and packed documents."""
     if mask is not None and mask.dim() != 2:
@@ -280,7 +289,8 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             f"the cache holds {cache.layout.batch} sequences but the input has {batch}; pass a cache made "
             "for this batch (or none), or reorder it with the cache's batch methods first."
         )
-    if mask is not None and mask.shape[1] != past + num_new:
+    # a model without attention layers (Mamba2) reads only the mask's last num_new columns, as one process does
+    if mask is not None and (mask.shape[1] != past + num_new if attends else mask.shape[1] < num_new):
         again = (
             " (the input repeats the cached tokens: transformers' assisted and prompt-lookup decoding do "
             "that over a cache filled by an earlier call; start them with no cache)"

@@ -211,7 +211,7 @@ class ContextParallelRuntime:
             if step.cache is not None:
                 step.cache.chain = None  # a forward that raised leaves its chain unfinished
             self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
-            if step.cache is not None:
+            if step.cache is not None and not scratch:  # a scratch cache is dropped as it is
                 step.cache.end(plan.storage, ok)
             torch.set_grad_enabled(grad)
         return output
@@ -249,9 +249,11 @@ class ContextParallelRuntime:
         shards = plan.shards
         if shards.token_rows is not None:
             mine = shards.token_rows[self.rank]
-            if plan.chained and inputs.mask is not None:  # the mask up to its partition's end: transformers'
-                # recurrent mixers take their padding from the mask's last columns, as in a chunked prefill
-                kwargs["attention_mask"] = inputs.mask[:, : plan.past + int(mine[-1]) + 1]
+            if plan.chained and inputs.mask is not None:
+                # the mask up to its partition's end: transformers' recurrent mixers take their padding from the
+                # mask's last columns, as in a chunked prefill (the new tokens' are its last num_new columns)
+                end = inputs.mask.shape[1] - plan.num_new + int(mine[-1]) + 1
+                kwargs["attention_mask"] = inputs.mask[:, :end]
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]

@@ -62,6 +62,7 @@ Tolerances, the near-tie rule and the digests are the exactness oracle's (hf_con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -84,9 +85,12 @@ from geometries import GEOMETRIES, geometry_config  # noqa: E402
 from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
 from hf_contextpar.eval.oracle import logit_tolerance, near_tie, top2_margin  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
+from hybrids import FAMILIES as HYBRIDS  # noqa: E402
+from hybrids import hybrid_config  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache import cache_argument  # noqa: E402
+from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 from hf_contextpar.tools.models import TINY_BASE, tiny_config  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
@@ -190,12 +194,18 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     r = random.Random(f"{seed}/{n}/{index}")
     u = r.random()
     family = (
-        r.choice(REGISTERED) if u < 0.6 else r.choice(sorted(OPTED_IN)) if u < 0.75 else r.choice(sorted(GEOMETRIES))
+        r.choice(REGISTERED)
+        if u < 0.5
+        else r.choice(sorted(OPTED_IN))
+        if u < 0.62
+        else r.choice(HYBRIDS)
+        if u < 0.8
+        else r.choice(sorted(GEOMETRIES))
     )
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
     ropes = (
         ["default"]
-        if family in GEOMETRIES
+        if family in GEOMETRIES or family in HYBRIDS
         else ["default", "longrope"]
         if family == "phi3"
         else [x for x in ROPES if x != "longrope"]
@@ -314,6 +324,8 @@ def build_config(family: str, rope: str = "default", window: int | None = None):
     (not the fixed real geometries), the drawn window."""
     if family in GEOMETRIES:
         return geometry_config(family)
+    if family in HYBRIDS:  # their realistic layer mix (tests/hybrids.py)
+        return hybrid_config(family)
     config = _family_config(family, rope)
     if window and getattr(config, "sliding_window", None):
         config.sliding_window = window
@@ -338,8 +350,17 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     config = build_config(case["family"], case["rope"], case.get("window"))
     # the family's reference kernel (HF runs Gemma2's soft-capping and gpt-oss's sinks only in eager)
     impl = REGISTRY[config.model_type].reference_attn if config.model_type in REGISTRY else "sdpa"
+    kw = dict(attn_implementation=impl) if getattr(config, "num_attention_heads", None) else {}  # Mamba2: none
+    if case["family"] in HYBRIDS:  # grouped MoE matmuls have no fp64 CPU kernel
+        kw["experts_implementation"] = "eager"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+
+
+def internals(case: dict):
+    """A hybrid's fp32 internals (chunked scans, gates) run in fp64 in an fp64 case, on both sides: split at
+    other points, they alone would move fp64 logits by ~1e-6."""
+    return Fp64Internals() if case["family"] in HYBRIDS else contextlib.nullcontext()
 
 
 def first_prompt(case: dict, g: torch.Generator):
@@ -606,6 +627,19 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     index of the turn that raised."""
     if isinstance(exc, hf_contextpar.HeadsNotDivisibleError):  # at apply
         return case["strategy"] == "ulysses" and not ulysses_fits(case)
+    hybrid = case["family"] in HYBRIDS
+    if isinstance(exc, hf_contextpar.UnsupportedModelError) and hybrid:  # batched pass-Q would move states
+        return case["decode"] == "ring_pass_q"
+    if (
+        type(exc) is hf_contextpar.UnsupportedInputError
+        and hybrid
+        and case["turns"][turn]["mode"]
+        in (
+            "assisted",
+            "lookup",
+        )
+    ):  # a cache recording its past: the conv states would grow per rank
+        return True
     if isinstance(exc, hf_contextpar.UnsupportedModelError):  # at apply: the one a drawn model can meet
         return (
             case.get("window") == 1
@@ -617,6 +651,10 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < case["n"]
     if isinstance(exc, hf_contextpar.PackedSequenceError):  # per-document masks are not sharded
         return case["padding"] == "packed"
+    if isinstance(exc, hf_contextpar.CacheMismatchError) and case["family"] == "mamba2":
+        # Mamba2 takes its cache as `cache` (alias `cache_params`): `past_key_values` lands in its **kwargs and
+        # is ignored on one process too, so a later turn's mask is longer than the (absent) cache says
+        return case.get("cache_name") == "past_key_values" and turn > 0
     if isinstance(exc, hf_contextpar.CacheMismatchError):
         # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds
         # the whole sequence again on top of the cache: refused where the mask shows it, and where it
@@ -663,6 +701,8 @@ def ulysses_fits(case: dict) -> bool:
     """N divides the query and KV heads, and they are heads: MLA caches one latent for all of them."""
     config = build_config(case["family"])
     latent = getattr(config, "kv_lora_rank", None) is not None
+    if getattr(config, "num_attention_heads", None) is None:  # no attention layer (Mamba2): nothing to split
+        return True
     return not latent and config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
 
 
@@ -674,6 +714,11 @@ def decode_rows_of(turn: dict, rows: int) -> int:
 # -- one case on every rank -------------------------------------------------------------------
 def run_reference(case: dict):
     """Rank 0: the unpatched model's turns, and the error that stopped them (None if none)."""
+    with internals(case):
+        return _run_reference(case)
+
+
+def _run_reference(case: dict):
     dtype = getattr(torch, case["dtype"])
     turns = []
     try:
@@ -694,6 +739,11 @@ def undefined_result(ref_error: str) -> bool:
 def run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> dict:
     """Every rank: the patched model's turns, compared with the reference's; where the reference
     raised at the turn after them, the patched model must raise too."""
+    with internals(case):
+        return _run_patched(case, ref_turns, ref_error)
+
+
+def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> dict:
     dtype = getattr(torch, case["dtype"])
     rec = dict(outcome="pass", turns_compared=0, digests=[], detail="", error_type=None, error_turn=None)
     decode_rows = None

@@ -16,6 +16,7 @@ GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_d
 SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a forward), chunks of 16
     "qwen3_next": GDN,
     "qwen3_5_text": GDN,
+    "qwen3_5_moe_text": GDN,
     "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
     "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=16),
@@ -28,12 +29,15 @@ MIX = ["linear_attention"] * 3 + ["full_attention"]
 LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
     "qwen3_next": dict(layer_types=MIX),
     "qwen3_5_text": dict(layer_types=MIX),
+    "qwen3_5_moe_text": dict(layer_types=MIX),
+    "lara_mini": dict(layer_types=MIX[:3] + ["sliding_attention"], sliding_window=8),  # a window inside partitions
     "granitemoehybrid": dict(layer_types=MIX),
     "nemotron_h": dict(layer_types=MIX),
     "kimi_linear": dict(layer_types=MIX),
     "olmo_hybrid": dict(layer_types=MIX),
     "lfm2": dict(layer_types=["conv"] * 3 + ["full_attention"]),
     "lfm2_moe": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "lfm3": dict(layer_types=["conv"] * 3 + ["full_attention"]),
     "bamba": dict(attn_layer_indices=[3]),
     "falcon_h1": None,  # every layer runs attention and Mamba2 side by side
     "zamba2": None,  # Mamba2 layers and a shared attention block
@@ -45,6 +49,7 @@ FAMILIES = list(LAYOUT)
 def hybrid_config(family: str):
     config = tiny_config(family)
     kw = {**_known(config), **SIZES.get(family, {})}
+    kw.update(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
     layout = LAYOUT[family]
     if layout is None:
         pattern = {k: v for k, v in config.to_dict().items() if k in ("hybrid_layer_ids", "layers_block_type")}
