@@ -72,6 +72,7 @@ def agree_at_apply(runtime, group):
         planner_rule=runtime.planner_rule,
         check_inputs=runtime.check_inputs,
         kv_interleave=runtime.kv_interleave,
+        balanced=getattr(runtime, "balanced", False),
         # DCP (the TP ranks sharing a KV head) adds collectives to every layer: all ranks run it or none
         dcp=runtime.dcp.world if getattr(runtime, "dcp", None) is not None else 1,
         model=model_signature(runtime.model) + (runtime.tp,),

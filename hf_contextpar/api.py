@@ -38,8 +38,11 @@ def apply_context_parallel(
         machine's measured C and BW (Meta Alg. 5). KV-Runahead runs on fresh prompts; a partial
         prefill over a non-empty cache uses ring pass-KV. Ulysses needs N to divide the query and
         KV head counts.
-    kvr_partitions: for "kv_runahead", a partition table (PartitionTable, dict or JSON path from
-        `python -m hf_contextpar kvr-table`) to interpolate partitions from (KVR-P); None: even (KVR-E).
+    kvr_partitions: for "kv_runahead" (and the state chain of a model with recurrent layers), a partition
+        table (PartitionTable, dict or JSON path from `python -m hf_contextpar kvr-table`) to interpolate
+        partitions from (KVR-P); "balanced": partitions of equal predicted work from the cost model (later
+        ranks, whose queries see more keys, take fewer tokens; earlier ranks then hold more of the KV cache);
+        None: even (KVR-E), each rank holding 1/N of the KV cache.
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "cost" (the lower predicted time from
         the cost model), "alg5" (Meta Alg. 5) or "empirical" (App. D's h(T,P)).

@@ -44,6 +44,15 @@ _WHY = {  # why a layer kind is refused (transformers' layer_types names)
 }
 
 
+def attention_layers(config) -> int:
+    """Layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return text.num_hidden_layers
+    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding") for t in types)
+
+
 # -- the model, at apply ---------------------------------------------------------------------
 def check_model(model):
     """The model's family patch, after refusing what the algorithms do not implement."""

@@ -25,6 +25,26 @@ def even(num_tokens: int, world: int) -> list[int]:
     return partition_sizes(num_tokens, [1.0] * world)
 
 
+def balanced(num_tokens: int, world: int, past: int, per_token: float, per_pair: float) -> list[int]:
+    """Contiguous partitions of equal predicted work for a chain (hybrids' default): a token costs `per_token`
+    (its linear layers) plus `per_pair` per key it attends to (past + its index + 1), so later partitions,
+    whose queries see more keys, take fewer tokens. The work up to token t is a t + b (P t + t (t + 1) / 2);
+    each boundary is where it reaches k / N of the whole. Even partitions where that leaves one under 2 tokens."""
+
+    def work(t: float) -> float:
+        return per_token * t + per_pair * (past * t + t * (t + 1) / 2)
+
+    total, bounds = work(num_tokens), [0]
+    for k in range(1, world):
+        lo, hi = bounds[-1], num_tokens  # the smallest t with work(t) >= k / N of the whole
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if work(mid) < total * k / world else (lo, mid)
+        bounds.append(lo)
+    sizes = [b - a for a, b in zip(bounds, [*bounds[1:], num_tokens])]
+    return sizes if min(sizes) >= 2 else even(num_tokens, world)
+
+
 @dataclass
 class PartitionTable:
     """Searched partition ratios per context length, for one N. Predicts partitions (KVR-P)."""

@@ -66,6 +66,7 @@ class Policy:
     kvr_sizes: Callable[[int], list] | None = None  # T -> KV-Runahead partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
     chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
+    chain_sizes: Callable[[int, int], list] | None = None  # (T, P) -> the chain's partitions without a table
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,8 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     algorithm = policy.prefill(num_new, past)
     if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
         sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
+        if not sizes and policy.chain_sizes is not None:
+            sizes = policy.chain_sizes(num_new, past)
         sizes = sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world)
         return ("ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm), contiguous_plan(sizes)
     if algorithm == "kv_runahead":

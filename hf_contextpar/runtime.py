@@ -13,7 +13,9 @@ the same sequences.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -21,12 +23,12 @@ from .agreement import RankCheck
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .comm import Comm
-from .contract import InputContract, Inputs, check_ulysses, refuse_candidate_decoding
+from .contract import InputContract, Inputs, attention_layers, check_ulysses, refuse_candidate_decoding
 from .costmodel import Shape
 from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .outputs import gather_outputs
-from .partitions import PartitionTable
+from .partitions import PartitionTable, balanced
 from .plan import ForwardPlan, Policy, build_plan
 from .planner import Calibration, choose
 from .recurrent import share_final_states
@@ -54,7 +56,9 @@ class ContextParallelRuntime:
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         self.kv_interleave = kv_interleave
-        self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions is not None else None
+        # "balanced": partitions of equal predicted work (partitions.balanced), else a table (KVR-P), else even
+        self.balanced = kvr_partitions == "balanced"
+        self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions not in (None, "balanced") else None
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
@@ -223,7 +227,18 @@ class ContextParallelRuntime:
 
     def _policy(self) -> Policy:
         sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
-        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
+        if self.balanced:
+            sizes = lambda t: self._balanced(t, 0)  # noqa: E731
+        policy = Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
+        return replace(policy, chain_sizes=self._balanced) if self.balanced and self.chain else policy
+
+    def _balanced(self, num_new: int, past: int) -> list[int]:
+        """Contiguous partitions of equal predicted work: a token's linear layers, plus its queries' keys."""
+        s, cal = self.shape, self.calibration
+        gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
+        per_token = 2 * s.layers * s.linear_weights / gemm
+        per_pair = 4 * s.heads * s.head_dim * attention_layers(self.model.config) / cal.attn_flops
+        return balanced(num_new, self.world, past, per_token, per_pair)
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":

@@ -3,7 +3,8 @@ realistic layer mix, recurrent layers beside attention) against the unpatched mo
 N = 2, 3, 4: fp64 logits within 1e-10 (the models' fp32 internals run in fp64) for a padded uneven prompt,
 a second turn over the cache, a turn too short to split and a forward without a cache; greedy,
 beam-search and sampled tokens identical (greedy in fp32 too), the same on every rank. The strategies
-other than auto's KV-Runahead run the same checks on two families at N = 2."""
+other than auto's KV-Runahead, and KV-Runahead over uneven partitions, run the same checks on two
+families at N = 2."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_hybrid_exact(n, family, tmp_path_factory):
         _check(records, family)
 
 
-@pytest.mark.parametrize("strategy", ["ring_pass_kv", "ring_pass_q", "allgather_kv", "ulysses"])
+@pytest.mark.parametrize("strategy", ["ring_pass_kv", "ring_pass_q", "allgather_kv", "ulysses", "uneven"])
 @pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])
 def test_hybrid_strategies(strategy, family, tmp_path_factory):
     for records in matrix("hybrid_worker.py", 2, tmp_path_factory, ("qwen3_next,falcon_h1", strategy)):

@@ -207,3 +207,21 @@ def test_attend_with_per_sequence_key_columns(window):
         keep = (kc[b] >= 0) & (kc[b] <= 11) & ((11 - kc[b] < window) if window else True)
         o, lse_b = _math(q[b : b + 1], k[b : b + 1, :, keep], v[b : b + 1, :, keep], None, 0.3, None)
         assert (out[b] - o[0]).abs().max() < 1e-12 and (lse[b] - lse_b[0]).abs().max() < 1e-12
+
+
+def test_balanced_partitions_equalise_predicted_work():
+    """Later ranks' queries see more keys: they take fewer tokens, so each rank's predicted work is even;
+    with no attention cost they are even, and too short a part falls back to even ones."""
+    from hf_contextpar.partitions import balanced, even
+
+    def work(a, b, past, per_token, per_pair):
+        return per_token * (b - a) + per_pair * sum(past + t + 1 for t in range(a, b))
+
+    for world, past in [(2, 0), (3, 0), (4, 100)]:
+        sizes = balanced(1000, world, past, 5.0, 1.0)
+        assert sum(sizes) == 1000 and sizes == sorted(sizes, reverse=True)
+        bounds = [0, *__import__("itertools").accumulate(sizes)]
+        works = [work(a, b, past, 5.0, 1.0) for a, b in zip(bounds, bounds[1:])]
+        assert max(works) - min(works) <= 2 * (5.0 + past + 1000), works  # within about one token's work
+    assert balanced(1000, 4, 0, 1.0, 0.0) == even(1000, 4)
+    assert balanced(5, 2, 0, 0.0, 1.0) == even(5, 2)  # the last part would be 1 token

@@ -122,7 +122,7 @@ def run(args) -> dict | None:
         extra, gloo = {}, strategy.endswith(GLOO)
         strategy = strategy.removesuffix(GLOO)
         if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
-            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions, windowed=_windowed(model.config))
+            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
