@@ -302,7 +302,11 @@ def main(argv=None):
         choices=[d for d in DECODES if d != "ring_pass_q"],
         help="decode algorithm (one sequence: replicated sharded-KV decode)",
     )
-    g.add_argument("--kvr-partitions", help="KV-Runahead partition table from `kvr-table` (default: even partitions)")
+    g.add_argument(
+        "--kvr-partitions",
+        help="KV-Runahead partition table from `kvr-table`, or 'balanced' (equal predicted work per rank; earlier "
+        "ranks hold more KV); default: even partitions",
+    )
     g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
     g.add_argument(
