@@ -19,6 +19,8 @@ then are they final, whatever the mixer updates: a conv-only layer sends its con
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -29,6 +31,19 @@ _MAX_DIMS = 6
 _FIELDS = 4 + _MAX_DIMS  # per state: kind (0 conv, 1 recurrent), state index, dtype, ndim, dims
 _MAX_STATES = 8
 HEADER = 2 + _FIELDS * _MAX_STATES  # states, payload bytes, then the states' fields
+
+
+_running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
+
+
+def received_state(state_idx: int = 0):
+    """The recurrent state this rank received for the recurrent layer the running chained forward is in (the
+    state before its partition), or None: no chain runs, or this rank is the first. For a mixer whose
+    multi-token scan starts from zero whatever the cache holds (Mamba1's), to add the passed state's share."""
+    chain = _running.get()
+    if chain is None or chain.current is None:
+        return None
+    return chain.received.get((chain.current, state_idx))
 
 
 def is_recurrent(layer) -> bool:
@@ -105,6 +120,7 @@ class StateChain:
         self.visited: set[int] = set()  # recurrent layers this forward has touched
         self.sent: set[int] = set()  # layers whose outgoing state is posted
         self.current: int | None = None  # the recurrent layer the forward is in
+        self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
         self._sends = []
 
     def enter(self, cache, layer_idx: int) -> None:
@@ -125,7 +141,9 @@ class StateChain:
             payload = (
                 self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
             )
-            load_states(cache.layers[layer_idx], unpack(header, payload) if nbytes else {})
+            states = unpack(header, payload) if nbytes else {}
+            load_states(cache.layers[layer_idx], states)
+            self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
 
     def settle(self, cache) -> None:
         """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
@@ -169,11 +187,19 @@ class ChainedStates:
     def begin_chain(self, comm, receive: bool, send: bool) -> None:
         """Start a chained forward. A receiving rank's recurrent layers continue from the incoming state."""
         self.chain = StateChain(comm, receive, send)
+        self._token = _running.set(self.chain)
 
     def end_chain(self) -> None:
         chain, self.chain = self.chain, None
         if chain is not None:
+            _running.reset(self._token)
             chain.finish(self)
+
+    def drop_chain(self) -> None:
+        """A forward that raised: forget its chain without sending."""
+        if self.chain is not None:
+            _running.reset(self._token)
+            self.chain = None
 
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):

@@ -213,7 +213,7 @@ class ContextParallelRuntime:
             raise
         finally:
             if step.cache is not None:
-                step.cache.chain = None  # a forward that raised leaves its chain unfinished
+                step.cache.drop_chain()  # a forward that raised leaves its chain unfinished
             self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
             if step.cache is not None and not scratch:  # a scratch cache is dropped as it is
                 step.cache.end(plan.storage, ok)

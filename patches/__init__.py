@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import UnsupportedModelError
 
-from . import bamba, llama4_text, opt
+from . import bamba, llama4_text, mamba1, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -174,9 +174,8 @@ for _patch in [
 # Hybrids: recurrent layers (linear attention, state-space, short convolutions) beside attention. Their mixers read
 # and write their states only through transformers' cache API and continue a multi-token forward from a cached
 # state, so the states pass down the ranks in the cache (recurrent.py); tests/test_hybrid.py checks each against
-# one process at N = 2, 3, 4 (fp64 with the models' fp32 internals in fp64). Not here: Mamba1's scan (mamba,
-# falcon_mamba, jamba, zamba) starts every multi-token forward from a zero state; MiniMax keeps its lightning
-# attention's state in a cache class of its own; bailing_hybrid's kernels refuse fp64, so it is unchecked
+# one process at N = 2, 3, 4 (fp64 with the models' fp32 internals in fp64). Not here: MiniMax keeps its
+# lightning attention's state in a cache class of its own; bailing_hybrid's kernels refuse fp64 (unchecked)
 # fp32: the unpatched fp32 model's own distance from fp64 (tests/hybrids.py's models, 200 tokens, one row padded),
 # doubled: Gated DeltaNet's chunked scan 1.8e-4 to 9.1e-4, KDA / OLMo-hybrid / Zamba2 4.7e-5 to 7.7e-5, the rest
 # below 2.3e-5 (the default bound holds). Splitting a scan at other points moves fp32 logits by as much
@@ -198,16 +197,20 @@ for _mt, _what, _fp32 in [
 ]:
     register(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
-_MAMBA1 = "its Mamba1 scan starts every multi-token forward from a zero state (no initial state is passed in)"
+_MAMBA1 = (
+    "its Mamba1 scan starts every multi-token forward from zero; patches/mamba1.py continues it from the passed "
+    "state, but this family's model reads the raw mask (its width must be the input's) and is not verified yet"
+)
 NOT_CHAINED = {
     "mamba": _MAMBA1,
     "falcon_mamba": _MAMBA1,
-    "jamba": _MAMBA1,
-    "zamba": _MAMBA1,
+    "zamba": "its Mamba1 scan keeps its state in other shapes than patches/mamba1.py handles; not verified yet",
     "minimax": "its lightning attention keeps its state in a cache class of its own (MiniMaxCache), outside the API",
     "bailing_hybrid": "its kernels refuse fp64, so the chain could not be verified exact against one process",
     "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
 }
+# Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
+register(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 register(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))

@@ -42,6 +42,7 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "falcon_h1": None,  # every layer runs attention and Mamba2 side by side
     "zamba2": None,  # Mamba2 layers and a shared attention block
     "mamba2": None,  # recurrent layers alone
+    "jamba": None,  # Mamba1 layers beside attention, MoE (patches/mamba1.py: its scan continued from the state)
 }
 FAMILIES = list(LAYOUT)
 
@@ -52,7 +53,10 @@ def hybrid_config(family: str):
     kw.update(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
     layout = LAYOUT[family]
     if layout is None:
-        pattern = {k: v for k, v in config.to_dict().items() if k in ("hybrid_layer_ids", "layers_block_type")}
+        keys = ("hybrid_layer_ids", "layers_block_type", "attn_layer_period", "attn_layer_offset")
+        pattern = {
+            k: v for k, v in config.to_dict().items() if k in keys + ("expert_layer_period", "expert_layer_offset")
+        }
         kw.update(pattern)
     else:
         n = len(layout.get("layer_types", [])) or 4

@@ -182,3 +182,36 @@ def test_a_layer_used_twice_is_refused():
     with pytest.raises(UnsupportedModelError, match="used again"):
         cache.has_previous_state(0, 0)
     assert layer_states(cache.layers[0]) == {}
+
+
+def test_mamba1_scan_continues_from_the_passed_state():
+    """patches/mamba1.py: Mamba1's scan always starts from zero; inside a chain it adds the received state's
+    share, so a sequence scanned in two parts equals one scan (fp64, output and last state)."""
+    import types
+
+    from hf_contextpar.patches import mamba1
+    from transformers.models.jamba import modeling_jamba
+
+    from hf_contextpar import recurrent
+
+    g = torch.Generator().manual_seed(0)
+    b, d, n, t, cut = 2, 6, 4, 19, 8
+    x, dt, z = (torch.randn(b, d, t, generator=g, dtype=torch.float64) for _ in range(3))
+    A = -torch.rand(d, n, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(b, n, t, generator=g, dtype=torch.float64) for _ in range(2))
+    D, bias = torch.randn(d, generator=g, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
+    scan = modeling_jamba.mamba_selective_scan
+    kw = dict(delta_bias=bias, delta_softplus=True, return_last_state=True)
+    whole, last = scan(x, dt, A, B, C, D, z, **kw)
+    _, h = scan(x[..., :cut], dt[..., :cut], A, B[..., :cut], C[..., :cut], D, z[..., :cut], **kw)
+    wrapped = mamba1._continued(scan)
+    part = (x[..., cut:], dt[..., cut:], A, B[..., cut:], C[..., cut:], D, z[..., cut:])
+    chain = types.SimpleNamespace(current=3, received={(3, 0): h})
+    token = recurrent._running.set(chain)
+    try:
+        tail, tail_last = wrapped(*part, **kw)
+    finally:
+        recurrent._running.reset(token)
+    assert (tail - whole[..., cut:]).abs().max() < 1e-12 and (tail_last - last).abs().max() < 1e-12
+    zero, _ = wrapped(*part, **kw)  # outside a chain: transformers' scan, from zero
+    assert torch.equal(zero, scan(*part, **kw)[0]) and (zero - whole[..., cut:]).abs().max() > 1e-3
