@@ -4,7 +4,7 @@ found exact at N = 2, 3, 4 under every prefill strategy, both decode modes and a
 model_type: (fp64 tolerance, reference attention); they run with no opt-in. NOT_VERIFIED: what the
 census found for the others (`patches.resolve` says it when it refuses one)."""
 
-CENSUS = dict(transformers="5.24.0", source="c93cd4f+modified", date="2026-11-26")
+CENSUS = dict(transformers="5.24.0", source="3086033", date="2026-11-26")
 # sweeps: N = 2 at 8ac3af7; N = 3 at 8ac3af7; N = 4 at 8ac3af7
 VERIFIED = {
     "afmoe": (1e-10, "sdpa"),
@@ -65,6 +65,7 @@ VERIFIED = {
     "internlm3": (1e-10, "sdpa"),
     "iquestcoder": (1e-10, "sdpa"),
     "jais2": (1e-10, "sdpa"),
+    "jamba": (1e-10, "sdpa"),
     "kimi_linear": (0.0001, "sdpa"),
     "kolibri1": (1e-05, "sdpa"),
     "laguna": (1e-05, "sdpa"),
@@ -144,7 +145,6 @@ NOT_VERIFIED = {
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers;…",
     "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers; hf-context…",
     "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers; hf-contextpa…",
-    "jamba": "refused at apply: this model (jamba) has ['linear_attention'] layers; hf-contextpar supports softmax att…",
     "jetmoe": "refused at first forward: JetMoeAttention (layer 0) calls attention with other keys or values than a ca…",
     "mamba": "refused at apply: this model (mamba) has ['linear_attention'] layers; hf-contextpar supports softmax att…",
     "minimax": "refused at apply: this model (minimax) has ['linear_attention'] layers; hf-contextpar supports softmax…",
