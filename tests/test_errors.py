@@ -89,9 +89,9 @@ def _from_config(model_type, **kw):
             lambda: _from_config("bloom", n_layer=1, hidden_size=32, n_head=2, vocab_size=64),
             "not supported by hf-contextpar",
         ),
-        # a hybrid whose mixer cannot continue from a passed state (Jamba's Mamba1 scan starts from zero)
+        # a state-space model not verified to continue from a passed state (Mamba1: its model reads the raw mask)
         (
-            lambda: AutoModelForCausalLM.from_config(tiny_config("jamba")),
+            lambda: AutoModelForCausalLM.from_config(tiny_config("mamba")),
             "verified to continue from a passed state",
         ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
