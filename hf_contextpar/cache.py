@@ -55,10 +55,10 @@ def cache_argument(model) -> str:
 
 
 def cache_aliases(model) -> tuple:
-    """The deprecated names `model.forward` still takes its `cache` under (transformers' `deprecate_kwarg`
-    wrappers: `past_key_values` for most families, `cache_params` for Mamba2's): a name it does not alias
-    lands in its **kwargs and is ignored on one process, so it must be ignored here too."""
-    names, f = [], type(model).forward
+    """The deprecated names `model.forward` (a model or its class) still takes its `cache` under (transformers'
+    `deprecate_kwarg` wrappers: `past_key_values` for most families, `cache_params` for Mamba2's): a name it
+    does not alias lands in its **kwargs and is ignored on one process, so it must be ignored here too."""
+    names, f = [], (model if isinstance(model, type) else type(model)).forward
     while f is not None:
         try:
             scope = inspect.getclosurevars(f).nonlocals
@@ -123,10 +123,6 @@ class ShardedCache(ChainedStates, Cache):
     @property
     def windows(self) -> tuple:
         return tuple(getattr(layer, "window", None) for layer in self.layers)
-
-    @property
-    def recurrence(self) -> tuple:
-        return tuple(cache_recurrence(self))
 
     @classmethod
     def bind(cls, cache: Cache, num_layers: int, rank: int, world: int, recurrence=None) -> ShardedCache:

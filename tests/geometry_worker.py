@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal, prompt  # noqa: E402
 from geometries import GEOMETRIES, GEOMETRY_THRESHOLD, geometry_model  # noqa: E402
 from hf_contextpar.eval import first_divergence, logits_diff  # noqa: E402
-from launch import write_records  # noqa: E402
+from launch import record_each  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 
@@ -57,16 +57,7 @@ def main():
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(GEOMETRIES)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    n = dist.get_world_size()
-    records = []
-    for name in names:
-        try:
-            check(name, n, lambda case, **kw: records.append(dict(geometry=name, n=n, case=case, **kw)))
-        except Exception as e:  # recorded, so one broken geometry does not hide the others
-            import traceback
-
-            records.append(dict(geometry=name, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
-    write_records(out_dir, records)
+    record_each(out_dir, names, "geometry", lambda name, rec: check(name, dist.get_world_size(), rec))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
 from hybrids import FAMILIES, hybrid_model  # noqa: E402
-from launch import write_records  # noqa: E402
+from launch import record_each  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache import returned_cache  # noqa: E402
@@ -86,16 +86,7 @@ def main():
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    n = dist.get_world_size()
-    records = []
-    for family in families:
-        try:
-            check(family, n, strategy, lambda case, **kw: records.append(dict(family=family, n=n, case=case, **kw)))
-        except Exception as e:  # recorded, so one broken family does not hide the others
-            import traceback
-
-            records.append(dict(family=family, n=n, case="error", error=f"{e}\n{traceback.format_exc()}"))
-    write_records(out_dir, records)
+    record_each(out_dir, families, "family", lambda family, rec: check(family, dist.get_world_size(), strategy, rec))
 
 
 if __name__ == "__main__":

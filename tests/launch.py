@@ -69,6 +69,24 @@ def matrix(worker: str, n: int, tmp_path_factory, args: tuple[str, ...] = ()) ->
     return _matrices[key]
 
 
+def record_each(out_dir, names, key: str, check):
+    """A matrix worker's loop over families or geometries: `check(name, rec)` for every name, recording any
+    number of cases per name (`run_cases` takes one per case), each failure as a case "error" so one broken
+    entry does not hide the others; then OUT/rank{r}.json."""
+    import traceback
+
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    records = []
+    for name in names:
+        try:
+            check(name, lambda case, name=name, **kw: records.append({key: name, "n": n, "case": case, **kw}))
+        except Exception as e:
+            records.append({key: name, "n": n, "case": "error", "error": f"{e}\n{traceback.format_exc()}"})
+    write_records(out_dir, records)
+
+
 def write_records(out_dir, records: list[dict]):
     """A matrix worker's last step: OUT/rank{r}.json, then the process group is taken down together."""
     import json

@@ -10,6 +10,8 @@ process's. N = 2, 3, 4 on an uneven length, padded rows whose padding reaches in
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
@@ -21,6 +23,10 @@ from hf_contextpar.errors import UnsupportedModelError
 from hf_contextpar.recurrent import ChainedStates, layer_states, pack, share_final_states, unpack
 from hf_contextpar.tools.census_configs import _known, tiny_config
 from hf_contextpar.tools.census_sweep import Fp64Internals
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hybrids import SIZES  # noqa: E402
+
 from hf_contextpar.tools.simulated import SimulatedWorld
 
 # family -> its recurrent layer kind (all layers made of it), None where the family has only that kind
@@ -40,18 +46,7 @@ FAMILIES = {
 # chained, it is 1.3 (N = 2) to 3.0 (N = 4) off. MiniMax keeps its lightning attention's state in its own
 # MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's
 # kernels refuse fp64 on one process.
-# smaller states than the census's tiny configs (those take 10-20 s a forward here), chunked scans cut
-# inside every partition
-GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
-SIZES = {
-    "qwen3_next": GDN,
-    "qwen3_5_text": GDN,
-    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
-    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
-    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=16),
-    "zamba2": dict(mamba_d_state=16, chunk_size=16),
-    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
-}
+# smaller states than the census's tiny configs, chunked scans cut inside every partition (tests/hybrids.py)
 EXACT = 1e-11
 LENGTH = 61
 
