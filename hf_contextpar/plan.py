@@ -63,10 +63,9 @@ class Policy:
     world: int
     decode: str = "auto"  # "auto", "replicated" or "ring_pass_q"
     prefill: Callable[[int, int], str] = lambda num_new, past: "ring_pass_kv"  # (T, P) -> strategy
-    kvr_sizes: Callable[[int], list] | None = None  # T -> KV-Runahead partition sizes (None: even)
+    kvr_sizes: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
     chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
-    chain_sizes: Callable[[int, int], list] | None = None  # (T, P) -> the chain's partitions without a table
 
 
 @dataclass(frozen=True)
@@ -279,14 +278,12 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
     algorithm = policy.prefill(num_new, past)
     if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
-        sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
-        if not sizes and policy.chain_sizes is not None:
-            sizes = policy.chain_sizes(num_new, past)
+        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
         sizes = sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world)
         return ("ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm), contiguous_plan(sizes)
     if algorithm == "kv_runahead":
         if past == 0:
-            sizes = policy.kvr_sizes(num_new) if policy.kvr_sizes is not None else None
+            sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
             return algorithm, contiguous_plan(sizes or even(num_new, policy.world))
         algorithm = "ring_pass_kv"  # the chain needs every earlier token on an earlier rank: fresh prompts only
     if algorithm == "ulysses" and any(c.dim() == 2 for c in cols):

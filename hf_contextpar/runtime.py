@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
 
 import torch
 
@@ -87,6 +86,7 @@ class ContextParallelRuntime:
         self.num_layers = self.contract.num_layers
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
+        self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         if self.chain and (decode == "ring_pass_q" or dcp is not None):
             what = (
                 "decode='ring_pass_q' (it moves sequences between ranks)" if dcp is None else "DCP (--tp over KV heads)"
@@ -226,18 +226,17 @@ class ContextParallelRuntime:
         return self.comm.tagged["attention"]
 
     def _policy(self) -> Policy:
-        sizes = (lambda t: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
-        if self.balanced:
-            sizes = lambda t: self._balanced(t, 0)  # noqa: E731
-        policy = Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
-        return replace(policy, chain_sizes=self._balanced) if self.balanced and self.chain else policy
+        sizes = (lambda t, p: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
+        sizes = self._balanced if self.balanced else sizes
+        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
-        """Contiguous partitions of equal predicted work: a token's linear layers, plus its queries' keys."""
+        """Contiguous partitions of equal predicted work: a token's linear layers, plus its queries' keys. Read
+        at call time: the calibration is every rank's agreed one only after apply's agreement."""
         s, cal = self.shape, self.calibration
         gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
         per_token = 2 * s.layers * s.linear_weights / gemm
-        per_pair = 4 * s.heads * s.head_dim * attention_layers(self.model.config) / cal.attn_flops
+        per_pair = 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
         return balanced(num_new, self.world, past, per_token, per_pair)
 
     def _choose(self, num_new: int, past: int) -> str:

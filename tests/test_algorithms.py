@@ -103,7 +103,7 @@ def test_random_forward_sequences(seed):
             n,
             decode=rng.choice(["auto", "replicated"]),
             prefill=lambda t, p, s=strategy: s,
-            kvr_sizes=lambda t: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
+            kvr_sizes=lambda t, p: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
         )
         pad = padding[:, : past + num_new] if padding is not None else None
         plan = build_plan(

@@ -148,7 +148,7 @@ def test_ring_pass_q_decode_below_n_sequences_is_an_error():
 
 
 def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
-    policy = Policy(3, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t: [t - 2, 1, 1])
+    policy = Policy(3, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t, p: [t - 2, 1, 1])
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 10, policy=policy)
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(8)), [8], [9]]
@@ -262,7 +262,9 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
     """A model with recurrent layers: every sharded forward (fresh, and over a cache) cuts contiguous
     partitions in rank order of >= 2 tokens (a partition table's too short ones give way to even ones);
     fewer than 2 tokens per rank run on every rank; decode is replicated whatever the batch."""
-    policy = Policy(world, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t: [t - world + 1] + [1] * (world - 1))
+    policy = Policy(
+        world, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t, p: [t - world + 1] + [1] * (world - 1)
+    )
     policy = Policy(**{**policy.__dict__, "chain": True})
     layout = ShardLayout(0, world)
     for num_new, chained in [(2 * world + 1, True), (2 * world - 1, False), (2 * world, True)]:

@@ -126,7 +126,7 @@ def plans_for(case: Case, n: int, length: int, padding):
     prefill = "kv_runahead" if case.algorithm == "kv_runahead" else case.algorithm
     sizes = None
     if case.uneven:  # the first rank takes the most, as KVR-S finds; every rank keeps one or more
-        sizes = lambda t: [t - (n - 1) * max(1, t // (2 * n))] + [max(1, t // (2 * n))] * (n - 1)  # noqa: E731
+        sizes = lambda t, p: [t - (n - 1) * max(1, t // (2 * n))] + [max(1, t // (2 * n))] * (n - 1)  # noqa: E731
     policy = Policy(
         n,
         decode="replicated" if case.kind in ("partial", "decode") else "auto",
