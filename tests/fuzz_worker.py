@@ -89,7 +89,7 @@ from hybrids import FAMILIES as HYBRIDS  # noqa: E402
 from hybrids import hybrid_config  # noqa: E402
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.cache import cache_argument  # noqa: E402
+from hf_contextpar.cache import cache_aliases, cache_argument  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 from hf_contextpar.tools.models import TINY_BASE, tiny_config  # noqa: E402
 
@@ -286,6 +286,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # a later forward turn that adds no tokens (after a forward turn the input is then empty): one
     # process fails inside the model, the patched one must refuse it on every rank
     case["empty_turn"] = r.random() < 0.05
+    # KV-Runahead's (and a hybrid's chain's) partitions: even, or balanced by predicted work (uneven)
+    case["partitions"] = r.choice([None, None, "balanced"])
     return case
 
 
@@ -303,7 +305,7 @@ def describe(case: dict) -> str:
     )
     return (
         f"family={case['family']} dtype={case['dtype']} rope={case['rope']} strategy={case['strategy']} "
-        f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
+        f"decode={case['decode']} kv_interleave={case.get('kv_interleave', 1)} partitions={case.get('partitions')} window={case.get('window')} transport={case.get('transport', 'shm')} batch={case['batch']} padding={case['padding']} lengths={case['lengths']} "
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
         f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
@@ -651,10 +653,10 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < case["n"]
     if isinstance(exc, hf_contextpar.PackedSequenceError):  # per-document masks are not sharded
         return case["padding"] == "packed"
-    if isinstance(exc, hf_contextpar.CacheMismatchError) and case["family"] == "mamba2":
-        # Mamba2 takes its cache as `cache` (alias `cache_params`): `past_key_values` lands in its **kwargs and
-        # is ignored on one process too, so a later turn's mask is longer than the (absent) cache says
-        return case.get("cache_name") == "past_key_values" and turn > 0
+    if isinstance(exc, hf_contextpar.CacheMismatchError) and turn > 0 and not takes_cache_name(case):
+        # a forward that does not alias the name (Mamba2's takes `cache`, alias `cache_params`) gets no cache, on
+        # one process too: a later turn's mask is then longer than the (absent) cache says
+        return True
     if isinstance(exc, hf_contextpar.CacheMismatchError):
         # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds
         # the whole sequence again on top of the cache: refused where the mask shows it, and where it
@@ -666,6 +668,14 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         keep = case.get("logits_to_keep", 0)
         return isinstance(keep, int) and keep < 0 and case["turns"][turn]["mode"] == "forward"
     return False
+
+
+def takes_cache_name(case: dict) -> bool:
+    """Does the drawn family's forward take its cache under the case's name (`cache`, or a deprecated alias)?"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(build_config(case["family"]))]
+    return case.get("cache_name", "past_key_values") in ("cache", *cache_aliases(model_class))
 
 
 def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> bool:
@@ -755,6 +765,7 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
             strategy=case["strategy"],
             decode=case["decode"],
             kv_interleave=case.get("kv_interleave", 1),
+            kvr_partitions=case.get("partitions"),
             timeout=CASE_TIMEOUT_S,
         )
         if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
