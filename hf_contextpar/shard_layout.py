@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CacheMismatchError
-from .plan import rank_counts, sequence_counts
+from .sharding import rank_counts, sequence_counts
 
 
 class ShardLayout:

@@ -113,3 +113,38 @@ def contiguous_plan(sizes: list[int]) -> list[torch.Tensor]:
         plan.append(torch.arange(start, start + size))
         start += size
     return plan
+
+
+def window_drops(cols, length: int, windows) -> dict:
+    """Per window, per rank: the leading slots of `cols` no query of a sequence `length` long sees.
+    A forward only appends columns, so this never falls below what was dropped before; `crop` checks."""
+    return {w: [droppable(c, length - w + 1) for c in cols] for w in windows}
+
+
+def droppable(cols: torch.Tensor, line: int) -> int:
+    """Leading slots of a rank's key columns that hold nothing at or after column `line`. 1D columns
+    ascend. In a per-sequence table a sequence's next decode token goes right after its last filled
+    slot, so its empty slots (-1) there must stay; an empty slot before a filled one (a later prefill
+    appended to every sequence) is never filled. A slot goes when it is old or such a hole in every sequence."""
+    if line <= 0 or cols.shape[-1] == 0:
+        return 0
+    if cols.dim() == 1:
+        return int((cols < line).sum())
+    filled = cols >= 0
+    slot = torch.arange(cols.shape[1])
+    last = torch.where(filled, slot, -1).amax(1, keepdim=True)
+    gone = (filled & (cols < line)) | (~filled & (slot < last))
+    return int(gone.all(0).cumprod(0).sum())
+
+
+def rank_counts(cols) -> list[int]:
+    """Tokens per rank (the most any one sequence holds there)."""
+    return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in cols]
+
+
+def sequence_counts(cols, batch: int) -> torch.Tensor:
+    """(batch, world): how many tokens of each sequence every rank stores (one op while every rank's
+    columns are 1D, as in replicated decode, where this runs before every step)."""
+    if all(c.dim() == 1 for c in cols):
+        return torch.tensor([[c.numel() for c in cols]]).expand(batch, -1)
+    return torch.stack([(c >= 0).sum(-1) if c.dim() == 2 else torch.full((batch,), c.numel()) for c in cols], 1)
