@@ -40,9 +40,10 @@ def apply_context_parallel(
         KV head counts.
     kvr_partitions: for "kv_runahead" (and the state chain of a model with recurrent layers), a partition
         table (PartitionTable, dict or JSON path from `python -m hf_contextpar kvr-table`) to interpolate
-        partitions from (KVR-P); "balanced": partitions of equal predicted work from the cost model (later
-        ranks, whose queries see more keys, take fewer tokens; earlier ranks then hold more of the KV cache);
-        None: even (KVR-E), each rank holding 1/N of the KV cache.
+        partitions from (KVR-P); "balanced": partitions of equal work (later ranks, whose queries see more
+        keys, take fewer tokens), from the cost model scaled to the ranks' measured compute in earlier
+        prefills; "even" (KVR-E). None: balanced on a model with recurrent layers, else even. Every rank
+        keeps 1/N of the KV cache whatever the partitions (the received K/V levels it).
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "cost" (the lower predicted time from
         the cost model), "alg5" (Meta Alg. 5) or "empirical" (App. D's h(T,P)).

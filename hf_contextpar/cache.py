@@ -33,9 +33,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 
 from .cache_layers import ShardedHybridLayer, ShardedLayer
 from .errors import CacheMismatchError
-from .plan import window_drops
 from .recurrent import ChainedStates, is_recurrent
 from .shard_layout import ShardLayout
+from .sharding import window_drops
 
 __all__ = [
     "ShardedCache",
@@ -153,19 +153,23 @@ class ShardedCache(ChainedStates, Cache):
     def begin(self, storage):
         self.layout.store = storage.store[self.layout.rank]
         for layer in self.kv_layers:
-            layer.handed = False
+            layer.handed, layer.stashed = False, []
         self._sizes = [layer.live for layer in self.kv_layers]
 
     def end(self, storage, ok: bool = True):
         """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
         failed, forget what it stored."""
+        level = self.layout.store.level if self.layout.store is not None else None
         self.layout.store = None
         if ok:
             before = [layer.held_dropped() for layer in self.kv_layers]
             self.layout.commit(storage)
+            for layer, live in zip(self.kv_layers, self._sizes) if level is not None else ():  # even shares
+                layer.level(*level, layer.live - live)
             self._trim(before)
         else:
             for layer, live in zip(self.kv_layers, self._sizes):
+                layer.stashed = []
                 layer._keep(layer.first + live)
 
     def _trim(self, before: list):

@@ -29,6 +29,7 @@ class ShardedLayer(CacheLayerMixin):
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
+        self.stashed: list = []  # KV-Runahead's levelling: (first column, K/V) of received blocks this rank keeps
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
@@ -146,6 +147,31 @@ class ShardedLayer(CacheLayerMixin):
         self._keep(self.n + m)
         return self.keys, self.values
 
+    def stash(self, block: torch.Tensor, cols: torch.Tensor, lo: int, hi: int):
+        """Keep the new columns [lo, hi) of another rank's block (its columns `cols`): a copy, so the message
+        buffer can go, placed among this rank's own new tokens by `level` when the forward ends."""
+        keep = torch.nonzero((cols >= lo) & (cols < hi)).flatten()
+        if keep.numel():
+            self.stashed.append((int(cols[keep[0]]), block.index_select(3, keep.to(block.device))))
+
+    def level(self, lo: int, hi: int, start: int, added: int):
+        """End of a levelled prefill: of this forward's `added` own tokens (columns from `start` on) keep those
+        in [lo, hi), with the stashed ones in column order, after what the layer held before."""
+        if self.kv is None:  # a layer this model never filled (another layer holds its K/V)
+            return
+        a, b = max(lo, start) - start, min(hi, start + added) - start
+        own = [(start + a, self.kv[:, :, :, self.n - added + a : self.n - added + b])] if b > a else []
+        pieces = [kv for _, kv in sorted(self.stashed + own, key=lambda p: p[0])]
+        self.stashed = []
+        if sum(p.shape[3] for p in pieces) != hi - lo:
+            raise PatchStateError(
+                f"levelling the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
+                "layer's attention did not run the planned algorithm. Please report this model."
+            )
+        self.kv = torch.cat([self.kv[:, :, :, self.first : self.n - added], *pieces], dim=3)
+        self.first = 0
+        self._keep(self.kv.shape[3])
+
     def block(self) -> torch.Tensor:
         """This rank's K/V for the layer, (2, B, Hkv, tokens, D) (or the joint layout): a view of the buffer,
         contiguous (so it can be sent as it is) while the buffer holds exactly these tokens, as after a
@@ -164,6 +190,7 @@ class ShardedLayer(CacheLayerMixin):
     def reset(self):
         self.kv, self.keys, self.values, self.is_initialized, self.key_dim = None, None, None, False, None
         self.first = self.n = 0
+        self.stashed = []
 
     @property
     def live(self) -> int:

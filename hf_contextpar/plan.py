@@ -29,6 +29,7 @@ K/V blocks, hence their message sizes, are the layout's minus those slots (`Shar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -36,7 +37,14 @@ import torch
 
 from .errors import DecodeBatchError, UnsupportedInputError
 from .partitions import even
-from .sharding import contiguous_plan, decode_owners, head_tail_plan
+from .sharding import (
+    contiguous_plan,
+    decode_owners,
+    head_tail_plan,
+    rank_counts,
+    sequence_counts,
+    window_drops,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,9 @@ class Store:
 
     rows: torch.Tensor | None = None  # ascending indices into the rank's new tokens; None: all of them
     slots: tuple | None = None  # batched decode: (sequence indices, slot of each in the rank's buffer)
+    # uneven contiguous partitions' levelling (`_levelled`): (lo, hi, start) keeps the new columns [lo, hi), from the
+    # blocks it receives and its own (which start at column `start`), so every rank commits an even share
+    level: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class Policy:
     kvr_sizes: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
     chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
+    level: bool = False  # uneven contiguous partitions commit an even share of the K/V per rank (not under DCP)
 
 
 @dataclass(frozen=True)
@@ -179,7 +191,7 @@ def build_plan(
             algorithm, shards, storage, outputs = _local(policy, new_cols)
     if storage is not None:
         storage = Storage(
-            **storage, seq_length=before.past + num_new, batch=batch, dropped=_dropped(before, shards.kv_cols, num_new)
+            **storage, seq_length=before.past + num_new, batch=batch, dropped=_dropped(before, storage["cols"], num_new)
         )
         if before.dropped:  # sliding layers hold fewer keys: their columns and message sizes
             cols = {w: [c[..., d:] if d else c for c, d in zip(shards.kv_cols, ds)] for w, ds in before.dropped.items()}
@@ -206,8 +218,29 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     kv_cols = _append(before.cols, q_cols)
     keep, gather = _token_gather(rows, new_cols.numel(), logits_to_keep)
     shards = Shards(token_rows=rows, seq_rows=None, q_cols=q_cols, kv_cols=kv_cols)
-    storage = dict(store=[Store()] * policy.world, cols=kv_cols, rotation=before.rotation, run=None)
+    contiguous = policy.chain or algorithm == "kv_runahead"
+    flat = all(c.dim() == 1 for c in before.cols)
+    levelled = _levelled(q_cols, algorithm) if policy.level and contiguous and flat else None
+    store, cols = levelled if levelled else ([Store()] * policy.world, kv_cols)
+    if levelled:
+        cols = _append(before.cols, cols)
+    storage = dict(store=store, cols=cols, rotation=before.rotation, run=None)
     return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
+
+
+def _levelled(q_cols, algorithm: str):
+    """Uneven contiguous partitions (balanced ones, a table's) leave the earlier ranks more K/V. But a rank
+    sees every other rank's new block under ring pass-KV and all-gather KV, and every earlier one under
+    KV-Runahead, so it can keep its even range of the new columns with no message more (KV-Runahead:
+    where that range ends within its own partition, as front-loaded partitions have it). Returns
+    (stores, each rank's new columns), or None where the partitions are even or it cannot."""
+    starts, ends = [int(c[0]) for c in q_cols], [int(c[-1]) + 1 for c in q_cols]
+    bounds = [starts[0] + b for b in (0, *itertools.accumulate(even(ends[-1] - starts[0], len(q_cols))))]
+    runahead = algorithm == "kv_runahead" and any(b > e for b, e in zip(bounds[1:], ends))
+    if starts == bounds[:-1] or runahead or algorithm not in ("kv_runahead", "ring_pass_kv", "allgather_kv"):
+        return None
+    store = [Store(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
+    return store, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offset: int, run):
@@ -252,35 +285,15 @@ def _dropped(before: _Before, cols, num_new: int) -> dict:
     return window_drops(cols, before.past + num_new, before.dropped)
 
 
-def window_drops(cols, length: int, windows) -> dict:
-    """Per window, per rank: the leading slots of `cols` no query of a sequence `length` long sees.
-    A forward only appends columns, so this never falls below what was dropped before; `crop` checks."""
-    return {w: [droppable(c, length - w + 1) for c in cols] for w in windows}
-
-
-def droppable(cols: torch.Tensor, line: int) -> int:
-    """Leading slots of a rank's key columns that hold nothing at or after column `line`. 1D columns
-    ascend. In a per-sequence table a sequence's next decode token goes right after its last filled
-    slot, so its empty slots (-1) there must stay; an empty slot before a filled one (a later prefill
-    appended to every sequence) is never filled. A slot goes when it is old or such a hole in every sequence."""
-    if line <= 0 or cols.shape[-1] == 0:
-        return 0
-    if cols.dim() == 1:
-        return int((cols < line).sum())
-    filled = cols >= 0
-    slot = torch.arange(cols.shape[1])
-    last = torch.where(filled, slot, -1).amax(1, keepdim=True)
-    gone = (filled & (cols < line)) | (~filled & (slot < last))
-    return int(gone.all(0).cumprod(0).sum())
-
-
 def _prefill(policy: Policy, cols, num_new: int, past: int):
     """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
     algorithm = policy.prefill(num_new, past)
     if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
-        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
-        sizes = sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world)
-        return ("ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm), contiguous_plan(sizes)
+        algorithm = "ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm
+        # uneven ones where the K/V can be levelled (_levelled): pass-Q and Ulysses move no token's K/V
+        levels = policy.kvr_sizes is not None and algorithm in ("kv_runahead", "ring_pass_kv", "allgather_kv")
+        sizes = policy.kvr_sizes(num_new, past) if levels else None
+        return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world))
     if algorithm == "kv_runahead":
         if past == 0:
             sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
@@ -289,19 +302,6 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     if algorithm == "ulysses" and any(c.dim() == 2 for c in cols):
         algorithm = "allgather_kv"  # after batched decode no single column order exists to sort keys into
     return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
-
-
-def rank_counts(cols) -> list[int]:
-    """Tokens per rank (the most any one sequence holds there)."""
-    return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in cols]
-
-
-def sequence_counts(cols, batch: int) -> torch.Tensor:
-    """(batch, world): how many tokens of each sequence every rank stores (one op while every rank's
-    columns are 1D, as in replicated decode, where this runs before every step)."""
-    if all(c.dim() == 1 for c in cols):
-        return torch.tensor([[c.numel() for c in cols]]).expand(batch, -1)
-    return torch.stack([(c >= 0).sum(-1) if c.dim() == 2 else torch.full((batch,), c.numel()) for c in cols], 1)
 
 
 def _append(cols, new_cols):

@@ -14,6 +14,7 @@ the same sequences.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import torch
@@ -27,7 +28,7 @@ from .costmodel import Shape
 from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .outputs import gather_outputs
-from .partitions import PartitionTable, balanced
+from .partitions import MeasuredWork, PartitionTable, balanced, key_pairs
 from .plan import ForwardPlan, Policy, build_plan
 from .planner import Calibration, choose
 from .recurrent import share_final_states
@@ -55,9 +56,7 @@ class ContextParallelRuntime:
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         self.kv_interleave = kv_interleave
-        # "balanced": partitions of equal predicted work (partitions.balanced), else a table (KVR-P), else even
-        self.balanced = kvr_partitions == "balanced"
-        self.partitions = PartitionTable.load(kvr_partitions) if kvr_partitions not in (None, "balanced") else None
+        self.kvr_partitions = kvr_partitions  # resolved once the model's recurrent layers are known (below)
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
@@ -86,6 +85,12 @@ class ContextParallelRuntime:
         self.num_layers = self.contract.num_layers
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
+        # "balanced" (a chain's default): partitions of equal work (partitions.balanced), measured as prefills run
+        # (MeasuredWork); a table (KVR-P); "even" (plain KV-Runahead's default)
+        self.balanced = kvr_partitions == "balanced" or (kvr_partitions is None and self.chain)
+        fixed = kvr_partitions in (None, "balanced", "even")
+        self.partitions = PartitionTable.load(kvr_partitions) if not fixed else None
+        self.work = MeasuredWork()
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         if self.chain and (decode == "ring_pass_q" or dcp is not None):
             what = (
@@ -99,7 +104,7 @@ class ContextParallelRuntime:
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
         self._rope_modules = []
-        self._pending = []  # stack of (step token, step, grad mode, as_tuple) per running forward
+        self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
 
     def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
         raise PatchStateError(
@@ -184,18 +189,23 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        self._pending.append((token, step, grad, inputs.as_tuple, scratch))
+        contiguous = plan.chained or (plan.shards.token_rows is not None and plan.algorithm == "kv_runahead")
+        started = (time.perf_counter(), self.comm.stats.wait_s) if self.balanced and contiguous else None
+        self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
         if not self._pending:
             return output
-        token, step, grad, as_tuple, scratch = self._pending.pop()
+        token, step, grad, as_tuple, scratch, started = self._pending.pop()
         current_step.reset(token)
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
             if ok and plan.chained:
                 step.cache.end_chain()  # the last layer's states to the next rank
+            if ok and started is not None:
+                self._measure(plan, started)
+            if ok and plan.chained:
                 if scratch:
                     output[self.contract.cache_arg] = None  # what the caller gets without use_cache
                 else:  # decode runs every recurrent layer on every rank, from the last partition's states
@@ -228,16 +238,32 @@ class ContextParallelRuntime:
     def _policy(self) -> Policy:
         sizes = (lambda t, p: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
         sizes = self._balanced if self.balanced else sizes
-        return Policy(self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain)
+        return Policy(
+            self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain, level=self.dcp is None
+        )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
-        """Contiguous partitions of equal predicted work: a token's linear layers, plus its queries' keys. Read
-        at call time: the calibration is every rank's agreed one only after apply's agreement."""
+        """Contiguous partitions of equal work: a token's, plus a term per key its queries see, as measured."""
+        (per_token, per_pair), (a, b) = self._work_terms(), self.work.scales()
+        return balanced(num_new, self.world, past, a * per_token, b * per_pair)
+
+    def _work_terms(self) -> tuple[float, float]:
+        """The cost model's seconds per token (its linear layers) and per key a query sees. Read at call time:
+        the calibration is every rank's agreed one only after apply's agreement."""
         s, cal = self.shape, self.calibration
         gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
-        per_token = 2 * s.layers * s.linear_weights / gemm
-        per_pair = 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
-        return balanced(num_new, self.world, past, per_token, per_pair)
+        return 2 * s.layers * s.linear_weights / gemm, 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
+
+    def _measure(self, plan: ForwardPlan, started: tuple):
+        """After a balanced prefill: every rank's busy seconds (its waits excluded) beside the model's two terms
+        for its partition, all-gathered, so every rank fits the same `MeasuredWork`."""
+        rows = plan.shards.token_rows[self.rank]
+        start, end = int(rows[0]), int(rows[-1]) + 1
+        busy = time.perf_counter() - started[0] - (self.comm.stats.wait_s - started[1])
+        per_token, per_pair = self._work_terms()
+        mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
+        device = next(self.model.parameters()).device
+        self.work.add(self.comm.all_gather(torch.tensor(mine, dtype=torch.float64, device=device), "control").tolist())
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":
@@ -265,9 +291,11 @@ class ContextParallelRuntime:
             mine = shards.token_rows[self.rank]
             if plan.chained and inputs.mask is not None:
                 # the mask up to its partition's end: transformers' recurrent mixers take their padding from the
-                # mask's last columns, as in a chunked prefill (the new tokens' are its last num_new columns)
+                # mask's last columns, as in a chunked prefill (the new tokens' are its last num_new columns); a
+                # model that multiplies its input by the mask gets its tokens' columns alone
                 end = inputs.mask.shape[1] - plan.num_new + int(mine[-1]) + 1
-                kwargs["attention_mask"] = inputs.mask[:, :end]
+                start = end - len(mine) if self.contract.raw_mask else 0
+                kwargs["attention_mask"] = inputs.mask[:, start:end]
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]

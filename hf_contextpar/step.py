@@ -115,6 +115,14 @@ class Step:
             self._held[window] = held
         return self._held[window]
 
+    def level(self) -> tuple | None:
+        """The new columns [lo, hi) the running layer keeps of the blocks it receives (levelling, plan._levelled),
+        where the layer stores its own K/V (not another's, shared); else None."""
+        store = self.plan.storage.store[self.comm.rank] if self.plan.storage is not None else None
+        if store is None or store.level is None or self.cache is None or self.kv_layer != self.layer:
+            return None
+        return store.level[:2]
+
     def chained_at(self, layer: int) -> bool:
         """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V)?"""
         return self.plan.chained and self.cache is not None and is_recurrent(self.cache.layers[layer])

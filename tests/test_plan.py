@@ -156,6 +156,28 @@ def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
     assert plan_for(layout, 6, policy=policy).algorithm == "ring_pass_kv"
 
 
+def test_uneven_partitions_level_what_each_rank_keeps():
+    """Uneven contiguous partitions commit the even split: each rank keeps its even range of the new columns,
+    from its own tokens and the blocks it receives. KV-Runahead sees only earlier ranks' blocks, so only
+    front-loaded partitions level there; ring pass-KV sees them all (a chain's later turn, over a cache)."""
+    kvr = dict(prefill=lambda t, p: "kv_runahead", level=True)
+    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p: [6, 3, 2], **kvr))
+    assert [r.tolist() for r in plan.shards.kv_cols] == [list(range(6)), [6, 7, 8], [9, 10]]
+    assert [r.tolist() for r in plan.storage.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]  # even(11, 3)
+    assert [s.level for s in plan.storage.store] == [(0, 4, 0), (4, 7, 6), (7, 11, 9)]
+    for sizes in ([2, 3, 6], [4, 3, 4]):  # back-loaded; already even
+        plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p, s=sizes: s, **kvr))
+        assert plan.storage.cols == plan.shards.kv_cols and all(s.level is None for s in plan.storage.store)
+    ring = dict(prefill=lambda t, p: "ring_pass_kv", kvr_sizes=lambda t, p: [2, 3, 6], chain=True, level=True)
+    layout = ShardLayout(0, 3)
+    layout.commit(plan_for(layout, 11, policy=Policy(3, **ring)).storage)
+    assert [c.tolist() for c in layout.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]
+    plan = plan_for(layout, 11, policy=Policy(3, **ring))  # a later turn: the new columns 11..21
+    assert [s.level for s in plan.storage.store] == [(11, 15, 11), (15, 18, 13), (18, 22, 16)]
+    assert [c.tolist()[-3:] for c in plan.storage.cols] == [[12, 13, 14], [15, 16, 17], [19, 20, 21]]
+    assert not Policy(3, **{**ring, "level": False}).level
+
+
 def test_rope_length_is_the_whole_forwards_longest_position():
     """Every rank must see max(position_ids) + 1 of the whole forward, not of its shard or sequences."""
     layout = ShardLayout(0, 2)
@@ -244,7 +266,7 @@ def test_kv_interleave_must_be_a_positive_int(bad):
 def test_droppable_slots():
     """Sliding layers drop a rank's leading slots whose columns no later query sees; in a per-sequence
     table a slot where some sequence is still empty (-1: its next token goes there) stays."""
-    from hf_contextpar.plan import droppable
+    from hf_contextpar.sharding import droppable
 
     assert droppable(torch.tensor([0, 3, 4, 7, 8]), 5) == 3
     assert droppable(torch.tensor([0, 3, 4]), 0) == 0 and droppable(torch.empty(0, dtype=torch.long), 9) == 0

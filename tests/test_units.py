@@ -225,3 +225,19 @@ def test_balanced_partitions_equalise_predicted_work():
         assert max(works) - min(works) <= 2 * (5.0 + past + 1000), works  # within about one token's work
     assert balanced(1000, 4, 0, 1.0, 0.0) == even(1000, 4)
     assert balanced(5, 2, 0, 0.0, 1.0) == even(5, 2)  # the last part would be 1 token
+
+
+def test_measured_work_fits_the_ranks_busy_times():
+    """MeasuredWork scales the model's token and key terms to measured seconds: both recovered when the rows tell
+    them apart, one common scale when they do not, none before any measurement; key_pairs counts what a
+    partition's queries see."""
+    from hf_contextpar.partitions import MeasuredWork, key_pairs
+
+    assert key_pairs(3, 7, 10) == sum(10 + t + 1 for t in range(3, 7))
+    work = MeasuredWork(keep=4)
+    assert work.scales() == (1.0, 1.0)
+    rows = [(x, y, 3.0 * x + 0.5 * y) for x, y in [(10.0, 2.0), (6.0, 9.0), (8.0, 5.0)]]
+    work.add(rows)
+    assert all(abs(got - want) < 1e-9 for got, want in zip(work.scales(), (3.0, 0.5)))
+    work.add([(4.0, 2.0, 12.0), (2.0, 1.0, 6.0), (6.0, 3.0, 18.0), (8.0, 4.0, 24.0)])  # keeps the last 4: collinear
+    assert work.scales() == (2.0, 2.0)

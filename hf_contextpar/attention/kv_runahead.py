@@ -14,7 +14,9 @@ once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`; 
 in head size, as Gemma 4's do, and a receive of the wrong size would abort the group), and unless
 layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: messages between two
 ranks match in posting order, and its state may go first).
-Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py).
+Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py). Uneven partitions
+leave the earlier ranks more K/V; each rank keeps its even share of the columns instead, from its
+own block and those it receives (`plan._levelled`, `ShardedLayer.stash`), so the cache ends 1/N.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def kv_runahead(step, q, kv_local, **attn):
     sends = [] if last else [comm.send_next(kv_local)]
     acc = Accumulator(q.shape[2])
     blocks = [(rank, kv_local)]
+    level = step.level()
     for i in range(len(pending) + 1):
         src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
         if i > 0 and not last:
             sends.append(comm.send_next(block))
+        if i > 0 and level is not None:
+            step.cache.layers[step.kv_layer].stash(block, step.kv_cols[src], *level)
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
     if step.layer + 1 in step.kv_shapes and not step.chained_at(step.layer + 1):

@@ -304,8 +304,8 @@ def main(argv=None):
     )
     g.add_argument(
         "--kvr-partitions",
-        help="KV-Runahead partition table from `kvr-table`, or 'balanced' (equal predicted work per rank; earlier "
-        "ranks hold more KV); default: even partitions",
+        help="KV-Runahead partition table from `kvr-table`, 'balanced' (equal work per rank, as measured) or 'even'; "
+        "default: balanced on a model with recurrent layers, else even (each rank keeps 1/N of the KV either way)",
     )
     g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")

@@ -56,8 +56,8 @@ def main(argv=None):
     )
     p.add_argument(
         "--kvr-partitions",
-        help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`) or 'balanced' (equal "
-        f"predicted work per rank): adds a row '{KVR_TABLE}' next to kv_runahead's even partitions",
+        help="KV-Runahead partition table (JSON from `python -m hf_contextpar kvr-table`), 'balanced' (equal "
+        f"work per rank, as measured) or 'even': adds a row '{KVR_TABLE}' next to kv_runahead's default partitions",
     )
     p.add_argument(
         "--peers",
