@@ -157,6 +157,10 @@ class InputContract:
         self.recurrence = cache_recurrence(template)  # per layer: its conv / recurrent states, None for K/V alone
         if all(r is not None and not r[1] for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
+        # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
+        self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+        family = REGISTRY.get(model.config.model_type)
+        self.raw_mask = family is not None and family.raw_mask  # the mask multiplies the input: one column a token
         self.params = list(inspect.signature(model.forward).parameters)
         # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
         self.cache_arg = cache_argument(model)
@@ -200,6 +204,12 @@ class InputContract:
         cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0
         mask = kwargs.get("attention_mask")
+        if mask is not None and self.raw_mask and mask.shape[-1] != num_new:
+            raise UnsupportedInputError(
+                f"attention_mask has {mask.shape[-1]} columns for {num_new} input tokens: {type(self.model).__name__} "
+                "multiplies its hidden states by the mask as given, so it needs one column per input token (on "
+                "one process another width fails or broadcasts the input). Pass the new tokens' mask, or none."
+            )
         position_ids = _checked_positions(
             kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device, self.attention_name is not None
         )
@@ -242,6 +252,11 @@ class InputContract:
             return cache
         if cache is None:
             return self.new_cache() if use_cache else None
+        if type(cache) is DynamicCache and not self.takes_dynamic:  # one process refuses it
+            raise CacheMismatchError(
+                f"{type(self.model).__name__} takes no DynamicCache (transformers gives it a cache class of its own): "
+                "pass no cache, then pass back the cache the patched model returned."
+            )
         if type(cache) is DynamicCache and _is_empty(cache):
             if getattr(cache, "offloading", False):
                 raise CacheMismatchError(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import UnsupportedModelError
 
-from . import bamba, llama4_text, mamba1, opt
+from . import bamba, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -41,6 +41,9 @@ class FamilyPatch:
     fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
     census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
     recurrent: bool = False  # its recurrent layers' mixers continue from a passed state: the chain runs them
+    # the model multiplies its hidden states by the 2D attention_mask as given (Mamba1's models): the mask must
+    # have one column per input token (one process fails on any other width), and a chained rank gets its own
+    raw_mask: bool = False
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -197,20 +200,21 @@ for _mt, _what, _fp32 in [
 ]:
     register(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
-_MAMBA1 = (
-    "its Mamba1 scan starts every multi-token forward from zero; patches/mamba1.py continues it from the passed "
-    "state, but this family's model reads the raw mask (its width must be the input's) and is not verified yet"
-)
 NOT_CHAINED = {
-    "mamba": _MAMBA1,
-    "falcon_mamba": _MAMBA1,
     "zamba": "its Mamba1 scan keeps its state in other shapes than patches/mamba1.py handles; not verified yet",
-    "minimax": "its lightning attention keeps its state in a cache class of its own (MiniMaxCache), outside the API",
     "bailing_hybrid": "its kernels refuse fp64, so the chain could not be verified exact against one process",
     "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
 }
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 register(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
+for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
+    register(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
+# MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)
+register(
+    FamilyPatch(
+        "minimax", "MiniMax: lightning-attention layers beside attention, MoE", apply=minimax.apply, recurrent=True
+    )
+)
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 register(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))

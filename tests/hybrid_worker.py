@@ -1,7 +1,7 @@
 """One rank of the hybrid matrix (issue 30): for every family of tests/hybrids.py, the patched model
 against the unpatched one on this process, fp64 with the models' fp32 internals in fp64: a padded,
-uneven prompt's logits; a second turn over the cache (chained) and a third shorter than 2 tokens per
-rank (every rank runs it); a forward without a cache; greedy, beam-search and sampled generation from the padded batch;
+uneven prompt's logits; the K/V each rank keeps (an even share, uneven partitions too); a second turn over the cache (chained) and a third shorter than 2 tokens per
+rank (every rank runs it), and decode after a prompt that short; a forward without a cache; greedy, beam-search and sampled generation from the padded batch;
 fp32 greedy. Writes OUT/rank{r}.json. argv: OUT [families] [strategy]."""
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
-from hybrids import FAMILIES, hybrid_model  # noqa: E402
+from hf_contextpar.patches import REGISTRY  # noqa: E402
+from hybrids import BEAMS_REFUSED, FAMILIES, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache import returned_cache  # noqa: E402
+from hf_contextpar.partitions import even  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 
@@ -38,6 +40,7 @@ def check(family: str, n: int, strategy: str, rec):
     more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
     last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
     ref, cp = hybrid_model(family), hybrid_model(family)
+    raw = REGISTRY[family].raw_mask  # Mamba1's models take the new tokens' mask alone (one column per input token)
     extra = {}
     if strategy == "uneven":  # KV-Runahead over uneven partitions from a table: the first rank takes the most
         ratios = [2.0**-r for r in range(n)]
@@ -50,23 +53,39 @@ def check(family: str, n: int, strategy: str, rec):
         outs = []
         for model in (ref, cp):
             first = model(ids, attention_mask=mask)
+            held = returned_cache(first).local_length if model is cp else None  # K/V tokens kept on this rank
             m2 = torch.cat([mask, torch.ones_like(more)], 1)
-            second = model(more, attention_mask=m2, cache=returned_cache(first))
+            second = model(more, attention_mask=m2[:, -more.shape[1] :] if raw else m2, cache=returned_cache(first))
+            held2 = returned_cache(second).local_length if model is cp else None
             m3 = torch.cat([m2, torch.ones_like(last)], 1)
-            third = model(last, attention_mask=m3, cache=returned_cache(second))
+            third = model(last, attention_mask=m3[:, -last.shape[1] :] if raw else m3, cache=returned_cache(second))
             plain = model(ids, attention_mask=mask, use_cache=False)
             outs.append((first.logits, second.logits, third.logits, plain))
         (a1, a2, a3, ap), (b1, b2, b3, bp) = outs
-        rec("prefill", max_diff=diff(a1, b1, mask.bool()))
-        rec("second_turn", max_diff=diff(a2, b2))
+        rec("prefill", max_diff=diff(a1, b1, mask.bool()), kv_tokens=held, even=even(length, n)[dist.get_rank()])
+        shares = even(more.shape[1], n)[dist.get_rank()] + even(length, n)[dist.get_rank()]
+        rec("second_turn", max_diff=diff(a2, b2), kv_tokens=held2, even=shares)
         rec("short_turn", max_diff=diff(a3, b3))
         rec("no_cache", max_diff=diff(ap.logits, bp.logits, mask.bool()), cache_none=returned_cache(bp) is None)
         kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
         a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
         rec("greedy", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+        # a prompt under 2 tokens per rank (every rank runs it, unchained), then decode from its states
+        short = dict(
+            max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        a, b = ref.generate(ids[:1, -(2 * n - 1) :], **short), cp.generate(ids[:1, -(2 * n - 1) :], **short)
+        rec("short_prompt", max_diff=max(diff(x, y) for x, y in zip(a.logits, b.logits)))
         kw.update(num_beams=2, max_new_tokens=4, min_new_tokens=4)  # reorder_cache over the states and the shards
-        a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
-        rec("beams", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+        if family in BEAMS_REFUSED:
+            try:
+                cp.generate(ids, **kw)
+                rec("beams", refused=False)
+            except hf_contextpar.UnsupportedInputError:
+                rec("beams", refused=True)
+        else:
+            a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
+            rec("beams", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
         kw.update(num_beams=1, do_sample=True, top_k=20)
         torch.manual_seed(5)
         a = ref.generate(ids, **kw)

@@ -24,6 +24,7 @@ SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a
     "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
     "falcon_h1": dict(mamba_d_state=16, mamba_chunk_size=16),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
+    "minimax": dict(block_size=4),  # lightning attention's blocks cut inside every partition
 }
 MIX = ["linear_attention"] * 3 + ["full_attention"]
 LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
@@ -43,8 +44,14 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "zamba2": None,  # Mamba2 layers and a shared attention block
     "mamba2": None,  # recurrent layers alone
     "jamba": None,  # Mamba1 layers beside attention, MoE (patches/mamba1.py: its scan continued from the state)
+    # lightning attention (patches/minimax.py: its own cache class's state); attention first: one process reads the
+    # cache's length from layer 0, which MiniMaxCache leaves empty when it is a lightning layer (a later turn fails)
+    "minimax": dict(layer_types=MIX[::-1]),
+    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (FamilyPatch.raw_mask)
+    "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
+BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the beams (patches/minimax.py)
 
 
 def hybrid_config(family: str):

@@ -89,9 +89,9 @@ def _from_config(model_type, **kw):
             lambda: _from_config("bloom", n_layer=1, hidden_size=32, n_head=2, vocab_size=64),
             "not supported by hf-contextpar",
         ),
-        # a state-space model not verified to continue from a passed state (Mamba1: its model reads the raw mask)
+        # a hybrid not verified to continue from a passed state (Zamba: its Mamba1 states in other shapes)
         (
-            lambda: AutoModelForCausalLM.from_config(tiny_config("mamba")),
+            lambda: AutoModelForCausalLM.from_config(tiny_config("zamba")),
             "verified to continue from a passed state",
         ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model

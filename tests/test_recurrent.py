@@ -41,9 +41,9 @@ FAMILIES = {
     "kimi_linear": "linear_attention",  # KDA
 }
 # Not here: Mamba1's scan
-# (mamba, falcon_mamba) starts every multi-token forward from a zero state (transformers: "Initial hidden
-# state is not supported by the kernel path"), so it cannot continue from a passed one without a patch:
-# chained, it is 1.3 (N = 2) to 3.0 (N = 4) off. MiniMax keeps its lightning attention's state in its own
+# (mamba, falcon_mamba, jamba) starts every multi-token forward from a zero state (transformers: "Initial hidden
+# state is not supported by the kernel path"), so it cannot continue from a passed one without a patch
+# (patches/mamba1.py, tested below): chained, it is 1.3 (N = 2) to 3.0 (N = 4) off without it. MiniMax keeps its lightning attention's state in its own
 # MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's
 # kernels refuse fp64 on one process.
 # smaller states than the census's tiny configs, chunked scans cut inside every partition (tests/hybrids.py)
