@@ -189,8 +189,11 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
+        # balanced partitions learn from measured compute (MeasuredWork); not under TP, whose peers of one CP rank
+        # must cut the same partitions and would each measure their own times
         contiguous = plan.chained or (plan.shards.token_rows is not None and plan.algorithm == "kv_runahead")
-        started = (time.perf_counter(), self.comm.stats.wait_s) if self.balanced and contiguous else None
+        measure = self.balanced and contiguous and self.tp == 1
+        started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         return (), kwargs
 
