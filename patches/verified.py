@@ -4,7 +4,7 @@ found exact at N = 2, 3, 4 under every prefill strategy, both decode modes and a
 model_type: (fp64 tolerance, reference attention); they run with no opt-in. NOT_VERIFIED: what the
 census found for the others (`patches.resolve` says it when it refuses one)."""
 
-CENSUS = dict(transformers="5.24.0", source="3086033", date="2026-11-26")
+CENSUS = dict(transformers="5.24.0", source="552e96e", date="2026-11-26")
 # sweeps: N = 2 at 8ac3af7; N = 3 at 8ac3af7; N = 4 at 8ac3af7
 VERIFIED = {
     "afmoe": (1e-10, "sdpa"),
@@ -35,6 +35,7 @@ VERIFIED = {
     "exaone4": (1e-10, "sdpa"),
     "exaone_moe": (1e-05, "sdpa"),
     "falcon_h1": (0.0001, "sdpa"),
+    "falcon_mamba": (1e-10, "eager"),
     "flex_olmo": (1e-10, "sdpa"),
     "flint": (1e-05, "eager"),
     "gemma": (1e-10, "sdpa"),
@@ -76,10 +77,12 @@ VERIFIED = {
     "llama": (1e-10, "sdpa"),
     "llama4_text": (1e-05, "sdpa"),
     "longcat_flash": (0.0001, "sdpa"),
+    "mamba": (1e-10, "eager"),
     "mamba2": (1e-05, "eager"),
     "mellum": (1e-10, "sdpa"),
     "mimo_v2_flash": (0.0001, "eager"),
     "minicpm3": (1e-10, "sdpa"),
+    "minimax": (1e-10, "sdpa"),
     "minimax_m2": (1e-05, "sdpa"),
     "minimax_m3_vl_text": (1e-05, "sdpa"),
     "ministral": (1e-10, "sdpa"),
@@ -133,7 +136,6 @@ NOT_VERIFIED = {
     "dots3_note": "skipped: the unpatched tiny model fails on one process (StrictDataclassClassValidationError: Class…",
     "dots3_note_text": "skipped: the unpatched tiny model fails on one process (the tiny config has 49M parameters; it…",
     "falcon": "refused at apply: FalconForCausalLM does not take an attention implementation from transformers' Attent…",
-    "falcon_mamba": "refused at apply: this model (falcon_mamba) has ['linear_attention'] layers; hf-contextpar suppor…",
     "gemma4_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and shared_…",
     "gemma4_unified_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and…",
     "gemma4_unified_text": "refused at apply: use_bidirectional_attention=True makes every token attend to later token…",
@@ -146,8 +148,6 @@ NOT_VERIFIED = {
     "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers; hf-context…",
     "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers; hf-contextpa…",
     "jetmoe": "refused at first forward: JetMoeAttention (layer 0) calls attention with other keys or values than a ca…",
-    "mamba": "refused at apply: this model (mamba) has ['linear_attention'] layers; hf-contextpar supports softmax att…",
-    "minimax": "refused at apply: this model (minimax) has ['linear_attention'] layers; hf-contextpar supports softmax…",
     "moshi": "refused at first forward: layer 0's cache keeps a sliding window of 3000 tokens but its attention uses s…",
     "mpt": "refused at apply: MptForCausalLM does not take an attention implementation from transformers' AttentionInt…",
     "openai-gpt": "refused at apply: OpenAIGPTLMHeadModel does not take an attention implementation from transformers'…",
