@@ -156,21 +156,30 @@ class ShardedLayer(CacheLayerMixin):
 
     def level(self, lo: int, hi: int, start: int, added: int):
         """End of a levelled prefill: of this forward's `added` own tokens (columns from `start` on) keep those
-        in [lo, hi), with the stashed ones in column order, after what the layer held before."""
+        in [lo, hi), with the stashed ones in column order, where its own tokens were: what the layer held
+        before stays in place (no copy of the whole cache)."""
         if self.kv is None:  # a layer this model never filled (another layer holds its K/V)
             return
+        base = self.n - added  # buffer index of this forward's first own token
         a, b = max(lo, start) - start, min(hi, start + added) - start
-        own = [(start + a, self.kv[:, :, :, self.n - added + a : self.n - added + b])] if b > a else []
-        pieces = [kv for _, kv in sorted(self.stashed + own, key=lambda p: p[0])]
+        ahead = sum(kv.shape[3] for col, kv in self.stashed if col < start)  # received columns before its own
+        pieces = list(self.stashed)
+        if b > a:  # its kept tokens, copied only if they move
+            own = self.kv[:, :, :, base + a : base + b]
+            pieces.append((start + a, own if ahead == a else own.clone()))
         self.stashed = []
-        if sum(p.shape[3] for p in pieces) != hi - lo:
+        if sum(kv.shape[3] for _, kv in pieces) != hi - lo:
             raise PatchStateError(
                 f"levelling the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
                 "layer's attention did not run the planned algorithm. Please report this model."
             )
-        self.kv = torch.cat([self.kv[:, :, :, self.first : self.n - added], *pieces], dim=3)
-        self.first = 0
-        self._keep(self.kv.shape[3])
+        base -= self._reserve(base + hi - lo)
+        at = base
+        for _, kv in sorted(pieces, key=lambda p: p[0]):
+            if kv.data_ptr() != self.kv[:, :, :, at:].data_ptr():  # its own tokens where they already are: stay
+                self.kv[:, :, :, at : at + kv.shape[3]] = kv
+            at += kv.shape[3]
+        self._keep(at)
 
     def block(self) -> torch.Tensor:
         """This rank's K/V for the layer, (2, B, Hkv, tokens, D) (or the joint layout): a view of the buffer,
