@@ -46,6 +46,10 @@ from .sharding import (
     window_drops,
 )
 
+# the prefill algorithms that bring a rank other ranks' new K/V (KV-Runahead: the earlier ones'), so it can keep any
+# of those columns: uneven contiguous partitions level the cache there (`_levelled`)
+LEVELLING = ("kv_runahead", "ring_pass_kv", "allgather_kv")
+
 
 @dataclass(frozen=True)
 class Gather:
@@ -140,6 +144,11 @@ class ForwardPlan:
     def seq_length(self) -> int:
         return self.past + self.num_new
 
+    @property
+    def contiguous(self) -> bool:
+        """Each rank runs one contiguous partition of the new tokens, in rank order (a chain, KV-Runahead)."""
+        return self.shards.token_rows is not None and (self.chained or self.algorithm == "kv_runahead")
+
 
 @dataclass(frozen=True)
 class _Before:
@@ -221,10 +230,8 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     contiguous = policy.chain or algorithm == "kv_runahead"
     flat = all(c.dim() == 1 for c in before.cols)
     levelled = _levelled(q_cols, algorithm) if policy.level and contiguous and flat else None
-    store, cols = levelled if levelled else ([Store()] * policy.world, kv_cols)
-    if levelled:
-        cols = _append(before.cols, cols)
-    storage = dict(store=store, cols=cols, rotation=before.rotation, run=None)
+    store, kept = levelled or ([Store()] * policy.world, q_cols)
+    storage = dict(store=store, cols=_append(before.cols, kept), rotation=before.rotation, run=None)
     return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
 
 
@@ -237,7 +244,7 @@ def _levelled(q_cols, algorithm: str):
     starts, ends = [int(c[0]) for c in q_cols], [int(c[-1]) + 1 for c in q_cols]
     bounds = [starts[0] + b for b in (0, *itertools.accumulate(even(ends[-1] - starts[0], len(q_cols))))]
     runahead = algorithm == "kv_runahead" and any(b > e for b, e in zip(bounds[1:], ends))
-    if starts == bounds[:-1] or runahead or algorithm not in ("kv_runahead", "ring_pass_kv", "allgather_kv"):
+    if starts == bounds[:-1] or runahead or algorithm not in LEVELLING:
         return None
     store = [Store(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
     return store, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -291,7 +298,7 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
         algorithm = "ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm
         # uneven ones where the K/V can be levelled (_levelled): pass-Q and Ulysses move no token's K/V
-        levels = policy.kvr_sizes is not None and algorithm in ("kv_runahead", "ring_pass_kv", "allgather_kv")
+        levels = policy.kvr_sizes is not None and algorithm in LEVELLING
         sizes = policy.kvr_sizes(num_new, past) if levels else None
         return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world))
     if algorithm == "kv_runahead":

@@ -56,7 +56,6 @@ class ContextParallelRuntime:
         self.model = model
         self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
         self.kv_interleave = kv_interleave
-        self.kvr_partitions = kvr_partitions  # resolved once the model's recurrent layers are known (below)
         device = next(model.parameters()).device
         self.calibration = Calibration.resolve(calibration, device.type)
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
@@ -191,8 +190,7 @@ class ContextParallelRuntime:
         torch.set_grad_enabled(False)
         # balanced partitions learn from measured compute (MeasuredWork); not under TP, whose peers of one CP rank
         # must cut the same partitions and would each measure their own times
-        contiguous = plan.chained or (plan.shards.token_rows is not None and plan.algorithm == "kv_runahead")
-        measure = self.balanced and contiguous and self.tp == 1
+        measure = self.balanced and plan.contiguous and self.tp == 1
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         return (), kwargs
@@ -265,8 +263,8 @@ class ContextParallelRuntime:
         busy = time.perf_counter() - started[0] - (self.comm.stats.wait_s - started[1])
         per_token, per_pair = self._work_terms()
         mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
-        device = next(self.model.parameters()).device
-        self.work.add(self.comm.all_gather(torch.tensor(mine, dtype=torch.float64, device=device), "control").tolist())
+        mine = torch.tensor(mine, dtype=torch.float64, device=next(self.model.parameters()).device)
+        self.work.add(self.comm.all_gather(mine, "control").tolist())
 
     def _choose(self, num_new: int, past: int) -> str:
         if self.strategy != "auto":

@@ -1,8 +1,9 @@
 """One rank of the hybrid matrix (issue 30): for every family of tests/hybrids.py, the patched model
 against the unpatched one on this process, fp64 with the models' fp32 internals in fp64: a padded,
-uneven prompt's logits; the K/V each rank keeps (an even share, uneven partitions too); a second turn over the cache (chained) and a third shorter than 2 tokens per
-rank (every rank runs it), and decode after a prompt that short; a forward without a cache; greedy, beam-search and sampled generation from the padded batch;
-fp32 greedy. Writes OUT/rank{r}.json. argv: OUT [families] [strategy]."""
+uneven prompt's logits and the K/V each rank keeps (an even share, uneven partitions too); a second
+turn over the cache (chained); a third shorter than 2 tokens per rank (every rank runs it), and
+decode after a prompt that short; a forward without a cache; greedy, beam-search and sampled
+generation from the padded batch; fp32 greedy. Writes OUT/rank{r}.json. argv: OUT [families] [strategy]."""
 
 from __future__ import annotations
 
