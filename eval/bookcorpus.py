@@ -92,7 +92,7 @@ def load_token_stream(
                 msg + " Falling back to the built-in text.",
             )
     if rows is None:
-        from hf_contextpar.tools.models import heldout_text  # pydoc topics needle-lm never trained on
+        from hf_contextpar.models import heldout_text  # pydoc topics needle-lm never trained on
 
         ids = tok(heldout_text(), add_special_tokens=False).input_ids
     else:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hf_contextpar.tools.models import is_builtin, max_positions
+from hf_contextpar.models import is_builtin, max_positions
 
 from . import bookcorpus as bc
 from .common import base_summary, finish, run_tolerance, save_references, setup, weights_fingerprint

@@ -17,8 +17,8 @@ import os
 import sys
 
 import hf_contextpar
-from hf_contextpar.tools.cliargs import nonnegative_int, positive_int
-from hf_contextpar.tools.models import DEFAULT_MODEL, DTYPES
+from hf_contextpar.cliargs import nonnegative_int, positive_int
+from hf_contextpar.models import DEFAULT_MODEL, DTYPES
 
 from . import bookcorpus as bc
 from . import needlebench as nb

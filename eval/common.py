@@ -10,7 +10,7 @@ import time
 import torch
 
 import hf_contextpar
-from hf_contextpar.tools.models import DTYPES, load
+from hf_contextpar.models import DTYPES, load
 
 from . import report
 from .harness import Dist, on_rank0, save_reference

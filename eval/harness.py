@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hf_contextpar
-from hf_contextpar.distributed import resolve_group
+from hf_contextpar.comm.group import resolve_group
 
 from .needlebench import DataError
 from .oracle import fingerprint

@@ -64,7 +64,7 @@ class NeedlePrompt:
 
 # -- data ---------------------------------------------------------------------------------
 def builtin_data() -> NeedleData:
-    from hf_contextpar.tools.models import sample_text
+    from hf_contextpar.models import sample_text
 
     docs = [d for d in sample_text().split("\n\n") if d.strip()]
     return NeedleData(

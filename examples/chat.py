@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 import hf_contextpar
 from hf_contextpar.cache import cache_argument, returned_cache
-from hf_contextpar.tools.models import builtin_model_path, sample_text
+from hf_contextpar.models import builtin_model_path, sample_text
 
 FACTS = [
     "The pass key is 52907. Remember it. 52907 is the pass key.",

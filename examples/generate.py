@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_contextpar
 from hf_contextpar.cache import returned_cache
-from hf_contextpar.tools.models import builtin_model_path, sample_text
+from hf_contextpar.models import builtin_model_path, sample_text
 
 state = PartialState(cpu=not torch.cuda.is_available())  # initialises the process group (gloo on CPU)
 path = os.environ.get("MODEL") or builtin_model_path("needle-lm")  # a standard HF model directory

@@ -8,7 +8,7 @@ hf_contextpar.remove_context_parallel(model)
 from __future__ import annotations
 
 from .api import apply_context_parallel, get_runtime, remove_context_parallel
-from .cache import ShardedCache
+from .cache.sharded import ShardedCache
 from .errors import (
     CacheMismatchError,
     CandidateDecodingError,
@@ -22,7 +22,7 @@ from .errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from .partitions import PartitionTable
+from .plan.partitions import PartitionTable
 
 __version__ = "0.1.0"
 __all__ = [

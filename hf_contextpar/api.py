@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from . import attention, latent
-from .agreement import agree_at_apply
-from .contract import check_model
-from .distributed import DEFAULT_TIMEOUT_S, release_group, resolve_group
+from . import attention
+from .attention import latent
+from .comm.agreement import agree_at_apply
+from .comm.group import DEFAULT_TIMEOUT_S, release_group, resolve_group
+from .comm.shm import open_shm_gather
 from .errors import PatchStateError, UnsupportedModelError
 from .mesh import dcp_of
+from .model.contract import check_model
 from .runtime import ContextParallelRuntime
-from .shm import open_shm_gather
 
 STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 DECODES = ("auto", "replicated", "ring_pass_q")

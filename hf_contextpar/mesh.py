@@ -28,8 +28,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .costmodel import config_value
-from .distributed import resolve_group
+from .comm.group import resolve_group
+from .config import config_value
 from .errors import ContextParallelError, HeadsNotDivisibleError, UnsupportedModelError
 
 MESH_DIMS = ("cp", "pp", "dp_replicate", "fsdp", "tp")  # transformers reads pp, fsdp and tp from it
@@ -138,7 +138,7 @@ def _dcp_groups(tp: int, dcp: int):
 
 def init_world(device_type: str = "cpu") -> None:
     """The default process group, from the torchrun / accelerate environment (gloo on CPU, nccl on
-    CUDA), unless one exists; one hf-contextpar made is destroyed at exit (distributed.py)."""
+    CUDA), unless one exists; one hf-contextpar made is destroyed at exit (comm/group.py)."""
     resolve_group(None, device=torch.device(device_type))
     if not dist.is_initialized():
         raise ContextParallelError(

@@ -8,7 +8,7 @@ all-gather per tensor puts them back together, identical on every rank.
 from __future__ import annotations
 
 from .errors import UnsupportedModelError
-from .plan import Gather, Outputs
+from .plan.forward import Gather, Outputs
 
 
 def gather_outputs(output, outputs: Outputs, comm, model_name: str):

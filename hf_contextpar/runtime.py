@@ -1,9 +1,9 @@
 """What runs around each forward of a patched model: read the inputs, plan, execute, gather.
 
 A forward pre-hook on the *ForCausalLM module reads the caller's arguments through the input
-contract (contract.py: one checked `Inputs` record, or a typed refusal), builds this forward's
-`ForwardPlan` (plan.py: a pure function of replicated data, so every rank builds the same one),
-checks that every rank got the same inputs (agreement.py), tells the cache, and hands each rank
+contract (model/contract.py: one checked `Inputs` record, or a typed refusal), builds this forward's
+`ForwardPlan` (plan/forward.py: a pure function of replicated data, so every rank builds the same one),
+checks that every rank got the same inputs (comm/agreement.py), tells the cache, and hands each rank
 its share of the inputs. Attention layers read the running `Step` (the plan plus this rank's
 communicator and per-layer state). The forward hook gathers the kept logits and hidden states
 back into original order on every rank (outputs.py) and commits the cache's layout.
@@ -19,21 +19,21 @@ from collections import Counter
 
 import torch
 
-from .agreement import RankCheck
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
-from .comm import Comm
-from .contract import InputContract, Inputs, attention_layers, check_ulysses, refuse_candidate_decoding
-from .costmodel import Shape
+from .attention.step import Step
+from .cache.recurrent import share_final_states
+from .comm.agreement import RankCheck
+from .comm.collectives import Comm
 from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
+from .model.contract import InputContract, Inputs, attention_layers, check_ulysses, refuse_candidate_decoding
+from .model.rope import patch_rope, unpatch_rope
+from .model.shape import model_shape
 from .outputs import gather_outputs
-from .partitions import MeasuredWork, PartitionTable, balanced, key_pairs
-from .plan import ForwardPlan, Policy, build_plan
-from .planner import Calibration, choose
-from .recurrent import share_final_states
-from .rope import patch_rope, unpatch_rope
-from .step import Step
+from .plan.choice import Calibration, choose
+from .plan.forward import ForwardPlan, Policy, build_plan
+from .plan.partitions import MeasuredWork, PartitionTable, balanced, key_pairs
 
 
 class ContextParallelRuntime:
@@ -62,7 +62,7 @@ class ContextParallelRuntime:
         # rank attends with the heads it holds
         self.tp_group, self.tp = tensor_parallel(model)
         check_cp_group(group, self.tp_group)
-        self.shape = Shape.from_model(model)
+        self.shape = model_shape(model)
         dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
         if dcp is not None and strategy == "ulysses":
             raise HeadsNotDivisibleError(

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from hf_contextpar.recurrent import received_state
+from hf_contextpar.cache.recurrent import received_state
 
 _installed: dict = {}  # module -> [original scan, models patched]
 

@@ -16,7 +16,7 @@ only, this patch
 
 from __future__ import annotations
 
-from hf_contextpar.cache import ShardedCache
+from hf_contextpar.cache.sharded import ShardedCache
 from hf_contextpar.errors import UnsupportedInputError
 
 

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import write_records  # noqa: E402
 
 from hf_contextpar.attention import ALGORITHMS  # noqa: E402
-from hf_contextpar.comm import Comm  # noqa: E402
-from hf_contextpar.step import Step  # noqa: E402
+from hf_contextpar.attention.step import Step  # noqa: E402
+from hf_contextpar.comm.collectives import Comm  # noqa: E402
 from hf_contextpar.tools.selftest.spec import CASES, SCALE, layers_for, lengths, prepare, same  # noqa: E402
 from hf_contextpar.tools.simulated import run_algorithm, shard_inputs  # noqa: E402
 

@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_contextpar.comm import Comm
+from hf_contextpar.comm.collectives import Comm
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -14,7 +14,7 @@ from hf_contextpar.patches import REGISTRY
 from launch import write_records
 
 import hf_contextpar
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 FAMILIES = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 

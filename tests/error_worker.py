@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import DynamicCache
 
 import hf_contextpar
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 # families a user might register by hand that hf-contextpar cannot serve exactly: each must be refused
 # on every rank (at apply or at the first forward), never give another answer than one process

@@ -1,6 +1,6 @@
 """Run a module (or a script: a path ending in .py) as `python -m MODULE ARGS...` would, then report, from an atexit hook that runs after
 every hook the module registered (hooks run last-registered first), which gloo threads are still
-alive when the interpreter starts finalizing: none may be (see hf_contextpar.distributed)."""
+alive when the interpreter starts finalizing: none may be (see hf_contextpar.comm.group)."""
 
 import atexit
 import glob

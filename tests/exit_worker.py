@@ -44,14 +44,14 @@ def _track(owner, name, op):
     setattr(owner, name, wrapper)
 
 
-from hf_contextpar import comm  # noqa: E402
+from hf_contextpar.comm import collectives as comm  # noqa: E402
 
 _track(dist, "batch_isend_irecv", "send/recv")
 _track(dist, "broadcast", "broadcast")
 _track(comm, "_all_gather_flat", "all_gather")
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.tools.models import byte_tokenizer, sample_text, tiny_model  # noqa: E402
+from hf_contextpar.models import byte_tokenizer, sample_text, tiny_model  # noqa: E402
 
 tok, model = byte_tokenizer(), tiny_model("mistral")  # sliding window, so every kernel path runs
 tok.padding_side = "left"

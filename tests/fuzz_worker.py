@@ -92,9 +92,9 @@ from hybrids import (
 from hybrids import FAMILIES as HYBRIDS  # noqa: E402
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.cache import cache_aliases, cache_argument  # noqa: E402
+from hf_contextpar.cache.sharded import cache_aliases, cache_argument  # noqa: E402
+from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
-from hf_contextpar.tools.models import TINY_BASE, tiny_config  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 _BASE = TINY_BASE

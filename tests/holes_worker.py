@@ -15,7 +15,7 @@ from launch import run_cases, tolerance
 from transformers import DynamicCache
 
 import hf_contextpar
-from hf_contextpar.cache import cache_argument, returned_cache
+from hf_contextpar.cache.sharded import cache_argument, returned_cache
 from hf_contextpar.errors import (
     CacheMismatchError,
     ContextParallelError,
@@ -23,7 +23,7 @@ from hf_contextpar.errors import (
     RankMismatchError,
     UnsupportedModelError,
 )
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 LLAMA_FP64 = tolerance("llama", "float64")  # pair()'s default model: the exactness oracle's bound
 

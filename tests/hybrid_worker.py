@@ -21,8 +21,8 @@ from hybrids import BEAMS_REFUSED, FAMILIES, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.cache import returned_cache  # noqa: E402
-from hf_contextpar.partitions import even  # noqa: E402
+from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
+from hf_contextpar.plan.partitions import even  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 

@@ -18,7 +18,7 @@ from launch import run_cases, tolerance
 
 import hf_contextpar
 from hf_contextpar.errors import ContextParallelError, DecodeBatchError
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 KS = (1, 2, 3, 16)
 DECODES = ("auto", "replicated", "ring_pass_q")

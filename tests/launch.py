@@ -113,7 +113,7 @@ def run_cases(cases):
     import torch.distributed as dist
 
     import hf_contextpar
-    from hf_contextpar.tools.models import tiny_model
+    from hf_contextpar.models import tiny_model
 
     torch.set_num_threads(1)
     hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env

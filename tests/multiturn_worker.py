@@ -12,7 +12,7 @@ from hf_contextpar.eval import logits_diff
 from launch import write_records
 
 import hf_contextpar
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen3", "gemma3_text", "llama4_text", "deepseek_v3"]
 STRATEGIES = ["ring_pass_kv", "ring_pass_q", "auto"]

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import hf_contextpar
-from hf_contextpar.comm import Comm
-from hf_contextpar.shm import SLOT_BYTES, open_shm_gather
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.comm.collectives import Comm
+from hf_contextpar.comm.shm import SLOT_BYTES, open_shm_gather
+from hf_contextpar.models import tiny_model
 
 
 def gather(comm: Comm, rank: int, world: int) -> str:

@@ -16,10 +16,10 @@ from hf_contextpar.eval import logits_diff  # noqa: E402
 from launch import write_records  # noqa: E402
 
 import hf_contextpar  # noqa: E402
-from hf_contextpar.partitions import even, search  # noqa: E402
-from hf_contextpar.sharding import head_tail_plan  # noqa: E402
+from hf_contextpar.models import tiny_model  # noqa: E402
+from hf_contextpar.plan.partitions import even, search  # noqa: E402
+from hf_contextpar.plan.sharding import head_tail_plan  # noqa: E402
 from hf_contextpar.tools.calibrate import kvr_prefill_seconds  # noqa: E402
-from hf_contextpar.tools.models import tiny_model  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "gpt_oss", "deepseek_v3", "llama4_text"]
 STRATEGIES = ["allgather_kv", "kv_runahead", "ulysses"]
@@ -96,7 +96,7 @@ def expected_bytes(strategy, sizes, rank, n, cfg, e, layers):
 
 @torch.no_grad()
 def traffic(n, rec):
-    from hf_contextpar.tools.models import tiny_config
+    from hf_contextpar.models import tiny_config
 
     cfg = tiny_config("phi3")  # 4 query and 4 KV heads: every strategy runs on N = 2 and 4
     for strategy in ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses"):

@@ -26,10 +26,10 @@ import threading
 import pytest
 import torch
 
-from hf_contextpar import step as step_module
-from hf_contextpar.cache import ShardLayout
-from hf_contextpar.plan import Policy, build_plan
-from hf_contextpar.sharding import partition_sizes
+from hf_contextpar.attention import step as step_module
+from hf_contextpar.cache.sharded import ShardLayout
+from hf_contextpar.plan.forward import Policy, build_plan
+from hf_contextpar.plan.sharding import partition_sizes
 from hf_contextpar.tools.selftest.spec import (
     CASES,
     DTYPES,

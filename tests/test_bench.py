@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402
 
-from hf_contextpar import costmodel  # noqa: E402
+from hf_contextpar.plan import costmodel  # noqa: E402
 
 ROW_FIELDS = [
     "kind",
@@ -267,9 +267,10 @@ def test_costmodel_overlap_and_scaling():
 
 
 def test_costmodel_shape_from_model():
-    from hf_contextpar.tools.models import tiny_model
+    from hf_contextpar.model.shape import model_shape
+    from hf_contextpar.models import tiny_model
 
-    shape = costmodel.Shape.from_model(tiny_model("llama"))
+    shape = model_shape(tiny_model("llama"))
     # q, o: 64x64; k, v: 64x32; gate, up, down: 64x128
     assert shape == costmodel.Shape(
         layers=2,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_contextpar.cache import ShardedCache
-from hf_contextpar.plan import Policy, build_plan
+from hf_contextpar.cache.sharded import ShardedCache
+from hf_contextpar.plan.forward import Policy, build_plan
 
 LAYERS, B, H, D = 2, 3, 2, 4
 
@@ -162,7 +162,7 @@ def sliding_pair(bound: bool = False):
     dyn = DynamicCache(config=config)
     cache = ShardedCache.bind(DynamicCache(config=config), LAYERS, 0, 1) if bound else None
     if cache is None:
-        from hf_contextpar.cache import cache_windows
+        from hf_contextpar.cache.sharded import cache_windows
 
         cache = ShardedCache(LAYERS, 0, 1, cache_windows(DynamicCache(config=config)))
     assert cache.windows == (WINDOW, None) and cache.layers[0].is_sliding and not cache.layers[1].is_sliding
@@ -275,7 +275,7 @@ def test_sliding_beam_methods_and_failed_forward():
 def test_local_nbytes_with_an_emptied_sliding_layer():
     """A rank whose sliding layer holds nothing after a trim (window 2: the one kept token is on another
     rank) still reports its bytes (the buffer may be empty)."""
-    from hf_contextpar.cache import ShardedLayer
+    from hf_contextpar.cache.sharded import ShardedLayer
 
     cache, dyn = sliding_pair()
     forward(cache, dyn, 300, 0)
@@ -299,7 +299,7 @@ def test_recurrent_and_hybrid_layers_keep_transformers_semantics():
         LinearAttentionLayer,
     )
 
-    from hf_contextpar.cache_layers import ShardedHybridLayer
+    from hf_contextpar.cache.layers import ShardedHybridLayer
 
     sharded = ShardedCache(3, 0, 1, recurrence=[(1, False), None, (1, True)])
     single = Cache(layers=[LinearAttentionLayer(), DynamicLayer(), LinearAttentionAndFullAttentionLayer()])

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from hf_contextpar.eval import needlebench as nb  # noqa: E402
 from launch import launch  # noqa: E402
 
-from hf_contextpar.tools.models import byte_tokenizer  # noqa: E402
+from hf_contextpar.models import byte_tokenizer  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "eval_worker.py")
 SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\n")
@@ -370,7 +370,7 @@ def test_low_precision_tolerance_is_the_kernel_swap():
     import torch
     from hf_contextpar.eval.oracle import kernel_swap, tolerance
 
-    from hf_contextpar.tools.models import tiny_model
+    from hf_contextpar.models import tiny_model
 
     model = tiny_model("llama", dtype=torch.bfloat16)
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))

@@ -15,7 +15,7 @@ from cp_worker import FAMILIES, impl_for
 from launch import matrix, tolerance
 
 import hf_contextpar
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 WORLD_SIZES = [2, 3, 4]
 

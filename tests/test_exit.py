@@ -114,7 +114,7 @@ def test_every_script_order_exits_cleanly(order):
     """A user's script (exit_order_worker.py) that creates its group first, builds the model first, or
     imports hf-contextpar first, and ends with the README's one call, destroy_process_group: 12 runs of 2
     ranks, every rank exits 0 and no gloo thread is alive once the interpreter starts finalizing. Group
-    first failed the thread check in 12 of 12 runs before unbind_world_defaults (distributed.py)."""
+    first failed the thread check in 12 of 12 runs before unbind_world_defaults (comm/group.py)."""
     for run, results in enumerate(_launch_many(RUNS, ["exit_order_worker.py", order])):
         for rank, (rc, out, err) in enumerate(results):
             why = f"{order} first, run {run}, rank {rank}: rc {rc}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
@@ -144,7 +144,7 @@ def test_unbind_world_defaults():
         "pg = weakref.ref(dist.group.WORLD)\n"
         "import torch.distributed.nn.functional as F\n"
         "assert F.all_gather.__defaults__ == (pg(),), F.all_gather.__defaults__\n"
-        "from hf_contextpar.distributed import unbind_world_defaults\n"
+        "from hf_contextpar.comm.group import unbind_world_defaults\n"
         "unbind_world_defaults()\n"
         "assert F.all_gather.__defaults__ == (None,) and F.broadcast.__defaults__ == (None,)\n"
         "dist.destroy_process_group()\n"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_contextpar import kernels
-from hf_contextpar.kernels import _math, attend
-from hf_contextpar.sharding import head_tail_plan
+from hf_contextpar.attention import kernels
+from hf_contextpar.attention.kernels import _math, attend
+from hf_contextpar.plan.sharding import head_tail_plan
 
 
 def _reference(q, k, v, qc, kc, valid, window, scale, softcap):

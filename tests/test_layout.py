@@ -6,6 +6,11 @@ calibration, built-in models, simulated ranks), the `python -m hf_contextpar.ben
 (hf_contextpar/bench.py) and `python -m hf_contextpar` (__main__.py). The tools and the eval
 harness use the engine's public names; the engine imports neither them nor the harness. And no
 module of hf_contextpar/ runs over 400 lines.
+
+No import circles: not between files, and not between the rooms of any folder (a folder's rooms are
+its files and its subfolders, each subfolder one room, as `farm-studio look` draws them), with
+patches/ and eval/ read as the hf_contextpar.patches and hf_contextpar.eval they install as. A
+package's own __init__ running first is Python's business, not an arrow.
 """
 
 from __future__ import annotations
@@ -108,6 +113,79 @@ def private_violations(root: Path = ROOT) -> list[str]:
     return bad
 
 
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (`from pkg import sub` names the submodule, not pkg)."""
+    ours = {name: init for name, init, _ in modules(root)}
+    graph = {name: set() for name in ours}
+    for name, init, path in modules(root):
+        for _, module, names in imports(name, init, ast.parse(path.read_text())):
+            subs = [f"{module}.{n}" for n in names or () if f"{module}.{n}" in ours]
+            targets = subs if subs and len(subs) == len(names or ()) else [module, *subs]
+            graph[name] |= {t for t in targets if t in ours and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _path(name: str, init: bool) -> list[str]:
+    """A module's place in the tree: its folders, then its file (a package's face is its __init__)."""
+    parts = name.split(".")
+    return [*parts, "__init__"] if init else parts
+
+
+def circles(root: Path = ROOT) -> list[str]:
+    """Every import circle between files, and between the rooms of each folder."""
+    graph, inits = import_graph(root), {name: init for name, init, _ in modules(root)}
+    found = [" -> ".join(c) for c in _cycles(graph)]
+    rooms: dict[tuple, dict[str, set[str]]] = {}  # folder -> room -> rooms it imports
+    for a, targets in graph.items():
+        pa = _path(a, inits[a])
+        for b in targets:
+            pb = _path(b, inits[b])
+            common = 0
+            while pa[common] == pb[common]:
+                common += 1
+            folder = tuple(pa[:common])
+            rooms.setdefault(folder, {}).setdefault(pa[common], set()).add(pb[common])
+    for folder, graph_of_rooms in sorted(rooms.items()):
+        found += [f"in {'/'.join(folder)}/: " + " -> ".join(c) for c in _cycles(graph_of_rooms)]
+    return found
+
+
+def test_no_import_circles():
+    assert not circles(), "import circles:\n" + "\n".join(circles())
+
+
 def test_engine_imports_no_tool():
     assert not engine_violations(), "\n".join(engine_violations())
 
@@ -144,6 +222,21 @@ def test_rules_catch_violations(tmp_path):
     assert any("runtime.py:1" in b and "hf_contextpar.tools" in b for b in engine), engine
     assert any("api.py:2" in b and "hf_contextpar.eval" in b for b in engine), engine
     assert any("patches/__init__.py:1" in b for b in engine), engine
+    (tmp_path / "hf_contextpar" / "tools" / "cli.py").write_text("from ..eval import compare\n")
+    (tmp_path / "eval" / "compare.py").write_text("from hf_contextpar.tools import models\n")
+    (tmp_path / "hf_contextpar" / "plan").mkdir()
+    (tmp_path / "hf_contextpar" / "plan" / "__init__.py").write_text("")
+    (tmp_path / "hf_contextpar" / "plan" / "forward.py").write_text("from ..runtime import x\n")
+    found = circles(tmp_path)
+    assert (
+        "hf_contextpar.eval.compare -> hf_contextpar.tools.cli" not in found
+    )  # no file circle: cli -> compare -> models
+    assert "in hf_contextpar/: eval -> tools" in found, found  # but eval/ and tools/ import each other
+    assert "in hf_contextpar/: plan -> runtime" not in found  # runtime.py imports kernels.py only
+    (tmp_path / "hf_contextpar" / "kernels.py").write_text("from .plan import forward\ndef _math(): ...\n")
+    found = circles(tmp_path)
+    assert "hf_contextpar.kernels -> hf_contextpar.plan.forward -> hf_contextpar.runtime" in found, found
+    assert "in hf_contextpar/: kernels -> plan -> runtime" in found, found
     private = private_violations(tmp_path)
     assert any("patches/__init__.py:1" in b and "_helper" in b for b in private), private
     assert any("runtime.py:3" in b and "kernels._math" in b for b in private), private

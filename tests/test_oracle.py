@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_contextpar.eval.oracle import FLOAT_TOL, fp32_bound, fp32_self_error, tolerance
 
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from hf_contextpar.cache import ShardLayout
+from hf_contextpar.cache.sharded import ShardLayout
 from hf_contextpar.errors import DecodeBatchError
-from hf_contextpar.plan import Policy, build_plan
+from hf_contextpar.plan.forward import Policy, build_plan
 
 
 def plan_for(layout, num_new, batch=1, policy=None, keep=0, uses_cache=True, positions=None):
@@ -241,7 +241,7 @@ def test_kv_interleave_places_runs_of_k_and_keeps_shards_within_k(k, world, batc
 def test_kv_interleave_crop_ends_the_open_run():
     """crop (assisted decoding's rejected drafts) may remove the open run's tokens: the next decode
     step starts a new run on the least-loaded rank instead of continuing a run that is gone."""
-    from hf_contextpar.cache import ShardedCache
+    from hf_contextpar.cache.sharded import ShardedCache
 
     policy = Policy(2, interleave=4)
     cache = ShardedCache(1, 0, 2)
@@ -258,7 +258,7 @@ def test_kv_interleave_crop_ends_the_open_run():
 @pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])
 def test_kv_interleave_must_be_a_positive_int(bad):
     import hf_contextpar
-    from hf_contextpar.tools.models import tiny_model
+    from hf_contextpar.models import tiny_model
 
     with pytest.raises(ValueError, match="kv_interleave must be a positive int"):
         hf_contextpar.apply_context_parallel(tiny_model("llama"), kv_interleave=bad)
@@ -267,7 +267,7 @@ def test_kv_interleave_must_be_a_positive_int(bad):
 def test_droppable_slots():
     """Sliding layers drop a rank's leading slots whose columns no later query sees; in a per-sequence
     table a slot where some sequence is still empty (-1: its next token goes there) stays."""
-    from hf_contextpar.sharding import droppable
+    from hf_contextpar.plan.sharding import droppable
 
     assert droppable(torch.tensor([0, 3, 4, 7, 8]), 5) == 3
     assert droppable(torch.tensor([0, 3, 4]), 0) == 0 and droppable(torch.empty(0, dtype=torch.long), 9) == 0

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from hf_contextpar.costmodel import Shape, attention_flops, predict_ttft, ring_attention_times
-from hf_contextpar.planner import Calibration, alg5_prefers_pass_kv, choose, empirical_h, fit_h
+from hf_contextpar.model.shape import model_shape
+from hf_contextpar.plan.choice import Calibration, alg5_prefers_pass_kv, choose, empirical_h, fit_h
+from hf_contextpar.plan.costmodel import Shape, attention_flops, predict_ttft, ring_attention_times
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402
@@ -132,10 +133,10 @@ def test_calibrate_and_sweep_commands(tmp_path):
 def test_mla_pass_kv_moves_the_latent():
     """An MLA model's pass-KV carries one cached latent + RoPE part per token, not per-head K/V: the cost
     model and Alg. 5 see a GQA model of (latent + rope) / (2 qk_head_dim) KV heads (issue 32)."""
-    from hf_contextpar.tools.models import tiny_model
+    from hf_contextpar.models import tiny_model
 
     model = tiny_model("deepseek_v3")
-    shape, cfg = Shape.from_model(model), model.config
+    shape, cfg = model_shape(model), model.config
     assert shape.kv_token_bytes == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     assert shape.kv_heads_equivalent == pytest.approx((cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (2 * 192))
     expanded = Shape(shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.linear_weights, 4)

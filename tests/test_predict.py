@@ -7,17 +7,10 @@ import sys
 
 import pytest
 
-from hf_contextpar.costmodel import Machine, predict_ttft
-from hf_contextpar.planner import choose
-from hf_contextpar.tools.predict import (
-    PRESETS,
-    kv_bytes_per_rank,
-    pass_q_threshold,
-    predict_ttit,
-    report,
-    shape_of,
-    traffic_per_rank,
-)
+from hf_contextpar.plan.choice import choose
+from hf_contextpar.plan.costmodel import Machine, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from hf_contextpar.tools.predict import pass_q_threshold, report
+from hf_contextpar.tools.presets import PRESETS, shape_of
 
 
 def test_shape_of_a_published_geometry_with_tensor_parallelism():
@@ -28,7 +21,7 @@ def test_shape_of_a_published_geometry_with_tensor_parallelism():
 
 
 def test_shape_of_a_config_file_and_a_builtin(tmp_path):
-    from hf_contextpar.tools.models import tiny_config
+    from hf_contextpar.models import tiny_config
 
     tiny_config("llama").save_pretrained(tmp_path)
     from_file = shape_of(str(tmp_path / "config.json"), 4)
@@ -110,8 +103,9 @@ def test_unknown_hardware_is_a_clear_error():
 def test_sliding_layers_count_their_window_only(tmp_path):
     """A sliding layer keeps window - 1 cached tokens and each query sees at most `window` keys:
     KV per rank, traffic, attention time and decode all follow, and `auto` sees it too."""
-    from hf_contextpar.costmodel import Shape, attended_keys, attention_flops, config_windows
-    from hf_contextpar.tools.models import tiny_config
+    from hf_contextpar.model.shape import config_windows
+    from hf_contextpar.models import tiny_config
+    from hf_contextpar.plan.costmodel import Shape, attended_keys, attention_flops
 
     # the count of query-key pairs: continuous from P to P + T, capped at the window
     assert attended_keys(1000, 3000) == 1000 * 3500
@@ -153,7 +147,7 @@ def test_sliding_layers_count_their_window_only(tmp_path):
 def test_tensor_parallel_heads_follow_the_tp_plan(tmp_path):
     """Per-GPU heads as transformers' TP plan leaves them: colwise q/k/v split the heads, a KV head is
     replicated where there are fewer KV heads than TP ranks, a gathered fused QKV leaves all heads."""
-    from hf_contextpar.tools.predict import LLAMA_TP_PLAN, tp_heads, tp_replicas
+    from hf_contextpar.tools.presets import LLAMA_TP_PLAN, tp_heads, tp_replicas
 
     assert tp_heads(128, 8, 8, LLAMA_TP_PLAN) == (16, 1, 1)
     assert tp_heads(128, 8, 16, LLAMA_TP_PLAN) == (8, 1, 2)  # Meta 4.2.2: each KV head on tp / kv GPUs
@@ -167,7 +161,7 @@ def test_tensor_parallel_heads_follow_the_tp_plan(tmp_path):
     assert s.linear_weights == 16384 * 8 * 128 * 2 + 16384 * 1 * 128 * 2 + 3 * 16384 * 53248 // 16
     assert "replicated on 2 TP ranks" in report("llama-3.1-405b", "h100-rdma", [2], [8192], [1.0], tp=16)
     assert "replicated" not in report("llama-3.1-405b", "h100-rdma", [2], [8192], [1.0], tp=8)
-    from hf_contextpar.tools.models import tiny_config
+    from hf_contextpar.models import tiny_config
 
     config = tiny_config("phi3")
     config.save_pretrained(tmp_path)
@@ -177,7 +171,7 @@ def test_tensor_parallel_heads_follow_the_tp_plan(tmp_path):
 
 def test_float8_is_fp8_weights_with_16_bit_activations():
     """Meta's runs: FP8 feed-forward weights, attention and KV in bf16; what travels is 16-bit."""
-    from hf_contextpar.tools.predict import shape_of_dtype
+    from hf_contextpar.tools.presets import shape_of_dtype
 
     s = shape_of_dtype("llama-3.1-405b", "float8", 8)
     assert (s.elem_bytes, s.weight_elem_bytes, s.kv_token_bytes) == (2, 1, 2 * 128 * 2)
@@ -192,9 +186,8 @@ def test_rdma_preset_is_table5s_measured_rates():
     hosts), never from Table 4: the line through pass-Q's two SendRecv sizes gives 26 GB/s after
     40 us, which predicts pass-KV's 16.4 MB step within 7% of the 627 / 631 us measured; the All2All's
     two sizes give the NIC's 400 Gb/s (50 GB/s) after 224 us."""
-    from hf_contextpar.costmodel import all2all_time
-    from hf_contextpar.tools.predict import shape_of_dtype
-    from hf_contextpar.tools.presets import RDMA_TABLE5
+    from hf_contextpar.plan.costmodel import all2all_time
+    from hf_contextpar.tools.presets import RDMA_TABLE5, shape_of_dtype
 
     m, s = PRESETS["h100-rdma"], shape_of_dtype("llama-3.1-405b", "float8", 8)
     assert m.bandwidth == pytest.approx(26.0e9, rel=0.01) and m.latency == pytest.approx(40e-6, rel=0.01)
@@ -211,7 +204,7 @@ def test_few_queries_leave_the_attention_kernel_idle():
     """An attention call runs heads x ceil(queries / 128) tiles in waves of 132 (an H100's or H200's
     SMs), each tile over every key: what an H200 measured (cuDNN attention, 16 heads, 32,000 keys:
     64 to 800 queries 371 us, 1,056 and 1,600 761 us, 3,200 1,515 us). CPU machines do not model it."""
-    from hf_contextpar.costmodel import attention_time
+    from hf_contextpar.plan.costmodel import attention_time
 
     m = PRESETS["h100-rdma"]
     tile = 4 * 128 * 128 * 32000 * 132 / m.attn_flops  # one wave over 32,000 keys
@@ -226,7 +219,7 @@ def test_few_queries_leave_the_attention_kernel_idle():
 def test_full_prefill_headlines():
     """Meta's full-prefill figures for 405B (FP8 weights, TP8 per node, RDMA): 128K on CP4 in 10.95 s
     (Table 7), 1M on CP16 in 77 s (4.2.3); the preset predicts each within 10%."""
-    from hf_contextpar.tools.predict import shape_of_dtype
+    from hf_contextpar.tools.presets import shape_of_dtype
 
     s, m = shape_of_dtype("llama-3.1-405b", "float8", 8), PRESETS["h100-rdma"]
     assert predict_ttft("ring_pass_kv", 131072, 4, s, m) == pytest.approx(10.95, rel=0.10)
@@ -242,7 +235,7 @@ def test_full_prefill_at_short_contexts(length, world, measured):
     within 15% (8K on CP2, the shortest ring, 14% low). So the model holds where few tokens run per node, and
     Table 4's extra time below a 10% miss rate (test below) is particular to those runs: its 100% row is 0.5 s
     above Table 7's identical 128K prefill on CP4 (11.46 s against 10.95 s)."""
-    from hf_contextpar.tools.predict import shape_of_dtype
+    from hf_contextpar.tools.presets import shape_of_dtype
 
     s, m = shape_of_dtype("llama-3.1-405b", "float8", 8), PRESETS["h100-rdma"]
     assert predict_ttft("ring_pass_kv", length, world, s, m) == pytest.approx(measured, rel=0.15)
@@ -255,7 +248,8 @@ def test_table4_partial_prefill():
     up are within 25%. The paper's step from 2.5% to 3.25% and its plateau to 5% are the attention
     kernel's waves: 800 new tokens per rank x 16 heads fill one wave of 132 tiles, 1,040 and 1,600 two.
     hf-contextpar's fp32 partials cost pass-Q twice the All2All bytes, so its own tipping point is lower."""
-    from hf_contextpar.tools.predict import shape_of_dtype, table4_report, table4_rows
+    from hf_contextpar.tools.predict import table4_report, table4_rows
+    from hf_contextpar.tools.presets import shape_of_dtype
 
     rows = {r["T"]: r for r in table4_rows(partial_bytes=2)}
     s, m = shape_of_dtype("llama-3.1-405b", "float8", 8), PRESETS["h100-rdma"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hf_contextpar.eval import needlebench as nb  # noqa: E402
 
-from hf_contextpar.tools.models import builtin_model_path, heldout_text  # noqa: E402
+from hf_contextpar.models import builtin_model_path, heldout_text  # noqa: E402
 
 PATH = builtin_model_path("needle-lm")
 

@@ -1,4 +1,4 @@
-"""The recurrent state chain (hf_contextpar/recurrent.py) on simulated ranks, with transformers' own mixers.
+"""The recurrent state chain (hf_contextpar/cache/recurrent.py) on simulated ranks, with transformers' own mixers.
 
 Each family's tiny model is made of its recurrent layers only (no attention, whose context parallelism is
 the rest of the suite), in fp64 with the model's deliberate fp32 internals run in fp64 (the census's
@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hf_contextpar.cache import cache_argument
+from hf_contextpar.cache.recurrent import ChainedStates, layer_states, pack, share_final_states, unpack
+from hf_contextpar.cache.sharded import cache_argument
 from hf_contextpar.errors import UnsupportedModelError
-from hf_contextpar.recurrent import ChainedStates, layer_states, pack, share_final_states, unpack
 from hf_contextpar.tools.census_configs import _known, tiny_config
 from hf_contextpar.tools.census_sweep import Fp64Internals
 
@@ -187,7 +187,7 @@ def test_mamba1_scan_continues_from_the_passed_state():
     from hf_contextpar.patches import mamba1
     from transformers.models.jamba import modeling_jamba
 
-    from hf_contextpar import recurrent
+    from hf_contextpar.cache import recurrent
 
     g = torch.Generator().manual_seed(0)
     b, d, n, t, cut = 2, 6, 4, 19, 8

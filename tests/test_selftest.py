@@ -108,7 +108,7 @@ def test_simulated_on_cpu(tmp_path):
 
 def test_simulated_checker_fails_on_a_broken_merge(monkeypatch, capsys):
     """A merge that drops the second partial's weight must fail the kernel+merge and algorithm checks."""
-    from hf_contextpar import merge
+    from hf_contextpar.attention import merge
 
     real = merge.merge_pair
     monkeypatch.setattr(merge, "merge_pair", lambda oa, la, ob, lb: (real(oa, la, ob, lb)[0], la))  # LSE not merged

@@ -1,4 +1,4 @@
-"""The shared-memory all-gather that CPU ranks on one host use for decode (hf_contextpar/shm.py)."""
+"""The shared-memory all-gather that CPU ranks on one host use for decode (hf_contextpar/comm/shm.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402

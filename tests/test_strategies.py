@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hf_contextpar.partitions import PartitionTable, even, search
-from hf_contextpar.sharding import partition_sizes
+from hf_contextpar.plan.partitions import PartitionTable, even, search
+from hf_contextpar.plan.sharding import partition_sizes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import matrix, tolerance  # noqa: E402

@@ -1,12 +1,13 @@
-"""`predict --gpus`: the (tp, cp) layout recommended for a model on G GPUs (tools/layout.py), on paper."""
+"""`predict --gpus`: the (tp, cp) layout recommended for a model on G GPUs (hf_contextpar/tools/layout.py), on paper."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+from hf_contextpar.plan.costmodel import kv_bytes_per_rank
 from hf_contextpar.tools.layout import layouts, recommend
-from hf_contextpar.tools.predict import PRESETS, kv_bytes_per_rank, shape_of
+from hf_contextpar.tools.presets import PRESETS, shape_of
 
 M = PRESETS["h100-rdma"]
 

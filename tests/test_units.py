@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from hf_contextpar.kernels import _math, attend
-from hf_contextpar.merge import (
+from hf_contextpar.attention.kernels import _math, attend
+from hf_contextpar.attention.merge import (
     Accumulator,
     merge_packed,
     merge_packed_out,
@@ -18,7 +18,7 @@ from hf_contextpar.merge import (
     pack_partial,
     with_sink,
 )
-from hf_contextpar.sharding import decode_owners, head_tail_plan
+from hf_contextpar.plan.sharding import decode_owners, head_tail_plan
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -212,7 +212,7 @@ def test_attend_with_per_sequence_key_columns(window):
 def test_balanced_partitions_equalise_predicted_work():
     """Later ranks' queries see more keys: they take fewer tokens, so each rank's predicted work is even;
     with no attention cost they are even, and too short a part falls back to even ones."""
-    from hf_contextpar.partitions import balanced, even
+    from hf_contextpar.plan.partitions import balanced, even
 
     def work(a, b, past, per_token, per_pair):
         return per_token * (b - a) + per_pair * sum(past + t + 1 for t in range(a, b))
@@ -231,7 +231,7 @@ def test_measured_work_fits_the_ranks_busy_times():
     """MeasuredWork scales the model's token and key terms to measured seconds: both recovered when the rows tell
     them apart, one common scale when they do not, none before any measurement; key_pairs counts what a
     partition's queries see."""
-    from hf_contextpar.partitions import MeasuredWork, key_pairs
+    from hf_contextpar.plan.partitions import MeasuredWork, key_pairs
 
     assert key_pairs(3, 7, 10) == sum(10 + t + 1 for t in range(3, 7))
     work = MeasuredWork(keep=4)

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hf_contextpar.models import tiny_model
 from hf_contextpar.tools.bench.torch_ring import PEERS, TorchRing
-from hf_contextpar.tools.models import tiny_model
 
 
 def main() -> list:

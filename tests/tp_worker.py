@@ -19,9 +19,9 @@ from hf_contextpar.eval import logits_diff
 from launch import write_records
 
 import hf_contextpar
-from hf_contextpar.cache import returned_cache
+from hf_contextpar.cache.sharded import returned_cache
 from hf_contextpar.mesh import init_world, load_tp_cp, local_numel
-from hf_contextpar.tools.models import tiny_model
+from hf_contextpar.models import tiny_model
 
 TP = 2
 # family -> (config overrides, strategies); qwen2: QKV bias + a sliding layer, phi3: fused QKV (its TP

@@ -15,19 +15,20 @@ from contextvars import ContextVar
 
 import torch
 
-from .. import latent
+from ..cache.blocks import pack_kv
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
-from ..kernels import acc_dtype, pack_kv
-from ..masks import Chunked
-from ..merge import merge_packed, pack_partial, with_sink
-from ..step import LayerKV
+from . import latent
 from .allgather_kv import allgather_kv
 from .decode import sharded_kv_decode
+from .kernels import acc_dtype
 from .kv_runahead import kv_runahead
 from .local import local
+from .masks import Chunked
+from .merge import merge_packed, pack_partial, with_sink
 from .ring_pass_kv import ring_pass_kv
 from .ring_pass_q import ring_pass_q
 from .ring_pass_q_decode import ring_pass_q_decode
+from .step import LayerKV
 from .ulysses import ulysses
 
 NAME = "hf_contextpar"

@@ -9,8 +9,9 @@ attention. Simple and exact; unlike the ring, memory peaks at the whole layer's 
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape
-from ..merge import Accumulator
+from ..cache.blocks import block_shape
+from .kernels import attend
+from .merge import Accumulator
 
 
 def allgather_kv(step, q, kv_local, **attn):

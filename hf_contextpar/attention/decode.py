@@ -9,8 +9,8 @@ that merge here.
 
 from __future__ import annotations
 
-from ..kernels import acc_dtype, attend
-from ..merge import merge_packed, merge_packed_out, pack_partial
+from .kernels import acc_dtype, attend
+from .merge import merge_packed, merge_packed_out, pack_partial
 
 
 def sharded_kv_decode(step, q, kv_local, **attn):

@@ -14,15 +14,15 @@ once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`; 
 in head size, as Gemma 4's do, and a receive of the wrong size would abort the group), and unless
 layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: messages between two
 ranks match in posting order, and its state may go first).
-Partial prefill over a non-empty cache runs ring pass-KV instead (see plan.py). Uneven partitions
+Partial prefill over a non-empty cache runs ring pass-KV instead (see plan/forward.py). Uneven partitions
 leave the earlier ranks more K/V; each rank keeps its even share of the columns instead, from its
 own block and those it receives (`plan._levelled`, `ShardedLayer.stash`), so the cache ends 1/N.
 """
 
 from __future__ import annotations
 
-from ..kernels import attend
-from ..merge import Accumulator
+from .kernels import attend
+from .merge import Accumulator
 
 
 def _post_receives(step, layer, like, geometry):

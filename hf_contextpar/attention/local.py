@@ -3,7 +3,7 @@ which every rank runs whole), so no message is needed."""
 
 from __future__ import annotations
 
-from ..kernels import attend
+from .kernels import attend
 
 
 def local(step, q, kv_local, **attn):

@@ -9,8 +9,9 @@ size exchange. Partials merge by LSE in the accumulation dtype.
 
 from __future__ import annotations
 
-from ..kernels import attend, block_shape
-from ..merge import Accumulator
+from ..cache.blocks import block_shape
+from .kernels import attend
+from .merge import Accumulator
 
 
 def ring_pass_kv(step, q, kv_local, **attn):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import acc_dtype, attend
-from ..merge import merge_packed, pack_partial
+from .kernels import acc_dtype, attend
+from .merge import merge_packed, pack_partial
 
 
 def pass_q(step, q, block_shape, attend_block):

@@ -10,8 +10,8 @@ slice start::N, so selecting them from the cache is a view, not a copy.
 
 from __future__ import annotations
 
-from ..kernels import attend
-from ..masks import for_rows
+from .kernels import attend
+from .masks import for_rows
 from .ring_pass_q import pass_q
 
 

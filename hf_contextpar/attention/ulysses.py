@@ -16,8 +16,8 @@ import torch
 
 
 def ulysses(step, q, kv_local, **attn):
-    from ..kernels import attend
-    from ..merge import with_sink
+    from .kernels import attend
+    from .merge import with_sink
 
     comm, world = step.comm, step.comm.world
     b, h, t, d = step.out_shape(q)  # d: the output's head size (the values')

@@ -17,10 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..cache import cache_argument, returned_cache
-from ..costmodel import Machine, Shape
-from ..kernels import attend
-from ..planner import choose, empirical_h, fit_h
+from ..attention.kernels import attend
+from ..cache.sharded import cache_argument, returned_cache
+from ..plan.choice import choose, empirical_h, fit_h
+from ..plan.costmodel import Machine, Shape
 
 
 def sync(device):
@@ -208,7 +208,7 @@ def _agreed(runtime, seconds: float) -> float:
 @torch.no_grad()
 def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
     """Median TTFT (slowest rank) of a KV-Runahead prefill of `ids` with contiguous partition `sizes`."""
-    from ..partitions import PartitionTable
+    from ..plan.partitions import PartitionTable
 
     table = PartitionTable(runtime.world)
     table.add(ids.shape[1], sizes)
@@ -230,7 +230,7 @@ def kvr_table(
     model, runtime, lengths, points: int = 5, repeats: int = 3, min_stride: int | None = None, device="cpu", log=None
 ):
     """KVR-S at each context length (hierarchical grid search on measured TTFT), as a PartitionTable."""
-    from ..partitions import PartitionTable, even, search
+    from ..plan.partitions import PartitionTable, even, search
 
     table = PartitionTable(runtime.world, details=dict(points=points, repeats=repeats, threads=torch.get_num_threads()))
     g = torch.Generator().manual_seed(0)

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import hf_contextpar
-from hf_contextpar.contract import check_ulysses
 from hf_contextpar.eval.oracle import FLOAT_TOL, logits_diff
+from hf_contextpar.model.contract import check_ulysses
 
 PREFILL = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
 PAD_STEP = 5  # row r of the padded batch has r * PAD_STEP pad tokens on its left

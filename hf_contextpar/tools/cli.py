@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ..api import DECODES, STRATEGIES
-from ..cache import returned_cache
+from ..cache.sharded import returned_cache
+from ..cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
 from ..mesh import dcp_of
-from .cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
-from .models import DEFAULT_MODEL, DTYPES, load, max_positions
+from ..models import DEFAULT_MODEL, DTYPES, load, max_positions
 
 
 def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):

@@ -22,18 +22,9 @@ Memory is in GB of 1e9 bytes (`--gpu-memory`), the tables print GiB.
 
 from __future__ import annotations
 
-from ..costmodel import Machine
-from ..planner import choose
-from .predict import (
-    DTYPE_BYTES,
-    PRESETS,
-    format_bytes,
-    format_seconds,
-    kv_bytes_per_rank,
-    machine_of,
-    predict_ttit,
-    shape_of,
-)
+from ..plan.choice import choose
+from ..plan.costmodel import Machine, kv_bytes_per_rank, predict_ttit
+from .presets import DTYPE_BYTES, PRESETS, machine_of, shape_of
 
 HEADROOM = 0.9  # of a GPU's memory for weights and KV cache; the rest for activations and workspace
 NVLINK = PRESETS["h100-nvlink"]
@@ -42,8 +33,7 @@ TTFT_SLACK = 0.10  # a prefill this much slower is worth a faster decode
 
 def geometry(model: str) -> dict:
     """hidden size, vocabulary, query and KV heads of a model (predict's published geometries or its config)."""
-    from .predict import load_config
-    from .presets import GEOMETRIES
+    from .presets import GEOMETRIES, load_config
 
     if model in GEOMETRIES:
         g = GEOMETRIES[model]
@@ -72,7 +62,7 @@ def tp_allreduce_s(tokens: float, hidden: int, elem: int, tp: int, link: Machine
 
 def layouts(model: str, gpus: int, context: int, m: Machine, dtype: str, node: int, memory: float) -> list[dict]:
     """Every (tp, cp) layout of `gpus` GPUs with its memory per GPU, TTFT and TTIT."""
-    from ..costmodel import predict_ttft
+    from ..plan.costmodel import predict_ttft
 
     e, geo, rows = DTYPE_BYTES[dtype], geometry(model), []
     for tp in (t for t in range(1, min(node, gpus) + 1) if gpus % t == 0 and geo["heads"] % t == 0):
@@ -162,3 +152,18 @@ def why(best: dict | None, rows: list[dict], memory: float) -> str:
     if unfit:
         text += f"; {', '.join(unfit)} {'does' if len(unfit) == 1 else 'do'} not fit (weights + KV per GPU)"
     return text + "."
+
+
+def format_seconds(x):
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def format_bytes(x):
+    if x is None:
+        return "-"
+    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if x >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x / 2**10:.1f} KiB"

@@ -29,8 +29,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..api import remove_context_parallel
-from ..distributed import DEFAULT_TIMEOUT_S
-from .models import builtin_model_path
+from ..comm.group import DEFAULT_TIMEOUT_S
+from ..models import builtin_model_path
 
 MODEL = "hf-cp"
 _models: list = []  # every hf-cp model made in this process, unpatched by the launcher at the end

@@ -18,173 +18,15 @@ measured constants (`calibrate`) beat them.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 
-from ..costmodel import (
-    PER_FORWARD_COLLECTIVES,
-    Machine,
-    Shape,
-    config_windows,
-    kept_keys,
-    predict_ttft,
-    ulysses_fits,
-)
-from ..errors import ContextParallelError
-from ..planner import choose
-from .cliargs import fractions, positive_int, positive_ints
-from .presets import GEOMETRIES, PRESETS
+from ..cliargs import fractions, positive_int, positive_ints
+from ..plan.choice import choose
+from ..plan.costmodel import Machine, Shape, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from .layout import format_bytes, format_seconds
+from .presets import DTYPE_BYTES, GEOMETRIES, PRESETS, machine_of, shape_of_dtype, tp_replicas
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}  # float8: weights; activations 16-bit
 STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
-
-
-LLAMA_TP_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise"}
-
-
-def shape_of(model: str, elem_bytes: int, tp: int = 1, weight_bytes: int = 0) -> Shape:
-    """The cost model's shape of one CP rank (a TP group of `tp` GPUs counts as one rank), with the
-    heads each GPU's attention gets under the model's TP plan (`tp_heads`). weight_bytes: FP8
-    weights (1) with 16-bit activations and KV, as in Meta's runs; 0: elem_bytes."""
-    if model in GEOMETRIES:
-        g = GEOMETRIES[model]
-        layers, hidden, inter = g["num_hidden_layers"], g["hidden_size"], g["intermediate_size"]
-        heads, kv, d = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
-        windows, plan = g.get("windows", ()), LLAMA_TP_PLAN  # all four are Llama-style: q/k/v colwise
-    else:
-        config = load_config(model)
-        text = config.get_text_config(decoder=True)
-        layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
-        heads = text.num_attention_heads
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        d = getattr(text, "head_dim", None) or hidden // heads
-        windows, plan = config_windows(config), getattr(text, "base_model_tp_plan", None) or {}
-    h, k, _ = tp_heads(heads, kv, tp, plan)
-    # q, o: the query heads a rank attends with; k, v: its KV heads (a replicated head's weights on each
-    # of its ranks); the gated MLP split over the TP group
-    weights = hidden * h * d * 2 + hidden * k * d * 2 + 3 * hidden * inter // tp
-    return Shape(layers, h, k, d, weights, elem_bytes, windows, weight_bytes=weight_bytes)
-
-
-def tp_heads(heads: int, kv: int, tp: int, plan: dict) -> tuple[int, int, int]:
-    """(query heads, KV heads, ranks holding each KV head) per GPU of a TP group, as transformers' TP
-    plan leaves them: `colwise` q/k/v projections split the heads over the group, and where there
-    are fewer KV heads than ranks each KV head is replicated on tp / kv of them (max(1, kv / tp) per
-    rank); a fused projection the plan gathers back (phi3's `colwise_gather_output`) leaves every
-    rank all heads (mesh.heads_per_rank reads the same from a loaded model)."""
-    if tp == 1:
-        return heads, kv, 1
-    styles = {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if "attn" in k}
-    fused = styles.get("qkv_proj") or styles.get("query_key_value") or ""
-    if fused.endswith("gather_output") or styles.get("q_proj", "").endswith("gather_output"):
-        return heads, kv, tp
-    if heads % tp:
-        raise SystemExit(f"--tp {tp} does not divide the model's {heads} query heads.")
-    if kv >= tp:
-        if kv % tp:
-            raise SystemExit(f"--tp {tp} does not divide the model's {kv} KV heads.")
-        return heads // tp, kv // tp, 1
-    if tp % kv:
-        raise SystemExit(f"--tp {tp} is not a multiple of the model's {kv} KV heads (each is replicated).")
-    return heads // tp, 1, tp // kv
-
-
-def shape_of_dtype(model: str, dtype: str, tp: int = 1) -> Shape:
-    """shape_of for a --dtype: float8 is FP8 weights with 16-bit activations, K/V and messages."""
-    if dtype == "float8":
-        return shape_of(model, 2, tp, weight_bytes=1)
-    return shape_of(model, DTYPE_BYTES[dtype], tp)
-
-
-def tp_replicas(model: str, tp: int) -> int:
-    """How many TP ranks hold each KV head (1: the heads are split, not replicated)."""
-    if tp == 1:
-        return 1
-    if model in GEOMETRIES:
-        g = GEOMETRIES[model]
-        return tp_heads(g["num_attention_heads"], g["num_key_value_heads"], tp, LLAMA_TP_PLAN)[2]
-    text = load_config(model).get_text_config(decoder=True)
-    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return tp_heads(text.num_attention_heads, kv, tp, getattr(text, "base_model_tp_plan", None) or {})[2]
-
-
-def load_config(model: str):
-    from transformers import AutoConfig
-
-    from .models import TINY_CONFIGS, builtin_model_path, tiny_config
-
-    if model.startswith("tiny-") and model[5:] in TINY_CONFIGS:
-        return tiny_config(model[5:])
-    if model.endswith(".json") and os.path.isfile(model):
-        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)) or ".")
-    model = builtin_model_path(model) or model
-    try:
-        return AutoConfig.from_pretrained(model)
-    except OSError as e:
-        raise SystemExit(
-            f"could not load a config for '{model}' ({e}); use a config.json, a model directory, a "
-            f"cached hub id, a built-in model or one of {sorted(GEOMETRIES)}."
-        ) from None
-
-
-def machine_of(hardware: str) -> Machine:
-    if hardware in PRESETS:
-        return PRESETS[hardware]
-    if hardware == "cpu":
-        return Machine.resolve(None, "cpu")
-    if os.path.isfile(hardware):
-        try:
-            return Machine.load(hardware)
-        except (ValueError, KeyError, TypeError, ContextParallelError) as e:  # JSONDecodeError is a ValueError
-            raise SystemExit(f"--hardware {hardware}: not a usable calibration JSON from `calibrate` ({e}).") from None
-    raise SystemExit(
-        f"--hardware must be one of {sorted(PRESETS)}, 'cpu' (the saved calibration, else defaults) "
-        "or a calibration JSON from `python -m hf_contextpar calibrate`."
-    )
-
-
-def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
-    """After a prefill of `context` tokens: 1/N of what each layer keeps (a sliding layer window - 1)."""
-    tokens = sum(count * kept_keys(context, w) for w, count in shape.window_counts().items())
-    return 2 * tokens / N * shape.kv_heads * shape.head_dim * shape.elem_bytes
-
-
-def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> float | None:
-    """Attention bytes one rank sends during a prefill (the average rank; the tests check the exact formulas)."""
-    if N == 1:
-        return 0.0
-    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    total = 0.0
-    for w, count in shape.window_counts().items():
-        keys = T + kept_keys(P, w)  # what pass-KV and all-gather carry: the new tokens and what the layer kept
-        per_layer = {
-            "ring_pass_kv": (N - 1) * 2 * keys / N * kv * d * e,
-            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * shape.partial_bytes,
-            "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
-            "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
-            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and ulysses_fits(h, kv, N) else None,
-        }[strategy]
-        if per_layer is None:
-            return None
-        total += count * per_layer
-    return total
-
-
-def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
-    """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
-    and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
-    one small collective per layer."""
-    bw = m.memory_bandwidth
-    linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.weight_elem_bytes / bw)
-    total = 0.0
-    for w, count in shape.window_counts().items():
-        keys = kept_keys(context, w) + 1
-        attention = max(
-            4.0 * shape.heads * shape.head_dim * keys / N / m.attn_flops,
-            2 * keys / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw,
-        )
-        total += count * (linear + attention + (m.latency if N > 1 else 0.0))
-    return total + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)
 
 
 def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | None:
@@ -249,21 +91,6 @@ def table4_report(partial_bytes: int = 2) -> str:
     tip = pass_q_threshold(128000, 4, shape, PRESETS["h100-rdma"])
     lines += ["", f"pass-Q overtakes pass-KV below a miss rate of {tip:.2%} (paper: between 2.5% and 10%, 5%)"]
     return "\n".join(lines)
-
-
-def format_seconds(x):
-    if x is None:
-        return "-"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def format_bytes(x):
-    if x is None:
-        return "-"
-    for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if x >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x / 2**10:.1f} KiB"
 
 
 def report(

@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from .. import kernels
-from ..comm import CommStats
+from ..cache import blocks
+from ..comm.collectives import CommStats
 from ..errors import ContextParallelError
 
 
@@ -324,13 +324,13 @@ def local_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_kv(cols: torch.Tensor, k: torch.Tensor, v: torch.Tensor, empty: float = 0.0) -> torch.Tensor:
-    """The K/V block (`kernels.pack_kv`'s layout) a rank holds for key columns `cols` (1D, or (B, slots)
+    """The K/V block (`blocks.pack_kv`'s layout) a rank holds for key columns `cols` (1D, or (B, slots)
     with -1 for empty slots, filled with `empty`), from whole-sequence k, v (B, Hkv, S, D)."""
     if cols.dim() == 1:
-        kv = kernels.pack_kv(k, v).index_select(3, cols.to(k.device))  # (2 or 1, B, Hkv, slots, D)
+        kv = blocks.pack_kv(k, v).index_select(3, cols.to(k.device))  # (2 or 1, B, Hkv, slots, D)
     else:
         idx = cols.clamp(min=0).to(k.device)
-        kv = kernels.pack_kv(*(torch.stack([x[b].index_select(1, idx[b]) for b in range(x.shape[0])]) for x in (k, v)))
+        kv = blocks.pack_kv(*(torch.stack([x[b].index_select(1, idx[b]) for b in range(x.shape[0])]) for x in (k, v)))
         hole = (cols < 0).to(k.device)[None, :, None, :, None]
         kv = kv.masked_fill(hole, empty)
     return kv.contiguous()
@@ -372,7 +372,7 @@ def run_algorithm(
     byte counts).
     """
     from ..attention import ALGORITHMS
-    from ..step import Step
+    from ..attention.step import Step
 
     fn = algorithm if callable(algorithm) else ALGORITHMS[algorithm or plan.algorithm]
     sim = SimulatedWorld(plan.world, timeout)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import init_world, load_tp_cp
+from ..models import TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_model
 from ..patches import REGISTRY
-from .models import TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_model
 
 
 def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device, **tiny_overrides):

@@ -7,7 +7,7 @@ data that ships with hf-contextpar; lm-eval calls these through the YAML files' 
 import datasets
 from hf_contextpar.eval.needles import NEEDLES
 
-from hf_contextpar.tools.models import heldout_text
+from hf_contextpar.models import heldout_text
 
 ITEMS = 20
 

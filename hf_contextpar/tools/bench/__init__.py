@@ -28,8 +28,8 @@ import importlib.util
 
 import torch.distributed as dist
 
-from ..cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
-from ..models import DTYPES
+from ...cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
+from ...models import DTYPES
 from .report import PLOTS_EXTRA, report_markdown
 from .run import DEFAULT_MODEL, KVR_TABLE, run
 

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ...api import STRATEGIES
-from ...cache import returned_cache
+from ...cache.sharded import returned_cache
+from ...cliargs import exits_cleanly, positive_int, positive_ints, writable_file
 from ...errors import ContextParallelError
 from ...mesh import dcp_of
-from ..cliargs import exits_cleanly, positive_int, positive_ints, writable_file
-from ..models import DTYPES, load, tiny_model
+from ...models import DTYPES, load, tiny_model
 from ..tpload import load_tp, weight_bytes
 
 

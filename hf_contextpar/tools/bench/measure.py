@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...cache import cache_argument, returned_cache
-from ...recurrent import state_nbytes
+from ...cache.recurrent import state_nbytes
+from ...cache.sharded import cache_argument, returned_cache
 from ..calibrate import sync
 
 

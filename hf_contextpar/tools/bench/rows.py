@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from ... import costmodel
+from ...plan import costmodel
 from .report import check_targets
 
 GLOO = "+gloo"  # --gloo-rows: a strategy's row with shared memory off (decode's gathers over gloo)

@@ -9,11 +9,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ... import costmodel
-from ...distributed import DEFAULT_TIMEOUT_S, resolve_group
-from ...shm import open_shm_gather
+from ...comm.group import DEFAULT_TIMEOUT_S, resolve_group
+from ...comm.shm import open_shm_gather
+from ...model.shape import model_shape
+from ...models import DTYPES, load
 from ..calibrate import measure, small_collective_s
-from ..models import DTYPES, load
 from .measure import PeerSamples, Samples, small_collective_after_compute_s, usable_cores
 from .report import format_report, plot
 from .rows import GLOO, annotate, make_row, merge
@@ -72,7 +72,7 @@ def run(args) -> dict | None:
     barrier = dist.barrier if world > 1 else None
     dtype = DTYPES[args.dtype]
     model, _ = load(args.model, dtype, device)
-    shape = costmodel.Shape.from_model(model)
+    shape = model_shape(model)
     lengths = sorted(args.lengths)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(

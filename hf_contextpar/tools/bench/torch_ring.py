@@ -24,7 +24,7 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 
-from ...comm import CommStats
+from ...comm.collectives import CommStats
 
 NAME = "torch_ring"  # the attention implementation the model is switched to while the peer runs
 PEERS = {"torch_ring_allgather": "allgather", "torch_ring_alltoall": "alltoall"}  # row name -> rotate method

@@ -152,8 +152,8 @@ def _print_failures(failed):
 def _run_distributed(args, dtypes, cuda) -> int:
     import torch.distributed as dist
 
-    from ...distributed import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
-    from ...shm import open_shm_gather
+    from ...comm.group import DEFAULT_TIMEOUT_S, release_at_exit, resolve_group
+    from ...comm.shm import open_shm_gather
     from ..bench.measure import usable_cores
     from .benchmark import run_benchmark
     from .matrix import run_matrix

@@ -19,7 +19,7 @@ from ..bench.measure import Samples
 def run_benchmark(model_name, dtype, device, rank, world, *, length, new_tokens, repeats, strategy="auto") -> dict:
     import hf_contextpar
 
-    from ..models import load
+    from ...models import load
 
     model, _ = load(model_name, dtype, device)
     vocab = model.config.get_text_config(decoder=True).vocab_size

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ...cache import cache_argument, returned_cache
+from ...cache.sharded import cache_argument, returned_cache
 
 NEW_TOKENS = 6
 PROMPT = 37  # not a multiple of 2N for N = 2..5
@@ -292,7 +292,7 @@ def merge_outcomes(case: Case, outcomes: list[dict], tol: float) -> dict:
 
 def run_matrix(model_name, dtypes, rank, world, device, timeout, inject, log) -> tuple[list[dict], dict, bool]:
     """(records in case order, tolerances per dtype, in_step); identical on every rank."""
-    from ..models import DTYPES, load
+    from ...models import DTYPES, load
 
     cases = cases_for(dtypes)
     if inject and not any(fnmatch.fnmatch(c.name, inject) for c in cases):

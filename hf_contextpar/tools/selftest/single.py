@@ -23,8 +23,9 @@ import zlib
 
 import torch
 
-from ... import kernels
-from ...merge import Accumulator, merge_packed, pack_partial
+from ...attention import kernels
+from ...attention.merge import Accumulator, merge_packed, pack_partial
+from ...cache.blocks import unpack_kv
 from ..simulated import pack_kv
 from . import spec
 
@@ -180,7 +181,7 @@ def _kernel_merge_check(device, dtype, tol, mask: str, parts: str):
     qs = q.index_select(2, q_cols.to(device))
     acc, packed = Accumulator(), []
     for cols in _key_parts(parts, s, batch, gen):
-        ks, vs = kernels.unpack_kv(pack_kv(cols, k, v, empty=1e3))  # as a rank's cache holds them
+        ks, vs = unpack_kv(pack_kv(cols, k, v, empty=1e3))  # as a rank's cache holds them
         key_valid = None
         if valid is not None:
             idx = cols.clamp(min=0).to(device)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache import ShardLayout
-from ...masks import Chunked
-from ...plan import Policy, build_plan
+from ...attention.masks import Chunked
+from ...cache.sharded import ShardLayout
+from ...plan.forward import Policy, build_plan
 from ..simulated import local_rows, run_algorithm, shard_inputs
 
 HEAD_DIM = 8
@@ -241,8 +241,8 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe, latent=False):
 
 def latent_kv(block, expand):
     """A rank's `step.LayerKV` for an MLA layer, as the attention adapter builds it from the model's own expansion."""
-    from ...kernels import unpack_kv
-    from ...step import LayerKV
+    from ...attention.step import LayerKV
+    from ...cache.blocks import unpack_kv
 
     return LayerKV(LATENT, expand, expand(*unpack_kv(block, LATENT)), NOPE + ROPE, VALUE)
 

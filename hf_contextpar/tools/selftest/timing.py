@@ -19,8 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ... import kernels
-from ...merge import Accumulator, merge_pair
+from ...attention import kernels
+from ...attention.merge import Accumulator, merge_pair
 from ..calibrate import median_seconds
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .cache import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows
-from .costmodel import config_value, ulysses_fits
-from .errors import (
+from ..cache.recurrent import is_recurrent
+from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows
+from ..config import config_value
+from ..errors import (
     CacheMismatchError,
     CandidateDecodingError,
     HeadsNotDivisibleError,
@@ -27,9 +28,9 @@ from .errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from .patches import NOT_CHAINED, REGISTRY
-from .patches import resolve as resolve_family
-from .recurrent import is_recurrent
+from ..patches import NOT_CHAINED, REGISTRY
+from ..patches import resolve as resolve_family
+from ..plan.costmodel import ulysses_fits
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain

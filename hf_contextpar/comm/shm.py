@@ -30,7 +30,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .errors import PeerFailureError, RankMismatchError
+from ..errors import PeerFailureError, RankMismatchError
 
 SLOT_BYTES = 1 << 20  # per rank and slot; larger gathers use gloo
 _LINE = 8  # int64s per cache line: each (rank, slot) header entry on its own line

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import HeadsNotDivisibleError
+from ..errors import HeadsNotDivisibleError
 
 _RECORD = "_hf_contextpar_expanded"
 

@@ -1,7 +1,7 @@
 """The layers of a `ShardedCache`: one rank's share of an attention layer's K/V, and a hybrid layer's.
 
 `ShardedLayer` holds the K/V of the tokens this rank owns in one buffer of shape (2, batch, kv_heads,
-capacity, head_dim) (see cache.py for why); `ShardedHybridLayer` is transformers' hybrid layer
+capacity, head_dim) (see sharded.py for why); `ShardedHybridLayer` is transformers' hybrid layer
 (`LinearAttentionAndFullAttentionLayer`: a layer whose block runs attention and a recurrent mixer
 side by side, Falcon-H1 and Zamba's) with that K/V: its conv / recurrent states are transformers'
 own, whole on every rank.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from .errors import PatchStateError, UnsupportedModelError
-from .kernels import unpack_kv
-from .shard_layout import ShardLayout
+from ..errors import PatchStateError, UnsupportedModelError
+from ..plan.layout import ShardLayout
+from .blocks import unpack_kv
 
 
 class ShardedLayer(CacheLayerMixin):

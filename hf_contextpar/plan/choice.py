@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .costmodel import PAPER_H, Machine, Shape, model_ring_times
 
-logger = logging.getLogger("hf_contextpar.planner")
+logger = logging.getLogger(__name__)
 
 Calibration = Machine  # the planner's name for the machine facts it reads (C, BW, h coefficients)
 RULES = ("cost", "alg5", "empirical")

@@ -39,7 +39,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from .errors import ContextParallelError
+from ..errors import ContextParallelError
 
 # Defaults when nothing was calibrated: a CPU core with gloo over loopback, a GPU with NVLink.
 DEFAULTS = {"cpu": dict(attn_flops=2.0e10, bandwidth=1.0e9), "cuda": dict(attn_flops=3.0e14, bandwidth=1.0e11)}
@@ -172,58 +172,6 @@ class Shape:
             counts[w] = counts.get(w, 0) + 1
         return counts
 
-    @classmethod
-    def from_model(cls, model) -> Shape:
-        """The shape of a loaded model as one rank holds it: its decoder's linear weights per layer
-        (whatever the decoder calls its layers) and, under tensor parallelism, this rank's shard of
-        them and the query and KV heads its attention receives (mesh.heads_per_rank; every rank of
-        the TP group must call this together)."""
-        import torch
-
-        from .mesh import heads_per_rank, local_numel, tensor_parallel
-
-        text = model.config.get_text_config(decoder=True)
-        heads = config_value(text, "num_attention_heads") or 1  # none: recurrent layers alone (Mamba2)
-        head_dim = config_value(text, "head_dim") or text.hidden_size // heads
-        linear = [local_numel(m.weight) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
-        weights = sum(linear) // max(1, text.num_hidden_layers)
-        elem = next(model.parameters()).element_size()
-        kv = config_value(text, "num_key_value_heads") or heads
-        tp = tensor_parallel(model)[1]
-        if tp > 1:  # the heads this rank's attention gets (collective over the TP group)
-            heads, kv = heads_per_rank(model) or (heads // tp, kv // tp)
-        latent = config_value(text, "kv_lora_rank")  # MLA caches one latent and a RoPE part per token
-        kv_elems = latent + (config_value(text, "qk_rope_head_dim") or 0) if latent else 0
-        head_dim = (config_value(text, "qk_head_dim") or head_dim) if latent else head_dim
-        windows = config_windows(model.config)
-        return cls(
-            text.num_hidden_layers, heads, kv, head_dim, weights, elem, windows, kv_elems, partial_bytes=max(4, elem)
-        )
-
-
-def config_value(config, name: str):
-    """A config attribute, or None where it is absent or differs per layer (transformers raises
-    AmbiguousGlobalPerLayerAttributeError for a global read of a per-layer value, e.g. Gemma 4's
-    head_dim): the cost model and the rank agreement then use what every layer shares."""
-    try:
-        return getattr(config, name, None)
-    except RuntimeError:
-        return None
-
-
-def config_windows(config) -> tuple:
-    """Per layer, the sliding window the model's own cache keeps (transformers decides which
-    layers slide: `DynamicCache(config=...)`), or None; () where that cache cannot be built."""
-    from transformers import DynamicCache
-
-    from .cache import cache_windows
-
-    try:
-        windows = tuple(cache_windows(DynamicCache(config=config)))
-    except Exception:  # a config transformers' cache does not understand: model every layer as full
-        return ()
-    return windows if any(w is not None for w in windows) else ()
-
 
 def attended_keys(T: int, P: int = 0, window: int | None = None) -> float:
     """Query-key pairs of T new tokens over P cached ones: new token x (counted continuously from P
@@ -337,3 +285,47 @@ def exposed_comm(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> flo
 def decode_floor(shape: Shape, m: Machine) -> float:
     """The least per-token cost of sharded-KV decode over one process: one small collective per layer."""
     return shape.layers * m.latency
+
+
+def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
+    """After a prefill of `context` tokens: 1/N of what each layer keeps (a sliding layer window - 1)."""
+    tokens = sum(count * kept_keys(context, w) for w, count in shape.window_counts().items())
+    return 2 * tokens / N * shape.kv_heads * shape.head_dim * shape.elem_bytes
+
+
+def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> float | None:
+    """Attention bytes one rank sends during a prefill (the average rank; the tests check the exact formulas)."""
+    if N == 1:
+        return 0.0
+    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
+    total = 0.0
+    for w, count in shape.window_counts().items():
+        keys = T + kept_keys(P, w)  # what pass-KV and all-gather carry: the new tokens and what the layer kept
+        per_layer = {
+            "ring_pass_kv": (N - 1) * 2 * keys / N * kv * d * e,
+            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * shape.partial_bytes,
+            "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
+            "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
+            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and ulysses_fits(h, kv, N) else None,
+        }[strategy]
+        if per_layer is None:
+            return None
+        total += count * per_layer
+    return total
+
+
+def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
+    """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
+    and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
+    one small collective per layer."""
+    bw = m.memory_bandwidth
+    linear = max(2.0 * shape.linear_weights / m.gemm_flops, shape.linear_weights * shape.weight_elem_bytes / bw)
+    total = 0.0
+    for w, count in shape.window_counts().items():
+        keys = kept_keys(context, w) + 1
+        attention = max(
+            4.0 * shape.heads * shape.head_dim * keys / N / m.attn_flops,
+            2 * keys / N * shape.kv_heads * shape.head_dim * shape.elem_bytes / bw,
+        )
+        total += count * (linear + attention + (m.latency if N > 1 else 0.0))
+    return total + (PER_FORWARD_COLLECTIVES * m.latency if N > 1 else 0.0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import DecodeBatchError, UnsupportedInputError
+from ..errors import DecodeBatchError, UnsupportedInputError
 from .partitions import even
 from .sharding import (
     contiguous_plan,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .costmodel import config_value
-from .errors import PeerFailureError, RankMismatchError
+from ..config import config_value
+from ..errors import PeerFailureError, RankMismatchError
 
 CHECK_LENGTH = 8
 

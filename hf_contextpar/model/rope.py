@@ -13,8 +13,8 @@ import types
 
 import torch
 
-from .attention import current_step
-from .errors import UnsupportedModelError
+from ..attention import current_step
+from ..errors import UnsupportedModelError
 
 
 def patch_rope(model) -> list:

@@ -5,8 +5,8 @@ hf_contextpar/assets/needle-lm/README.md: the seven runs and their commands, the
 looks like this, the scores, the limits, and what was tried and not kept (whose figures are in the
 comments of SCHEDULES below). `training.json` beside the weights records every run.
 
-    python tools/train_needle_lm.py --out DIR                           # the first run: from scratch
-    python tools/train_needle_lm.py --init DIR --schedule NAME --out DIR2 # a later run: continue DIR
+    python dev/train_needle_lm.py --out DIR                           # the first run: from scratch
+    python dev/train_needle_lm.py --init DIR --schedule NAME --out DIR2 # a later run: continue DIR
 
 Flags:
   --out DIR          the model directory to write (config, weights, tokenizer, training.json)
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_contextpar.eval.needlebench import prompt_template  # noqa: E402  (the harness's own prompt)
 
-from hf_contextpar.tools.models import heldout_topic_keys  # noqa: E402
+from hf_contextpar.models import heldout_topic_keys  # noqa: E402
 
 _BOUNDARY = re.compile(r"(?<=[.!?])(?=\s)|(?=\n\n)")
 

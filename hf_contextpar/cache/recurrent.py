@@ -24,7 +24,7 @@ from contextvars import ContextVar
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MAX_DIMS = 6

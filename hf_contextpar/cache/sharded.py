@@ -5,7 +5,7 @@ kv_heads, capacity, head_dim): every head's keys are contiguous rows, which is w
 attention kernels stream fastest (decode at 8K keys with head_dim 32: about twice as fast as
 reading them out of a token-major buffer), and decode appends without re-concatenating. Where
 keys and values differ in head size (MLA caches its latent as keys and the RoPE part as values)
-the buffer is (1, batch, heads, capacity, key_dim + value_dim), split by `kernels.unpack_kv`. The
+the buffer is (1, batch, heads, capacity, key_dim + value_dim), split by `blocks.unpack_kv`. The
 algorithms that send a shard send this layout too (`block`): straight from the buffer after a
 first prefill, which sizes it exactly, else one contiguous copy per layer. The global columns of
 every rank's tokens are replicated metadata (a few integers per token), so any rank can build
@@ -18,7 +18,7 @@ rank; while `generate()` records the past (assisted decoding) everything stays u
 cache has sliding layers exactly where the single-process cache would: `DynamicCache(config=...)`
 (what a model makes when given no cache) has them, a config-less `DynamicCache()` does not.
 
-The layers (cache_layers.py) are where the single-process cache has them too: `ShardedLayer` for
+The layers (layers.py) are where the single-process cache has them too: `ShardedLayer` for
 K/V, transformers' own `LinearAttentionLayer` for a recurrent layer's states (whole on every rank,
 passed down the ranks in prefill by the `ChainedStates` mixin, recurrent.py), `ShardedHybridLayer`
 for a layer with both.
@@ -31,11 +31,11 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
-from .cache_layers import ShardedHybridLayer, ShardedLayer
-from .errors import CacheMismatchError
+from ..errors import CacheMismatchError
+from ..plan.layout import ShardLayout
+from ..plan.sharding import window_drops
+from .layers import ShardedHybridLayer, ShardedLayer
 from .recurrent import ChainedStates, is_recurrent
-from .shard_layout import ShardLayout
-from .sharding import window_drops
 
 __all__ = [
     "ShardedCache",

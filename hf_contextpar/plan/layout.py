@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CacheMismatchError
+from ..errors import CacheMismatchError
 from .sharding import rank_counts, sequence_counts
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import ContextParallelError, PeerFailureError
+from ..errors import ContextParallelError, PeerFailureError
 
 
 @dataclass

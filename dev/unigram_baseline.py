@@ -1,6 +1,6 @@
 """Perplexity of unigram models on the held-out text, the baseline for needle-lm's BookCorpus-style score.
 
-    python tools/unigram_baseline.py [--model needle-lm] [--window 8192 --num-windows 4]
+    python dev/unigram_baseline.py [--model needle-lm] [--window 8192 --num-windows 4]
 
 Two baselines over the same tokens the eval harness scores (`--source builtin`: the held-out pydoc
 topics, `hf_contextpar.tools.models.heldout_text()`, cut into windows as `eval bookcorpus` does):
@@ -30,7 +30,7 @@ def main():
     from train_needle_lm import training_documents
     from transformers import AutoTokenizer
 
-    from hf_contextpar.tools.models import builtin_model_path, heldout_text
+    from hf_contextpar.models import builtin_model_path, heldout_text
 
     tok = AutoTokenizer.from_pretrained(builtin_model_path(args.model) or args.model)
     ids = tok(heldout_text(), add_special_tokens=False).input_ids[: args.window * args.num_windows]

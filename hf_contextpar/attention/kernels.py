@@ -31,25 +31,6 @@ _TILE_ELEMS = 1 << 22  # cap, in elements, on one tile's mask (B, 1, rows, keys)
 _MIN_WINDOW_ROWS = 64  # with a tiny window, tiles of fewer rows would only add kernel calls
 
 
-def unpack_kv(kv: torch.Tensor, key_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v), each (B, Hkv, T, D), from a K/V block (2, B, Hkv, T, D): head-major, as the cache
-    stores it and as it is sent, so every head's keys are contiguous rows for the kernels. Keys and
-    values of different head sizes travel side by side, (1, B, Hkv, T, Dk + Dv), split at key_dim."""
-    if kv.shape[0] == 2:
-        return kv[0], kv[1]
-    return kv[0, ..., :key_dim], kv[0, ..., key_dim:]
-
-
-def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The K/V block `unpack_kv` reads: (2, ...) for keys and values of one head size, else side by side."""
-    return torch.stack([k, v]) if k.shape[-1] == v.shape[-1] else torch.cat([k, v], dim=-1).unsqueeze(0)
-
-
-def block_shape(like: torch.Tensor, tokens: int) -> tuple:
-    """The shape of a K/V block like `like` holding `tokens` tokens (a message of another rank's size)."""
-    return (*like.shape[:3], tokens, like.shape[4])
-
-
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .comm import Comm
-from .kernels import unpack_kv
-from .plan import ForwardPlan
-from .recurrent import is_recurrent
+from ..cache.blocks import unpack_kv
+from ..cache.recurrent import is_recurrent
+from ..comm.collectives import Comm
+from ..plan.forward import ForwardPlan
 
 if TYPE_CHECKING:
-    from .cache import ShardedCache
+    from ..cache.sharded import ShardedCache
 
 
 @dataclass

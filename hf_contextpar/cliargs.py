@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from ..errors import ContextParallelError
+from .errors import ContextParallelError
 
 
 def _int(text: str, low: int, what: str) -> int:

@@ -83,7 +83,7 @@ def _same_on_every_rank(timeout):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, timeout)
     if any(t != everyone[0] for t in everyone):
-        from .errors import RankMismatchError
+        from ..errors import RankMismatchError
 
         raise RankMismatchError(
             f"apply_context_parallel got a different timeout on different ranks ({everyone}, by rank); pass the "
@@ -119,7 +119,7 @@ def release_at_exit() -> None:
     destructors join gloo's threads here. Groups the caller created are left to the caller.
     Idempotent; a group the caller already destroyed is skipped.
     """
-    from .comm import release_groups
+    from .collectives import release_groups
 
     unbind_world_defaults()
     release_groups()
