@@ -10,9 +10,11 @@ from .comm.shm import open_shm_gather
 from .errors import PatchStateError, UnsupportedModelError
 from .mesh import dcp_of
 from .model.contract import check_model
+from .plan.strategies import STRATEGIES as STRATEGIES_BY_NAME
+from .plan.strategies import prefill_names
 from .runtime import ContextParallelRuntime
 
-STRATEGIES = ("auto", "ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
+STRATEGIES = ("auto", *prefill_names())  # the values of strategy= (plan/strategies.py registers each)
 DECODES = ("auto", "replicated", "ring_pass_q")
 _ATTR = "_hf_contextpar"
 
@@ -58,8 +60,8 @@ def apply_context_parallel(
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
     On a single process this validates the model and changes nothing.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if strategy != "auto" and strategy not in prefill_names():
+        raise ValueError(f"strategy must be one of {('auto', *prefill_names())}, got {strategy!r}.")
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}.")
     if isinstance(kv_interleave, bool) or not isinstance(kv_interleave, int) or kv_interleave < 1:
@@ -76,7 +78,7 @@ def apply_context_parallel(
         return model
     runtime = None
     try:
-        if strategy == "ulysses":
+        if strategy != "auto" and STRATEGIES_BY_NAME[strategy].whole_heads:
             latent.refuse_ulysses(model)
         runtime = ContextParallelRuntime(
             model,

@@ -34,6 +34,7 @@ from .outputs import gather_outputs
 from .plan.choice import Calibration, choose
 from .plan.forward import ForwardPlan, Policy, build_plan
 from .plan.partitions import MeasuredWork, PartitionTable, balanced, key_pairs
+from .plan.strategies import STRATEGIES
 
 
 class ContextParallelRuntime:
@@ -64,13 +65,14 @@ class ContextParallelRuntime:
         check_cp_group(group, self.tp_group)
         self.shape = model_shape(model)
         dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
-        if dcp is not None and strategy == "ulysses":
+        whole_heads = strategy != "auto" and STRATEGIES[strategy].whole_heads
+        if dcp is not None and whole_heads:
             raise HeadsNotDivisibleError(
                 f"strategy='ulysses' splits the KV heads over the context-parallel ranks, and each rank holds one KV "
                 f"head here, shared with {dcp[2] - 1} other TP rank(s) by sequence (DCP): use another strategy."
             )
         self.dcp = Comm(*dcp) if dcp is not None else None
-        if strategy == "ulysses":  # the heads this rank's attention receives, not the config's (dbrx, TP)
+        if whole_heads:  # the heads this rank's attention receives, not the config's (dbrx, TP)
             held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
             check_ulysses(model.config, world, held)
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import write_records  # noqa: E402
 
-from hf_contextpar.attention import ALGORITHMS  # noqa: E402
+from hf_contextpar.attention import algorithm  # noqa: E402
 from hf_contextpar.attention.step import Step  # noqa: E402
 from hf_contextpar.comm.collectives import Comm  # noqa: E402
 from hf_contextpar.tools.selftest.spec import CASES, SCALE, layers_for, lengths, prepare, same  # noqa: E402
@@ -48,7 +48,7 @@ def main():
                 real = []
                 for layer in range(layers_for(plan)):
                     step.layer = layer
-                    real.append(ALGORITHMS[plan.algorithm](step, qs[rank], kvs[rank], **attn))
+                    real.append(algorithm(plan.algorithm)(step, qs[rank], kvs[rank], **attn))
                 identical = all(same(a[0], b[0]) and same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
                 records.append(
                     dict(

@@ -94,6 +94,7 @@ from hybrids import FAMILIES as HYBRIDS  # noqa: E402
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import cache_aliases, cache_argument  # noqa: E402
 from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
+from hf_contextpar.plan.strategies import prefill_names  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
@@ -119,7 +120,7 @@ OPTED_IN = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
 }
-STRATEGIES = ["ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses", "auto"]
+STRATEGIES = [*prefill_names(), "auto"]
 DECODES = ["auto", "replicated", "ring_pass_q"]
 KV_INTERLEAVES = [1, 1, 2, 3, 16]  # decode tokens per rank in a run (apply_context_parallel(kv_interleave=k))
 # a family's sliding window as configured (None), or narrower than any shard: a window of 2-3 tokens

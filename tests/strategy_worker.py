@@ -19,6 +19,8 @@ import hf_contextpar  # noqa: E402
 from hf_contextpar.models import tiny_model  # noqa: E402
 from hf_contextpar.plan.partitions import even, search  # noqa: E402
 from hf_contextpar.plan.sharding import head_tail_plan  # noqa: E402
+from hf_contextpar.plan.strategies import STRATEGIES as RECORDS  # noqa: E402
+from hf_contextpar.plan.strategies import Rows  # noqa: E402
 from hf_contextpar.tools.calibrate import kvr_prefill_seconds  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "gemma2", "phi3", "gpt_oss", "deepseek_v3", "llama4_text"]
@@ -72,25 +74,11 @@ def exactness(family, strategy, n, rec):
 
 
 def expected_bytes(strategy, sizes, rank, n, cfg, e, layers):
-    """Analytical bytes (sent, received) of one fresh prefill for this rank, batch 1."""
-    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * e  # one token's K and V, KV heads only
-    total = sum(sizes)
-    if strategy == "ring_pass_kv":  # N-1 hops: every block but the next rank's leaves, every block but ours arrives
-        sent, recv = (total - sizes[(rank + 1) % n]) * kv_row, (total - sizes[rank]) * kv_row
-    elif strategy == "allgather_kv":  # our block to N-1 ranks; every other block to us
-        sent, recv = (n - 1) * sizes[rank] * kv_row, (total - sizes[rank]) * kv_row
-    elif strategy == "kv_runahead":  # rank i forwards blocks 0..i to rank i+1
-        sent = sum(sizes[: rank + 1]) * kv_row if rank < n - 1 else 0
-        recv = sum(sizes[:rank]) * kv_row
-    elif strategy == "ring_pass_q":  # queries travel N-1 hops; partial (out, LSE) in fp32 come home
-        q_row, part_row = cfg.num_attention_heads * cfg.head_dim * e, cfg.num_attention_heads * (cfg.head_dim + 1) * 4
-        sent = (total - sizes[(rank + 1) % n]) * q_row + (total - sizes[rank]) * part_row
-        recv = (total - sizes[rank]) * q_row + (n - 1) * sizes[rank] * part_row
-    elif strategy == "ulysses":  # our tokens' Q, K/V for the other ranks' heads; their tokens' outputs for ours
-        q_row = cfg.num_attention_heads * cfg.head_dim * e
-        mine, others = sizes[rank], total - sizes[rank]
-        sent = ((n - 1) * mine * (q_row + kv_row) + others * q_row) // n
-        recv = (others * (q_row + kv_row) + (n - 1) * mine * q_row) // n
+    """Bytes (sent, received) of one fresh prefill for this rank, batch 1: the strategy's formula
+    (plan/strategies.py, the one the cost model averages) on this prefill's partition sizes."""
+    d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    rows = Rows(rank, list(sizes), list(sizes), 2 * kv * d * e, h * d * e, h * (d + 1) * 4)  # partials in fp32
+    sent, recv = RECORDS[strategy].traffic(rows)
     return sent * layers, recv * layers
 
 

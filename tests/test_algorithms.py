@@ -35,6 +35,7 @@ from hf_contextpar.tools.selftest.spec import (
     DTYPES,
     HEADS,
     SOFTCAP,
+    Case,
     check_case,
     check_plans,
     lengths,
@@ -83,6 +84,33 @@ def _params():
 @pytest.mark.parametrize("case,n,length,heads,mask,dtype,tol", _params())
 def test_algorithm(case, n, length, heads, mask, dtype, tol):
     check_case(case, n, length, heads, mask, dtype, tol)
+
+
+def test_a_new_strategy_is_one_file_and_one_record(monkeypatch):
+    """A strategy is an algorithm file (tests/toy_strategy.py) and one record: registered, it runs through
+    the plan, exact on simulated ranks with its own traffic formula checked, and the cost model predicts it."""
+    from hf_contextpar.plan.costmodel import Machine, Shape, predict_ttft, traffic_per_rank
+    from hf_contextpar.plan.strategies import STRATEGIES, Strategy
+
+    ring = STRATEGIES["ring_pass_kv"]
+    toy = Strategy(
+        "toy_ring",
+        "ring pass-KV without overlap",
+        levels="all",
+        time=lambda c: (
+            (c.N - 1) * (c.attention / c.N + c.message((c.T + c.kept) / c.N * c.kv_token)) + c.attention / c.N
+        ),
+        traffic=ring.traffic,  # the same blocks travel
+        algorithm="toy_strategy:toy_ring",
+    )
+    monkeypatch.setitem(STRATEGIES, "toy_ring", toy)
+    for kind in ("fresh", "partial", "after_batched"):
+        for n, heads in ((2, "gqa"), (3, "mla"), (4, "mha")):
+            check_case(Case("toy_ring", "toy_ring", kind), n, 4 * n + 3, heads, "pad", torch.float64, 1e-12)
+    shape, m = Shape(4, 8, 2, 64, 1 << 20, 2), Machine.resolve(None, "cpu")
+    no_overlap, overlap = predict_ttft("toy_ring", 4096, 4, shape, m), predict_ttft("ring_pass_kv", 4096, 4, shape, m)
+    assert no_overlap > overlap
+    assert traffic_per_rank("toy_ring", 4096, 0, 4, shape) == traffic_per_rank("ring_pass_kv", 4096, 0, 4, shape)
 
 
 @pytest.mark.parametrize("seed", range(8))

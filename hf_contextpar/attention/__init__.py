@@ -10,6 +10,7 @@ local-length 4D masks.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextvars import ContextVar
 
@@ -17,33 +18,25 @@ import torch
 
 from ..cache.blocks import pack_kv
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from ..plan.strategies import STRATEGIES
 from . import latent
-from .allgather_kv import allgather_kv
-from .decode import sharded_kv_decode
 from .kernels import acc_dtype
-from .kv_runahead import kv_runahead
-from .local import local
 from .masks import Chunked
 from .merge import merge_packed, pack_partial, with_sink
-from .ring_pass_kv import ring_pass_kv
-from .ring_pass_q import ring_pass_q
-from .ring_pass_q_decode import ring_pass_q_decode
 from .step import LayerKV
-from .ulysses import ulysses
 
 NAME = "hf_contextpar"
 current_step: ContextVar = ContextVar("hf_contextpar_step", default=None)
 
-PREFILL = {
-    "ring_pass_kv": ring_pass_kv,
-    "ring_pass_q": ring_pass_q,
-    "allgather_kv": allgather_kv,
-    "kv_runahead": kv_runahead,
-    "ulysses": ulysses,
-}
-ALGORITHMS = {**PREFILL, "decode": sharded_kv_decode, "ring_pass_q_decode": ring_pass_q_decode, "local": local}
-# algorithms whose K/V never leave the rank: they read a view of the cache, which need not be contiguous
-STAY_LOCAL = {"ring_pass_q", "decode", "ring_pass_q_decode", "local"}
+
+def algorithm(name: str):
+    """The function of strategy `name`: its record's (plan/strategies.py) file in this package, imported once."""
+    return _load(STRATEGIES[name])
+
+
+@functools.cache
+def _load(strategy):
+    return strategy.load()
 
 
 def context_parallel_attention(
@@ -93,7 +86,7 @@ def context_parallel_attention(
                 "context parallelism."
             )
         kv_local = layer.block()
-        if step.algorithm not in STAY_LOCAL:  # a message: the cache buffer itself when it holds just these
+        if not STRATEGIES[step.algorithm].stays_local:  # a message: the cache buffer itself when it holds just these
             kv_local = kv_local.contiguous()
     else:  # no cache: this forward's own K/V are the block
         kv_local = pack_kv(cached_k, cached_v)
@@ -115,11 +108,11 @@ def context_parallel_attention(
     if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
         heads, sinks, step.sinks = q.shape[1], step.sinks, None
         q = _gather_heads(step.dcp, q)
-        out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
+        out, lse = algorithm(step.algorithm)(step, q, kv_local, scale=scale, window=window, softcap=softcap)
         out, lse = _merge_heads(step, q, out, lse, heads)
         step.sinks = sinks
     else:
-        out, lse = ALGORITHMS[step.algorithm](step, q, kv_local, scale=scale, window=window, softcap=softcap)
+        out, lse = algorithm(step.algorithm)(step, q, kv_local, scale=scale, window=window, softcap=softcap)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
         out = q.new_zeros(step.out_shape(q))
     elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge

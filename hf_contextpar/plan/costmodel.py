@@ -6,7 +6,8 @@ Per layer and rank, a prefill of T new tokens over P cached ones on N ranks cost
     attention  A = 4 H d T (P + T/2) / N / C_attn    (new token i sees P + i + 1 keys: the causal half of
                                                      the new x new block, App. A's 1/2, plus all of T x P;
                                                      head-tail shards split it evenly)
-and the strategies differ in what they send and what overlaps (alpha: one message's latency,
+and the strategies differ in what they send and what overlaps (each strategy's `time` formula, in its
+record in `strategies.py`, combines `LayerCost`'s terms; alpha: one message's latency,
 BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
     ring_pass_kv   (N-1) max(A/N, alpha + 2 ((T+P)/N) Hkv d e / BW) + A/N           (Alg. 2, overlapped)
     ring_pass_q    (N-1) max(A/N, alpha + (T/N) H d e / BW) + A/N
@@ -40,6 +41,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import ContextParallelError
+from .strategies import STRATEGIES, Rows
 
 # Defaults when nothing was calibrated: a CPU core with gloo over loopback, a GPU with NVLink.
 DEFAULTS = {"cpu": dict(attn_flops=2.0e10, bandwidth=1.0e9), "cuda": dict(attn_flops=3.0e14, bandwidth=1.0e11)}
@@ -198,19 +200,71 @@ def attention_flops(T: int, shape: Shape, P: int = 0, window: int | None = None)
     return 4.0 * shape.heads * shape.head_dim * attended_keys(T, P, window)
 
 
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's terms for a prefill of T new tokens over P cached ones on N ranks: what every
+    strategy's `time` formula (`strategies.py`) combines. A sliding layer (window) skips the blocks
+    outside its window (an even share per ring step here) and keeps, so sends, at most window - 1
+    cached keys. Each step attends T/N queries of every head, so few new tokens leave the kernel's
+    units idle (`Machine.occupancy`)."""
+
+    T: int
+    P: int
+    N: int
+    shape: Shape
+    m: Machine
+    window: int | None = None
+
+    @property
+    def attention(self) -> float:
+        """One rank's share of the layer's attention (seconds)."""
+        return attention_time(
+            attention_flops(self.T, self.shape, self.P, self.window) / self.N, self.T / self.N, self.shape.heads, self.m
+        )
+
+    def attend(self, queries: float, before: float) -> float:
+        """Seconds for `queries` new tokens after `before` others, each seeing every earlier key."""
+        flops = 4.0 * self.shape.heads * self.shape.head_dim * attended_keys(queries, before, self.window)
+        return attention_time(flops, queries, self.shape.heads, self.m)
+
+    def message(self, nbytes: float) -> float:
+        return self.m.latency + nbytes / self.m.bandwidth
+
+    @property
+    def kept(self) -> int:
+        return kept_keys(self.P, self.window)
+
+    @property
+    def kv_token(self) -> float:  # bytes of one token's cached K/V (MLA: the latent)
+        return self.shape.kv_token_bytes
+
+    @property
+    def kv_plain(self) -> float:  # one token's K and V over the KV heads
+        return 2 * self.shape.kv_heads * self.shape.head_dim * self.shape.elem_bytes
+
+    @property
+    def q_token(self) -> float:
+        return self.shape.heads * self.shape.head_dim * self.shape.elem_bytes
+
+    @property
+    def all2all(self) -> float:
+        return all2all_time(self.T, self.N, self.shape, self.m)
+
+    @property
+    def latency(self) -> float:
+        return self.m.latency
+
+    @property
+    def bandwidth(self) -> float:
+        return self.m.bandwidth
+
+
 def ring_attention_times(
     T: int, P: int, N: int, shape: Shape, m: Machine, window: int | None = None
 ) -> tuple[float, float]:
-    """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds.
-    On a sliding layer the blocks outside the window are skipped, not computed (approximated here
-    as an even share per ring step), and pass-KV carries only the cached keys the layer kept. Each
-    step attends T/N queries of every head, so few new tokens leave the kernel's units idle
-    (`Machine.occupancy`)."""
-    e, d, h = shape.elem_bytes, shape.head_dim, shape.heads
-    a = attention_time(attention_flops(T, shape, P, window) / N, T / N, h, m)  # one rank's share
-    kv_msg = m.latency + (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth
-    q_msg = m.latency + T / N * h * d * e / m.bandwidth
-    return (N - 1) * max(a / N, kv_msg) + a / N, (N - 1) * max(a / N, q_msg) + a / N + all2all_time(T, N, shape, m)
+    """One layer's attention with its ring traffic, (ring pass-KV, ring pass-Q) in seconds."""
+    c = LayerCost(T, P, N, shape, m, window)
+    return STRATEGIES["ring_pass_kv"].time(c), STRATEGIES["ring_pass_q"].time(c)
 
 
 def attention_time(flops: float, queries: float, heads: int, m: Machine) -> float:
@@ -252,24 +306,21 @@ def predict_ttft(strategy: str, T: int, N: int, shape: Shape, m: Machine, P: int
 
 
 def _layer_attention(strategy, T, N, shape, m, P, window) -> float | None:
-    """One layer's attention time in a prefill, with the strategy's communication."""
-    e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
-    a = attention_time(attention_flops(T, shape, P, window) / N, T / N, h, m)  # one rank's share
+    """One layer's attention time in a prefill, with the strategy's communication (None: not modelled)."""
+    c = LayerCost(T, P, N, shape, m, window)
     if N == 1:  # the unpatched model (a patch on one process changes nothing)
-        return a
-    chunk = T / N
-    if strategy in ("ring_pass_kv", "ring_pass_q"):
-        return ring_attention_times(T, P, N, shape, m, window)[strategy == "ring_pass_q"]
-    if strategy == "allgather_kv":
-        return m.latency + (N - 1) * (T + kept_keys(P, window)) / N * shape.kv_token_bytes / m.bandwidth + a
-    if strategy == "kv_runahead" and P == 0:  # the last rank: its chunk's queries over every earlier key
-        last = attention_time(4.0 * h * d * attended_keys(chunk, T - chunk, window), chunk, h, m)
-        return last + sum(m.latency + (i * chunk) * shape.kv_token_bytes / m.bandwidth for i in range(1, N))
-    if strategy == "ulysses" and P == 0 and ulysses_fits(h, kv, N):
-        qkv = (N - 1) / N * chunk * (h + 2 * kv) * d * e / m.bandwidth
-        out = (N - 1) / N * chunk * h * d * e / m.bandwidth
-        return 2 * m.latency + qkv + out + a
-    return None
+        return c.attention
+    s = STRATEGIES.get(strategy)
+    if s is None or s.time is None or not _modelled(s, P, N, shape):
+        return None
+    return s.time(c)
+
+
+def _modelled(s, P: int, N: int, shape: Shape) -> bool:
+    """Does the cost model predict strategy s for P cached tokens on N ranks?"""
+    if P and (s.fresh_only or not s.modelled_over_cache):
+        return False
+    return not s.whole_heads or ulysses_fits(shape.heads, shape.kv_heads, N)
 
 
 def exposed_comm(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> float | None:
@@ -294,23 +345,22 @@ def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:
 
 
 def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> float | None:
-    """Attention bytes one rank sends during a prefill (the average rank; the tests check the exact formulas)."""
+    """Attention bytes one rank sends during a prefill: the strategy's `traffic` formula on an even
+    split, averaged over the ranks (the tests check the same formula per rank against the counters)."""
     if N == 1:
         return 0.0
+    s = STRATEGIES[strategy]
+    if not _modelled(s, P, N, shape):
+        return None
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
     total = 0.0
     for w, count in shape.window_counts().items():
         keys = T + kept_keys(P, w)  # what pass-KV and all-gather carry: the new tokens and what the layer kept
-        per_layer = {
-            "ring_pass_kv": (N - 1) * 2 * keys / N * kv * d * e,
-            "ring_pass_q": (N - 1) * T / N * h * d * e + (N - 1) * T / N * h * (d + 1) * shape.partial_bytes,
-            "allgather_kv": (N - 1) * 2 * keys / N * kv * d * e,
-            "kv_runahead": sum(i + 1 for i in range(N - 1)) / N * 2 * T / N * kv * d * e if P == 0 else None,
-            "ulysses": (N - 1) / N * T / N * (2 * h + 2 * kv) * d * e if P == 0 and ulysses_fits(h, kv, N) else None,
-        }[strategy]
-        if per_layer is None:
-            return None
-        total += count * per_layer
+        rows = [
+            Rows(r, [keys / N] * N, [T / N] * N, 2 * kv * d * e, h * d * e, h * (d + 1) * shape.partial_bytes)
+            for r in range(N)
+        ]
+        total += count * sum(s.traffic(row)[0] for row in rows) / N
     return total
 
 

@@ -45,10 +45,7 @@ from .sharding import (
     sequence_counts,
     window_drops,
 )
-
-# the prefill algorithms that bring a rank other ranks' new K/V (KV-Runahead: the earlier ones'), so it can keep any
-# of those columns: uneven contiguous partitions level the cache there (`_levelled`)
-LEVELLING = ("kv_runahead", "ring_pass_kv", "allgather_kv")
+from .strategies import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -147,7 +144,7 @@ class ForwardPlan:
     @property
     def contiguous(self) -> bool:
         """Each rank runs one contiguous partition of the new tokens, in rank order (a chain, KV-Runahead)."""
-        return self.shards.token_rows is not None and (self.chained or self.algorithm == "kv_runahead")
+        return self.shards.token_rows is not None and (self.chained or STRATEGIES[self.algorithm].contiguous)
 
 
 @dataclass(frozen=True)
@@ -227,7 +224,7 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     kv_cols = _append(before.cols, q_cols)
     keep, gather = _token_gather(rows, new_cols.numel(), logits_to_keep)
     shards = Shards(token_rows=rows, seq_rows=None, q_cols=q_cols, kv_cols=kv_cols)
-    contiguous = policy.chain or algorithm == "kv_runahead"
+    contiguous = policy.chain or STRATEGIES[algorithm].contiguous
     flat = all(c.dim() == 1 for c in before.cols)
     levelled = _levelled(q_cols, algorithm) if policy.level and contiguous and flat else None
     store, kept = levelled or ([Store()] * policy.world, q_cols)
@@ -243,8 +240,9 @@ def _levelled(q_cols, algorithm: str):
     (stores, each rank's new columns), or None where the partitions are even or it cannot."""
     starts, ends = [int(c[0]) for c in q_cols], [int(c[-1]) + 1 for c in q_cols]
     bounds = [starts[0] + b for b in (0, *itertools.accumulate(even(ends[-1] - starts[0], len(q_cols))))]
-    runahead = algorithm == "kv_runahead" and any(b > e for b, e in zip(bounds[1:], ends))
-    if starts == bounds[:-1] or runahead or algorithm not in LEVELLING:
+    levels = STRATEGIES[algorithm].levels
+    earlier_only = levels == "earlier" and any(b > e for b, e in zip(bounds[1:], ends))
+    if starts == bounds[:-1] or earlier_only or levels is None:
         return None
     store = [Store(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
     return store, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -295,19 +293,18 @@ def _dropped(before: _Before, cols, num_new: int) -> dict:
 def _prefill(policy: Policy, cols, num_new: int, past: int):
     """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
     algorithm = policy.prefill(num_new, past)
+    if past and STRATEGIES[algorithm].fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
+        algorithm = STRATEGIES[algorithm].over_cache
     if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
-        algorithm = "ring_pass_kv" if algorithm == "kv_runahead" and past else algorithm
         # uneven ones where the K/V can be levelled (_levelled): pass-Q and Ulysses move no token's K/V
-        levels = policy.kvr_sizes is not None and algorithm in LEVELLING
+        levels = policy.kvr_sizes is not None and STRATEGIES[algorithm].levels is not None
         sizes = policy.kvr_sizes(num_new, past) if levels else None
         return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world))
-    if algorithm == "kv_runahead":
-        if past == 0:
-            sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
-            return algorithm, contiguous_plan(sizes or even(num_new, policy.world))
-        algorithm = "ring_pass_kv"  # the chain needs every earlier token on an earlier rank: fresh prompts only
-    if algorithm == "ulysses" and any(c.dim() == 2 for c in cols):
-        algorithm = "allgather_kv"  # after batched decode no single column order exists to sort keys into
+    if STRATEGIES[algorithm].contiguous:
+        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
+        return algorithm, contiguous_plan(sizes or even(num_new, policy.world))
+    if STRATEGIES[algorithm].over_tables and any(c.dim() == 2 for c in cols):
+        algorithm = STRATEGIES[algorithm].over_tables  # after batched decode no single column order exists
     return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
 
 

@@ -32,8 +32,9 @@ from torch.overrides import TorchFunctionMode
 import hf_contextpar
 from hf_contextpar.eval.oracle import FLOAT_TOL, logits_diff
 from hf_contextpar.model.contract import check_ulysses
+from hf_contextpar.plan.strategies import prefill_names
 
-PREFILL = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
+PREFILL = prefill_names()
 PAD_STEP = 5  # row r of the padded batch has r * PAD_STEP pad tokens on its left
 FP64_EXACT = FLOAT_TOL[torch.float64]
 

@@ -23,10 +23,11 @@ from dataclasses import replace
 from ..cliargs import fractions, positive_int, positive_ints
 from ..plan.choice import choose
 from ..plan.costmodel import Machine, Shape, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from ..plan.strategies import prefill_names
 from .layout import format_bytes, format_seconds
 from .presets import DTYPE_BYTES, GEOMETRIES, PRESETS, machine_of, shape_of_dtype, tp_replicas
 
-STRATEGIES = ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses")
+STRATEGIES = prefill_names()
 
 
 def pass_q_threshold(context: int, N: int, shape: Shape, m: Machine) -> float | None:

@@ -371,10 +371,10 @@ def run_algorithm(
     as the algorithm returned them, comms[r] = rank r's SimulatedComm (its `stats` and `tagged`
     byte counts).
     """
-    from ..attention import ALGORITHMS
+    from ..attention import algorithm as algorithm_of
     from ..attention.step import Step
 
-    fn = algorithm if callable(algorithm) else ALGORITHMS[algorithm or plan.algorithm]
+    fn = algorithm if callable(algorithm) else algorithm_of(algorithm or plan.algorithm)
     sim = SimulatedWorld(plan.world, timeout)
 
     def rank_body(comm):

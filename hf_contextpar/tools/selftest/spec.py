@@ -22,6 +22,7 @@ import torch
 from ...attention.masks import Chunked
 from ...cache.sharded import ShardLayout
 from ...plan.forward import Policy, build_plan
+from ...plan.strategies import STRATEGIES, Rows
 from ..simulated import local_rows, run_algorithm, shard_inputs
 
 HEAD_DIM = 8
@@ -208,35 +209,9 @@ def expected_traffic(plan, rank, heads, kv_heads, e, pe, latent=False):
     if latent:  # queries NOPE + ROPE wide, outputs VALUE wide
         d = VALUE
         kv_row, q_row, part_row = b * (LATENT + ROPE) * e, b * heads * (NOPE + ROPE) * e, b * heads * (d + 1) * pe
-    nxt, KV, Q = (rank + 1) % n, sum(kv), sum(qn)
-    alg = plan.algorithm
-    if alg == "ring_pass_kv":  # every block but the next rank's leaves, every block but ours arrives
-        return (KV - kv[nxt]) * kv_row, (KV - kv[rank]) * kv_row
-    if alg == "allgather_kv":
-        return (n - 1) * kv[rank] * kv_row, (KV - kv[rank]) * kv_row
-    if alg == "kv_runahead":  # rank i forwards blocks 0..i to rank i+1
-        return (sum(kv[: rank + 1]) * kv_row if rank < n - 1 else 0), sum(kv[:rank]) * kv_row
-    if alg == "ring_pass_q":  # queries travel N-1 hops; partials for the other ranks' queries go home
-        return (
-            (Q - qn[nxt]) * q_row + (Q - qn[rank]) * part_row,
-            (Q - qn[rank]) * q_row + (n - 1) * qn[rank] * part_row,
-        )
-    if alg == "ulysses":  # 1/N of the heads: our Q and K/V out, their tokens' outputs back (in Q's dtype)
-        sent = (n - 1) * (qn[rank] * q_row + kv[rank] * kv_row) + (Q - qn[rank]) * q_row
-        recv = (Q - qn[rank]) * q_row + (KV - kv[rank]) * kv_row + (n - 1) * qn[rank] * q_row
-        return sent // n, recv // n
-    if alg == "decode":  # one all-gather of the packed (out, LSE) of the replicated queries
-        both = (n - 1) * b * heads * plan.num_new * (d + 1) * pe
-        return both, both
-    if alg == "ring_pass_q_decode":  # one query per sequence travels; partials come home
-        rows = [len(range(b)[s]) for s in plan.shards.seq_rows]
-        one_q, one_part = q_row // b, part_row // b
-        return (
-            (b - rows[nxt]) * one_q + (b - rows[rank]) * one_part,
-            (b - rows[rank]) * one_q + (n - 1) * rows[rank] * one_part,
-        )
-    _require(alg == "local", f"no traffic formula for {alg}")
-    return 0, 0
+    seqs = [len(range(b)[s]) for s in plan.shards.seq_rows] if plan.shards.seq_rows is not None else None
+    rows = Rows(rank, kv, qn, kv_row, q_row, part_row, batch=b, seqs=seqs, new=plan.num_new)
+    return STRATEGIES[plan.algorithm].traffic(rows)
 
 
 def latent_kv(block, expand):
@@ -307,13 +282,8 @@ def check_case(case: Case, n: int, length: int, heads: str, mask: str, dtype, to
 
 
 def layers_for(plan) -> int:
-    """KV-Runahead posts layer l+1's receives during layer l: run it for two layers."""
-    return 2 if plan.algorithm == "kv_runahead" else 1
-
-
-# Ulysses attends whole heads (nothing to merge); sharded-KV decode's last merge is the layer's
-# output, so it returns no LSE (merge.merge_packed_out)
-NO_LSE = ("ulysses", "decode")
+    """An algorithm that posts layer l+1's receives during layer l (KV-Runahead) runs for two layers."""
+    return 2 if STRATEGIES[plan.algorithm].posts_ahead else 1
 
 
 def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
@@ -347,7 +317,7 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
             for layer, (out, lse) in enumerate(outputs[r]):
                 if out is None:  # no key visible to any row: what the attention adapter turns into zeros
                     out = torch.zeros_like(want_out)
-                    lse = torch.full_like(want_lse, -math.inf) if plan.algorithm not in NO_LSE else None
+                    lse = torch.full_like(want_lse, -math.inf) if STRATEGIES[plan.algorithm].returns_lse else None
                 torch.testing.assert_close(
                     out.double(),
                     want_out,
@@ -355,7 +325,7 @@ def check_plans(plans, qkv, padding, window, softcap, tol, timeout=60.0):
                     rtol=tol,
                     msg=lambda m: f"{where}, layer {layer}: out differs\n{m}",
                 )
-                if plan.algorithm not in NO_LSE:
+                if STRATEGIES[plan.algorithm].returns_lse:
                     torch.testing.assert_close(
                         lse.double(),
                         want_lse,
