@@ -1,22 +1,35 @@
-"""apply_context_parallel / remove_context_parallel."""
+"""apply_context_parallel / remove_context_parallel.
+
+Applying is one sequence of steps, each pushing its undo onto the runtime's stack (`Undo`);
+removing pops them all, so `remove_context_parallel` is the exact inverse of what ran, and an
+apply that fails half-way undoes what it did before raising.
+"""
 
 from __future__ import annotations
 
 from . import attention
 from .attention import latent
-from .comm.agreement import agree_at_apply
+from .comm.agreement import agree_settings
 from .comm.group import DEFAULT_TIMEOUT_S, release_group, resolve_group
 from .comm.shm import open_shm_gather
 from .errors import PatchStateError, UnsupportedModelError
-from .mesh import dcp_of
+from .mesh import dcp_of, tensor_parallel
 from .model.contract import check_model
-from .plan.strategies import STRATEGIES as STRATEGIES_BY_NAME
 from .plan.strategies import prefill_names
 from .runtime import ContextParallelRuntime
+from .settings import DECODES, Settings
 
 STRATEGIES = ("auto", *prefill_names())  # the values of strategy= (plan/strategies.py registers each)
-DECODES = ("auto", "replicated", "ring_pass_q")
+__all__ = ["DECODES", "STRATEGIES", "apply_context_parallel", "get_runtime", "remove_context_parallel"]
 _ATTR = "_hf_contextpar"
+
+
+class Undo(list):
+    """What apply did, as undo callables in the order it did it; `run()` undoes them last first."""
+
+    def run(self):
+        while self:
+            self.pop()()
 
 
 def apply_context_parallel(
@@ -60,80 +73,70 @@ def apply_context_parallel(
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
     On a single process this validates the model and changes nothing.
     """
-    if strategy != "auto" and strategy not in prefill_names():
-        raise ValueError(f"strategy must be one of {('auto', *prefill_names())}, got {strategy!r}.")
-    if decode not in DECODES:
-        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}.")
-    if isinstance(kv_interleave, bool) or not isinstance(kv_interleave, int) or kv_interleave < 1:
-        raise ValueError(
-            f"kv_interleave must be a positive int (decode tokens stored per rank before the next rank takes "
-            f"over; 1 = token by token), got {kv_interleave!r}."
-        )
     if getattr(model, _ATTR, None) is not None:
         raise PatchStateError("context parallelism is already applied to this model.")
-    family = check_model(model)
     device = next(model.parameters()).device
+    settings = Settings.of(
+        strategy=strategy,
+        decode=decode,
+        planner_rule=planner_rule,
+        check_inputs=check_inputs,
+        kv_interleave=kv_interleave,
+        kvr_partitions=kvr_partitions,
+        calibration=calibration,
+        device_type=device.type,
+    )
+    family = check_model(model)
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1 and dcp_of(model) is None:  # with DCP one CP rank still shares its KV heads' tokens
         return model
-    runtime = None
+    undo = Undo([lambda: release_group(group)])  # a group made for this call only
     try:
-        if strategy != "auto" and STRATEGIES_BY_NAME[strategy].whole_heads:
+        if settings.whole_heads:
             latent.refuse_ulysses(model)
-        runtime = ContextParallelRuntime(
-            model,
-            group,
-            rank,
-            world,
-            strategy=strategy,
-            check_inputs=check_inputs,
-            calibration=calibration,
-            planner_rule=planner_rule,
-            decode=decode,
-            kvr_partitions=kvr_partitions,
-            kv_interleave=kv_interleave,
-        )
-        agree_at_apply(runtime, group)
+        settings = agree_settings(settings, model, group, tensor_parallel(model), dcp_of(model))
+        runtime = ContextParallelRuntime(model, group, rank, world, settings)
         runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
-        attention.register()
-        runtime.original_attn = model.config._attn_implementation
-        if runtime.contract.attention_name is not None:  # None: no attention layer at all (Mamba2's)
-            model.set_attn_implementation(attention.NAME)
-        if (
-            model.config._attn_implementation != attention.NAME and runtime.contract.attention_name is not None
-        ):  # the same model on every rank: all refuse
-            raise UnsupportedModelError(
-                f"{type(model).__name__} does not take an attention implementation from transformers' "
-                "AttentionInterface (transformers keeps its own attention for it: it is not written against "
-                "ALL_ATTENTION_FUNCTIONS), so hf-contextpar cannot put its attention in. This model cannot run "
-                "under context parallelism."
-            )
+        undo.append(runtime.comm.close_shm)
+        _switch_attention(model, runtime, undo)
+        if family.apply is not None:
+            undo.append(family.apply(model))
+        undo.append(latent.install(model))
+        runtime.install()
+        undo.append(runtime.uninstall)
+        setattr(model, _ATTR, runtime)
+        undo.append(lambda: delattr(model, _ATTR))
     except BaseException:
-        if runtime is not None:
-            runtime.comm.close_shm()
-        release_group(group)  # a group made for this call only
+        undo.run()
         raise
-    runtime.family_undo = family.apply(model) if family.apply is not None else None
-    runtime.latent_undo = latent.install(model)
-    runtime.install()
-    setattr(model, _ATTR, runtime)
+    runtime.undo = undo
     return model
 
 
+def _switch_attention(model, runtime, undo: Undo):
+    """Register the library's attention and switch the model to it (a model without attention layers,
+    Mamba2's, keeps its own); refused where the model does not take it."""
+    attention.register()
+    if runtime.contract.attention_name is None:
+        return
+    original = model.config._attn_implementation
+    model.set_attn_implementation(attention.NAME)
+    undo.append(lambda: model.set_attn_implementation(original))
+    if model.config._attn_implementation != attention.NAME:  # the same model on every rank: all refuse
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not take an attention implementation from transformers' "
+            "AttentionInterface (transformers keeps its own attention for it: it is not written against "
+            "ALL_ATTENTION_FUNCTIONS), so hf-contextpar cannot put its attention in. This model cannot run "
+            "under context parallelism."
+        )
+
+
 def remove_context_parallel(model):
-    """Undo `apply_context_parallel`: hooks removed, original attention restored. Returns the model."""
+    """Undo `apply_context_parallel`, step by step in reverse: hooks removed, the family's patch and the
+    original attention restored, shared memory closed, a group made for the model released."""
     runtime = getattr(model, _ATTR, None)
-    if runtime is None:
-        return model
-    runtime.uninstall()
-    if runtime.contract.attention_name is not None:
-        model.set_attn_implementation(runtime.original_attn)
-    if runtime.family_undo is not None:
-        runtime.family_undo()
-    runtime.latent_undo()
-    delattr(model, _ATTR)
-    runtime.comm.close_shm()
-    release_group(runtime.comm.group)
+    if runtime is not None:
+        runtime.undo.run()
     return model
 
 

@@ -31,48 +31,31 @@ from .model.contract import InputContract, Inputs, attention_layers, check_ulyss
 from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
-from .plan.choice import Calibration, choose
+from .plan.choice import choose
 from .plan.forward import ForwardPlan, Policy, build_plan
-from .plan.partitions import MeasuredWork, PartitionTable, balanced, key_pairs
-from .plan.strategies import STRATEGIES
+from .plan.partitions import MeasuredWork, balanced, key_pairs
+from .settings import Settings
 
 
 class ContextParallelRuntime:
     """Per-model state: the group, the hooks, and what to restore on removal."""
 
-    def __init__(
-        self,
-        model,
-        group,
-        rank,
-        world,
-        strategy: str = "auto",
-        check_inputs: bool = True,
-        calibration=None,
-        planner_rule: str = "cost",
-        decode: str = "auto",
-        kvr_partitions=None,
-        kv_interleave: int = 1,
-    ):
-        self.model = model
-        self.strategy, self.planner_rule, self.decode = strategy, planner_rule, decode
-        self.kv_interleave = kv_interleave
-        device = next(model.parameters()).device
-        self.calibration = Calibration.resolve(calibration, device.type)
+    def __init__(self, model, group, rank, world, settings: Settings):
+        self.model, self.settings = model, settings
+        decode = settings.decode
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
         # rank attends with the heads it holds
         self.tp_group, self.tp = tensor_parallel(model)
         check_cp_group(group, self.tp_group)
         self.shape = model_shape(model)
         dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
-        whole_heads = strategy != "auto" and STRATEGIES[strategy].whole_heads
-        if dcp is not None and whole_heads:
+        if dcp is not None and settings.whole_heads:
             raise HeadsNotDivisibleError(
                 f"strategy='ulysses' splits the KV heads over the context-parallel ranks, and each rank holds one KV "
                 f"head here, shared with {dcp[2] - 1} other TP rank(s) by sequence (DCP): use another strategy."
             )
         self.dcp = Comm(*dcp) if dcp is not None else None
-        if whole_heads:  # the heads this rank's attention receives, not the config's (dbrx, TP)
+        if settings.whole_heads:  # the heads this rank's attention receives, not the config's (dbrx, TP)
             held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
             check_ulysses(model.config, world, held)
         self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
@@ -81,16 +64,13 @@ class ContextParallelRuntime:
         self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
         self.last_plan = None
         self.rank, self.world = rank, world
-        self.check_inputs = check_inputs
         self.contract = InputContract(model, rank, world, ATTENTION_NAME)
         self.num_layers = self.contract.num_layers
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
         # "balanced" (a chain's default): partitions of equal work (partitions.balanced), measured as prefills run
         # (MeasuredWork); a table (KVR-P); "even" (plain KV-Runahead's default)
-        self.balanced = kvr_partitions == "balanced" or (kvr_partitions is None and self.chain)
-        fixed = kvr_partitions in (None, "balanced", "even")
-        self.partitions = PartitionTable.load(kvr_partitions) if not fixed else None
+        self.balanced = settings.partitions == "balanced" or (settings.partitions is None and self.chain)
         self.work = MeasuredWork()
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         if self.chain and (decode == "ring_pass_q" or dcp is not None):
@@ -136,7 +116,7 @@ class ContextParallelRuntime:
         one check that every rank returns the same sequences."""
         refuse_candidate_decoding(self.model, args, kwargs)
         out = type(self.model).generate(self.model, *args, **kwargs)
-        if self.check_inputs:
+        if self.settings.check_inputs:
             self.ranks.outputs(out if isinstance(out, torch.Tensor) else out.sequences)
         return out
 
@@ -153,7 +133,7 @@ class ContextParallelRuntime:
             logits_to_keep=inputs.logits_to_keep,
             uses_cache=inputs.cache is not None,
         )
-        if self.check_inputs:
+        if self.settings.check_inputs:
             self.ranks.inputs(inputs, self._sizing(inputs))
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
@@ -239,10 +219,11 @@ class ContextParallelRuntime:
         return self.comm.tagged["attention"]
 
     def _policy(self) -> Policy:
-        sizes = (lambda t, p: self.partitions.sizes(t, self.world)) if self.partitions is not None else None
+        table, s = self.settings.partition_table, self.settings
+        sizes = (lambda t, p: table.sizes(t, self.world)) if table is not None else None
         sizes = self._balanced if self.balanced else sizes
         return Policy(
-            self.world, self.decode, self._choose, sizes, self.kv_interleave, chain=self.chain, level=self.dcp is None
+            self.world, s.decode, self._choose, sizes, s.kv_interleave, chain=self.chain, level=self.dcp is None
         )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
@@ -251,9 +232,9 @@ class ContextParallelRuntime:
         return balanced(num_new, self.world, past, a * per_token, b * per_pair)
 
     def _work_terms(self) -> tuple[float, float]:
-        """The cost model's seconds per token (its linear layers) and per key a query sees. Read at call time:
-        the calibration is every rank's agreed one only after apply's agreement."""
-        s, cal = self.shape, self.calibration
+        """The cost model's seconds per token (its linear layers) and per key a query sees, at the agreed
+        calibration's rates."""
+        s, cal = self.shape, self.settings.calibration
         gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
         return 2 * s.layers * s.linear_weights / gemm, 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
 
@@ -269,11 +250,12 @@ class ContextParallelRuntime:
         self.work.add(self.comm.all_gather(mine, "control").tolist())
 
     def _choose(self, num_new: int, past: int) -> str:
-        if self.strategy != "auto":
-            return self.strategy
+        if self.settings.strategy != "auto":
+            return self.settings.strategy
         if self.chain:  # one way down the ranks, as the states go (plan.py: ring pass-KV over a cache)
             return "kv_runahead"
-        self.last_decision = choose(num_new, past, self.world, self.shape, self.calibration, self.planner_rule)
+        s = self.settings
+        self.last_decision = choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule)
         return self.last_decision.strategy
 
     @staticmethod

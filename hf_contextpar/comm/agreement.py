@@ -1,6 +1,6 @@
 """Rank agreement: every decision that changes which collectives run is the same on every rank.
 
-Once at apply (`agree_at_apply`: settings and model shape compared, machine facts taken from rank
+Once at apply (`agree_settings`: settings and model shape compared, machine facts taken from rank
 0), before each forward (`RankCheck.inputs`: a fingerprint of the inputs, riding on the forward's
 first collective) and after generate() (`RankCheck.outputs`: the returned sequences). A mismatch
 is a `RankMismatchError` on every rank, never a hang or gloo's size abort.
@@ -12,6 +12,7 @@ import torch
 
 from ..config import config_value
 from ..errors import PeerFailureError, RankMismatchError
+from ..settings import Settings
 
 CHECK_LENGTH = 8
 
@@ -56,29 +57,21 @@ def model_signature(model) -> tuple:
     )
 
 
-def agree_at_apply(runtime, group):
-    """Make every decision that changes which collectives run the same on every rank, once, at apply.
+def agree_settings(settings, model, group, tp: tuple, dcp) -> Settings:
+    """Make every decision that changes which collectives run the same on every rank, once, at apply,
+    before the runtime is built; returns the agreed settings.
 
     Each rank's settings and model shape are compared (a mismatch is an error on every rank); the
     machine facts that drive per-call choices (the planner's calibration, KV-Runahead's partition
     table) are taken from rank 0, since each rank may have read a different file or none.
-    Under tensor parallelism (runtime.tp_group) the ranks of each TP group compare first, then the
-    CP group compares and learns whether any TP group disagreed: every rank of the (cp, tp) mesh
-    meets every other's settings in two steps, and the facts come from global rank 0 (TP rank 0,
-    then CP rank 0)."""
-    mine = dict(
-        strategy=runtime.strategy,
-        decode=runtime.decode,
-        planner_rule=runtime.planner_rule,
-        check_inputs=runtime.check_inputs,
-        kv_interleave=runtime.kv_interleave,
-        balanced=getattr(runtime, "balanced", False),
-        # DCP (the TP ranks sharing a KV head) adds collectives to every layer: all ranks run it or none
-        dcp=runtime.dcp.world if getattr(runtime, "dcp", None) is not None else 1,
-        model=model_signature(runtime.model) + (runtime.tp,),
-    )
-    facts, clash = (runtime.calibration, runtime.partitions), None
-    tp_group = getattr(runtime, "tp_group", None)
+    Under tensor parallelism (tp: transformers' (TP group, TP size)) the ranks of each TP group compare
+    first, then the CP group compares and learns whether any TP group disagreed: every rank of the
+    (cp, tp) mesh meets every other's settings in two steps, and the facts come from global rank 0 (TP
+    rank 0, then CP rank 0). dcp: mesh.dcp_of's (group, index, size) of the TP ranks sharing a KV head."""
+    tp_group, tp_size = tp
+    # DCP (the TP ranks sharing a KV head) adds collectives to every layer: all ranks run it or none
+    mine = dict(settings.compared(), dcp=dcp[2] if dcp is not None else 1, model=model_signature(model) + (tp_size,))
+    facts, clash = settings.facts(), None
     if tp_group is not None:
         peers = _gather_objects((mine, facts), tp_group)
         clash = _clash(mine, [p[0] for p in peers], "tensor-parallel")
@@ -90,7 +83,7 @@ def agree_at_apply(runtime, group):
     mismatch = _clash(mine, [e[0] for e in everyone], "context-parallel")
     if mismatch is not None:
         raise RankMismatchError(mismatch)
-    runtime.calibration, runtime.partitions = everyone[0][1]
+    return settings.with_facts(everyone[0][1])
 
 
 def _gather_objects(obj, group) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -133,17 +134,17 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, total), generator=g).to(device)
     rows = []
-    strategy = runtime.strategy
+    saved = runtime.settings
     try:
         for rate in rates:
             T = max(runtime.world, round(rate * total))
             P = total - T
-            runtime.strategy = "ring_pass_kv"
+            runtime.settings = replace(saved, strategy="ring_pass_kv")
             cache = returned_cache(model(ids[:, :P], use_cache=True, logits_to_keep=1)) if P else None
             cache_kw = {cache_argument(model): cache}  # named once, outside the timed call
             times = {}
             for s in ("ring_pass_kv", "ring_pass_q"):
-                runtime.strategy = s
+                runtime.settings = replace(saved, strategy=s)
 
                 def partial_prefill():
                     model(ids[:, P:], **cache_kw, use_cache=True, logits_to_keep=1)
@@ -153,7 +154,7 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                 times[s] = median_seconds(
                     partial_prefill, repeats, device, barrier=lambda: dist.barrier(group=runtime.comm.group)
                 )
-            d = choose(T, P, runtime.world, runtime.shape, runtime.calibration, runtime.planner_rule)
+            d = choose(T, P, runtime.world, runtime.shape, saved.calibration, saved.planner_rule)
             rows.append(
                 dict(
                     miss_rate=T / total,
@@ -167,7 +168,7 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                 )
             )
     finally:
-        runtime.strategy = strategy
+        runtime.settings = saved
     for r in rows:
         faster = "ring_pass_kv" if r["pass_kv_s"] <= r["pass_q_s"] else "ring_pass_q"
         r["faster"] = faster
@@ -212,8 +213,8 @@ def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
 
     table = PartitionTable(runtime.world)
     table.add(ids.shape[1], sizes)
-    saved = runtime.strategy, runtime.partitions
-    runtime.strategy, runtime.partitions = "kv_runahead", table
+    saved = runtime.settings
+    runtime.settings = replace(saved, strategy="kv_runahead", partitions="table", partition_table=table)
     try:
         t = median_seconds(
             lambda: model(ids, use_cache=True, logits_to_keep=1),
@@ -222,7 +223,7 @@ def kvr_prefill_seconds(model, runtime, ids, sizes, repeats: int = 3) -> float:
             barrier=lambda: dist.barrier(group=runtime.comm.group),
         )
     finally:
-        runtime.strategy, runtime.partitions = saved
+        runtime.settings = saved
     return _agreed(runtime, t)
 
 

@@ -235,7 +235,7 @@ def cmd_sweep(args):
     model, runtime, device = _setup(args)
     rows, coeffs = miss_rate_sweep(model, runtime, args.total, args.miss_rates, repeats=args.repeats, device=device)
     if runtime.rank == 0:
-        cal = runtime.calibration
+        cal = runtime.settings.calibration
         print(
             f"model {args.model}  N={runtime.world}  total context {args.total}  threads/rank {torch.get_num_threads()}  "
             f"C={cal.attn_flops / 1e9:.2f} GFLOP/s  BW={cal.bandwidth / 1e9:.3f} GB/s ({cal.source})"

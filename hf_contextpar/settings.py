@@ -1,0 +1,92 @@
+"""What apply_context_parallel was asked, as one frozen value.
+
+`Settings.of(...)` checks the caller's arguments and resolves what they name on this rank (the
+calibration file, a KV-Runahead partition table); `comm/agreement.agree_settings` then compares
+every rank's and hands every rank rank 0's machine facts, so the runtime is built from one agreed
+value and nothing sets it afterwards (a tool that re-plans, as `calibrate` does, replaces it whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .plan.choice import RULES, Calibration
+from .plan.partitions import PartitionTable
+from .plan.strategies import STRATEGIES, prefill_names
+
+DECODES = ("auto", "replicated", "ring_pass_q")
+PLANNER_RULES = RULES
+PARTITION_MODES = (None, "even", "balanced")
+
+
+@dataclass(frozen=True)
+class Settings:
+    strategy: str = "auto"  # a registered prefill strategy (plan/strategies.py) or "auto"
+    decode: str = "auto"
+    planner_rule: str = "cost"
+    check_inputs: bool = True
+    kv_interleave: int = 1
+    partitions: str | None = None  # None, "even", "balanced", or "table" (then `partition_table`)
+    # machine facts: this rank's until the agreement, rank 0's after it
+    calibration: Calibration | None = field(default=None, compare=False)
+    partition_table: PartitionTable | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        strategy="auto",
+        decode="auto",
+        planner_rule="cost",
+        check_inputs=True,
+        kv_interleave=1,
+        kvr_partitions=None,
+        calibration=None,
+        device_type="cpu",
+    ) -> Settings:
+        """The caller's arguments, checked (a ValueError that says what is accepted) and resolved."""
+        if strategy != "auto" and strategy not in prefill_names():
+            raise ValueError(f"strategy must be one of {('auto', *prefill_names())}, got {strategy!r}.")
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}.")
+        if planner_rule not in PLANNER_RULES:
+            raise ValueError(f"planner_rule must be one of {PLANNER_RULES}, got {planner_rule!r}.")
+        if isinstance(kv_interleave, bool) or not isinstance(kv_interleave, int) or kv_interleave < 1:
+            raise ValueError(
+                f"kv_interleave must be a positive int (decode tokens stored per rank before the next rank takes "
+                f"over; 1 = token by token), got {kv_interleave!r}."
+            )
+        fixed = isinstance(kvr_partitions, str) and kvr_partitions in PARTITION_MODES or kvr_partitions is None
+        return cls(
+            strategy=strategy,
+            decode=decode,
+            planner_rule=planner_rule,
+            check_inputs=bool(check_inputs),
+            kv_interleave=kv_interleave,
+            partitions=kvr_partitions if fixed else "table",
+            calibration=Calibration.resolve(calibration, device_type),
+            partition_table=None if fixed else PartitionTable.load(kvr_partitions),
+        )
+
+    @property
+    def whole_heads(self) -> bool:
+        """The strategy moves whole heads (Ulysses): N must divide the heads, a latent cannot be split."""
+        return self.strategy != "auto" and STRATEGIES[self.strategy].whole_heads
+
+    def compared(self) -> dict:
+        """What every rank must have been given the same (the machine facts are taken from rank 0)."""
+        return dict(
+            strategy=self.strategy,
+            decode=self.decode,
+            planner_rule=self.planner_rule,
+            check_inputs=self.check_inputs,
+            kv_interleave=self.kv_interleave,
+            kvr_partitions=self.partitions,
+        )
+
+    def facts(self) -> tuple:
+        return self.calibration, self.partition_table
+
+    def with_facts(self, facts: tuple) -> Settings:
+        calibration, table = facts
+        return replace(self, calibration=calibration, partition_table=table)
