@@ -84,7 +84,6 @@ def apply_context_parallel(
         kv_interleave=kv_interleave,
         kvr_partitions=kvr_partitions,
         calibration=calibration,
-        device_type=device.type,
     )
     family = check_model(model)
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
@@ -94,7 +93,7 @@ def apply_context_parallel(
     try:
         if settings.whole_heads:
             latent.refuse_ulysses(model)
-        settings = agree_settings(settings, model, group, tensor_parallel(model), dcp_of(model))
+        settings = agree_settings(settings.resolved(device.type), model, group, tensor_parallel(model), dcp_of(model))
         runtime = ContextParallelRuntime(model, group, rank, world, settings)
         runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
         undo.append(runtime.comm.close_shm)

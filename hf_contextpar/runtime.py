@@ -252,7 +252,7 @@ class ContextParallelRuntime:
     def _choose(self, num_new: int, past: int) -> str:
         if self.settings.strategy != "auto":
             return self.settings.strategy
-        if self.chain:  # one way down the ranks, as the states go (plan.py: ring pass-KV over a cache)
+        if self.chain:  # one way down the ranks, as the states go (plan/forward.py: ring pass-KV over a cache)
             return "kv_runahead"
         s = self.settings
         self.last_decision = choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule)

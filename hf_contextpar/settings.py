@@ -1,7 +1,9 @@
 """What apply_context_parallel was asked, as one frozen value.
 
-`Settings.of(...)` checks the caller's arguments and resolves what they name on this rank (the
-calibration file, a KV-Runahead partition table); `comm/agreement.agree_settings` then compares
+`Settings.of(...)` checks the caller's arguments (no file is read: on one process apply changes
+nothing), `resolved()` reads what they name on this rank once the process group exists (the
+calibration file, a KV-Runahead partition table: a rank that fails there leaves its peers a
+`PeerFailureError` at the agreement, not a hang), and `comm/agreement.agree_settings` compares
 every rank's and hands every rank rank 0's machine facts, so the runtime is built from one agreed
 value and nothing sets it afterwards (a tool that re-plans, as `calibrate` does, replaces it whole).
 """
@@ -27,9 +29,9 @@ class Settings:
     check_inputs: bool = True
     kv_interleave: int = 1
     partitions: str | None = None  # None, "even", "balanced", or "table" (then `partition_table`)
-    # machine facts: this rank's until the agreement, rank 0's after it
-    calibration: Calibration | None = field(default=None, compare=False)
-    partition_table: PartitionTable | None = field(default=None, compare=False)
+    # machine facts: as given, then this rank's (`resolved`), then rank 0's (the agreement)
+    calibration: Calibration | dict | str | None = field(default=None, compare=False)
+    partition_table: PartitionTable | dict | str | None = field(default=None, compare=False)
 
     @classmethod
     def of(
@@ -42,9 +44,8 @@ class Settings:
         kv_interleave=1,
         kvr_partitions=None,
         calibration=None,
-        device_type="cpu",
     ) -> Settings:
-        """The caller's arguments, checked (a ValueError that says what is accepted) and resolved."""
+        """The caller's arguments, checked (a ValueError that says what is accepted); `resolved` reads them."""
         if strategy != "auto" and strategy not in prefill_names():
             raise ValueError(f"strategy must be one of {('auto', *prefill_names())}, got {strategy!r}.")
         if decode not in DECODES:
@@ -64,9 +65,15 @@ class Settings:
             check_inputs=bool(check_inputs),
             kv_interleave=kv_interleave,
             partitions=kvr_partitions if fixed else "table",
-            calibration=Calibration.resolve(calibration, device_type),
-            partition_table=None if fixed else PartitionTable.load(kvr_partitions),
+            calibration=calibration,
+            partition_table=None if fixed else kvr_partitions,
         )
+
+    def resolved(self, device_type: str) -> Settings:
+        """The calibration (a Calibration, dict, JSON path, or the saved file / defaults) and the partition
+        table (a PartitionTable, dict or JSON path) read on this rank."""
+        table = PartitionTable.load(self.partition_table) if self.partition_table is not None else None
+        return replace(self, calibration=Calibration.resolve(self.calibration, device_type), partition_table=table)
 
     @property
     def whole_heads(self) -> bool:

@@ -34,7 +34,7 @@ def test_user_script_without_cleanup_exits_cleanly():
 
 TOOLS = {
     # the model is made after the library initialised the group (transformers then imports
-    # torch.distributed.nn.functional, whose defaults would hold the group: distributed.py)
+    # torch.distributed.nn.functional, whose defaults would hold the group: comm/group.py)
     "bench": ["-m", "hf_contextpar.bench", "--model", "tiny-llama", "--lengths", "64", "--repeats", "1",
               "--new-tokens", "3", "--strategies", "ring_pass_kv", "--peers", "none", "--no-plots"],
     "generate": ["-m", "hf_contextpar", "generate", "--prompt-tokens", "256", "--max-new-tokens", "2"],

@@ -16,7 +16,7 @@ layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: me
 ranks match in posting order, and its state may go first).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan/forward.py). Uneven partitions
 leave the earlier ranks more K/V; each rank keeps its even share of the columns instead, from its
-own block and those it receives (`plan._levelled`, `ShardedLayer.stash`), so the cache ends 1/N.
+own block and those it receives (`forward._levelled`, `ShardedLayer.stash`), so the cache ends 1/N.
 """
 
 from __future__ import annotations

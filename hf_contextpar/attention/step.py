@@ -116,7 +116,7 @@ class Step:
         return self._held[window]
 
     def level(self) -> tuple | None:
-        """The new columns [lo, hi) the running layer keeps of the blocks it receives (levelling, plan._levelled),
+        """The new columns [lo, hi) the running layer keeps of the blocks it receives (levelling, forward._levelled),
         where the layer stores its own K/V (not another's, shared); else None."""
         store = self.plan.storage.store[self.comm.rank] if self.plan.storage is not None else None
         if store is None or store.level is None or self.cache is None or self.kv_layer != self.layer:

@@ -29,7 +29,7 @@ class ShardedLayer(CacheLayerMixin):
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
-        self.stashed: list = []  # levelling (plan._levelled): (first column, K/V) of received blocks this rank keeps
+        self.stashed: list = []  # levelling (forward._levelled): (first column, K/V) of received blocks this rank keeps
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property

@@ -63,7 +63,8 @@ def agree_settings(settings, model, group, tp: tuple, dcp) -> Settings:
 
     Each rank's settings and model shape are compared (a mismatch is an error on every rank); the
     machine facts that drive per-call choices (the planner's calibration, KV-Runahead's partition
-    table) are taken from rank 0, since each rank may have read a different file or none.
+    table) are taken from rank 0, since each rank may have read a different file (the saved
+    calibration) or none; how partitions are cut (even, balanced, a table) must be the same.
     Under tensor parallelism (tp: transformers' (TP group, TP size)) the ranks of each TP group compare
     first, then the CP group compares and learns whether any TP group disagreed: every rank of the
     (cp, tp) mesh meets every other's settings in two steps, and the facts come from global rank 0 (TP

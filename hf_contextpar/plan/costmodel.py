@@ -349,8 +349,8 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
     split, averaged over the ranks (the tests check the same formula per rank against the counters)."""
     if N == 1:
         return 0.0
-    s = STRATEGIES[strategy]
-    if not _modelled(s, P, N, shape):
+    s = STRATEGIES.get(strategy)
+    if s is None or not s.prefill or not _modelled(s, P, N, shape):
         return None
     e, d, h, kv = shape.elem_bytes, shape.head_dim, shape.heads, shape.kv_heads
     total = 0.0

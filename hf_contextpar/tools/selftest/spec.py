@@ -1,6 +1,6 @@
 """The specification every attention algorithm is checked against (issue 12), in ring-flash-attention's shape.
 
-Whole-sequence Q, K, V are cut the way a plan says (`plan.build_plan` over a `cache.ShardLayout`
+Whole-sequence Q, K, V are cut the way a plan says (`plan/forward.build_plan` over a `ShardLayout`
 that went through the forwards before it), the plan's algorithm runs unmodified on N simulated
 ranks (`hf_contextpar.tools.simulated`, one thread per rank), and every rank's (out, LSE) for its own
 query rows must equal plain whole-sequence attention written out here (`reference`), and its
