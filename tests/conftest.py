@@ -8,10 +8,21 @@ one multi-process scenario), the eval harness's data and metrics, the self-test'
 benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by module or by test
 (optionally narrowed to some parameters); a name here that matches no collected test is an error,
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
+
+The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
+hybrid and multi-turn matrices, split by family so that every family runs at one of them in every run;
+N = 3 or 4 of the strategy matrix and of the census's re-run; N = 3 of the geometry, holes and
+interleave matrices; two of the three script orders of the exit check; lm-eval on 3 processes and lm-eval
+under TP 2 x CP 2) run in one of SLICES slices,
+picked by the day (every slice runs every SLICES days) and printed in the header. Replay one with
+HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -59,7 +70,72 @@ SLOW_TESTS = {
     ("test_census.py", "test_rotating_families_keep_their_classification"): None,
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: p["n"] == 2 and p["family"] == "qwen3_next",
     ("test_hybrid.py", "test_hybrid_strategies"): None,
+    # TP x CP: the tp_cp matrix (one launch of 4 ranks) stays in the fast subset, the rest is slow
+    ("test_tp.py", "test_dcp_exact"): None,
+    ("test_tp.py", "test_dcp_refusals_and_fp32"): None,
+    ("test_tp.py", "test_tp_disagreements_fail_on_every_rank"): None,
+    ("test_tp.py", "test_tp_cp_fp32_tokens"): None,
+    ("test_tp.py", "test_main_job_tp2_cp2"): None,
+    ("test_tp.py", "test_bench_layouts"): None,
+    ("test_tp.py", "test_main_job_tp4_dcp"): None,
+    ("test_tp.py", "test_main_job_refuses_tp_that_splits_a_head"): None,
 }
+
+
+SLICES = 2
+
+
+def _by_name(name: str, n: int) -> int:
+    """A family's slice at N = 3 and 4: opposite ones, so each family runs at one of them in every slice."""
+    return (zlib.crc32(name.encode()) + n) % SLICES
+
+
+# (module, test function) -> the slice a parameter set runs in, or None: every run
+ROTATING = {
+    ("test_exactness.py", "test_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
+    ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
+    ("test_multiturn.py", "test_multiturn_exact_and_balanced"): lambda p: p["n"] % SLICES if p["n"] > 2 else None,
+    ("test_strategies.py", "test_strategy_exact"): lambda p: p["n"] % SLICES if p["n"] > 2 else None,
+    ("test_strategies.py", "test_traffic_matches_the_formulas"): lambda p: p["n"] % SLICES if p["n"] > 2 else None,
+    ("test_strategies.py", "test_kvr_search_on_a_model"): lambda p: p["n"] % SLICES if p["n"] > 2 else None,
+    ("test_strategies.py", "test_forward_with_autograd_on"): lambda p: p["n"] % SLICES if p["n"] > 2 else None,
+    ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: (
+        p["world"] % SLICES if p["world"] > 2 else None
+    ),
+    ("test_geometries.py", "test_geometry_exact"): lambda p: 0 if p["n"] == 3 else None,
+    ("test_holes.py", "test_case"): lambda p: 1 if p["n"] == 3 else None,
+    ("test_interleave.py", "test_case"): lambda p: 0 if p["n"] == 3 else None,
+    ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {"group": 0, "model": 1}.get(p["order"]),
+    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: 0,
+    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: 1,
+}
+
+
+def rotation_slice() -> int | None:
+    """The slice this run rotates in (None: all of them): HF_CONTEXTPAR_SLICE, else the day's."""
+    chosen = os.environ.get("HF_CONTEXTPAR_SLICE", "")
+    if chosen == "all":
+        return None
+    if chosen:
+        return int(chosen) % SLICES
+    return datetime.date.today().toordinal() % SLICES
+
+
+def pytest_report_header(config):
+    k = rotation_slice()
+    which = "every slice" if k is None else f"slice {k} of {SLICES} (the day's)"
+    return (
+        f"hf-contextpar rotation: {which}; replay one with HF_CONTEXTPAR_SLICE=k (0..{SLICES - 1}), "
+        "run all with HF_CONTEXTPAR_SLICE=all (tests/conftest.py ROTATING)"
+    )
+
+
+def _rotated_out(module: str, name: str, params: dict, k: int | None) -> bool:
+    rule = ROTATING.get((module, name))
+    if rule is None or k is None:
+        return False
+    where = rule(params)
+    return where is not None and where != k
 
 
 def _is_slow(module: str, name: str, params: dict) -> bool:
@@ -75,7 +151,7 @@ def _stale() -> list[str]:
     """Listed modules and tests that no longer exist (read from the test files, whatever is selected)."""
     here = Path(__file__).parent
     missing = [m for m in sorted(SLOW_MODULES) if not (here / m).exists()]
-    for module, name in SLOW_TESTS:
+    for module, name in [*SLOW_TESTS, *ROTATING]:
         path = here / module
         if not path.exists() or f"def {name}(" not in path.read_text():
             missing.append(f"{module}::{name}")
@@ -85,9 +161,14 @@ def _stale() -> list[str]:
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect
 def pytest_collection_modifyitems(config, items):
     if stale := _stale():
-        raise pytest.UsageError(f"tests/conftest.py lists slow tests that do not exist: {', '.join(stale)}")
+        raise pytest.UsageError(f"tests/conftest.py lists slow or rotating tests that do not exist: {', '.join(stale)}")
+    k, kept, rotated = rotation_slice(), [], []
     for item in items:
         name = getattr(item, "originalname", None) or item.name
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if _is_slow(item.path.name, name, params):
             item.add_marker(pytest.mark.slow)
+        (rotated if _rotated_out(item.path.name, name, params, k) else kept).append(item)
+    if rotated:
+        config.hook.pytest_deselected(items=rotated)
+        items[:] = kept

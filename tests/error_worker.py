@@ -1,4 +1,6 @@
-"""One rank of an error scenario; prints 'RESULT <text>' lines the test reads."""
+"""One rank of error scenarios; prints 'SCENARIO <name>' and then its 'RESULT <text>' lines, which the test
+reads. argv[1]: one scenario, or several comma-separated, run in turn in this one launch (each on a
+model and process group of its own; those that leave the ranks at different collectives run alone)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,22 @@ def registered(scenario):
 
 
 def main():
-    scenario = sys.argv[1]
+    scenarios = sys.argv[1].split(",")
+    if len(scenarios) == 1:
+        print(f"SCENARIO {scenarios[0]}", flush=True)
+        return run(scenarios[0], batched=False)
+    for scenario in scenarios:
+        print(f"SCENARIO {scenario}", flush=True)
+        try:
+            run(scenario, batched=True)
+        except Exception as e:  # not a refusal: this scenario's test fails, the others still run
+            print(f"RESULT {type(e).__name__} {e}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(scenario: str, batched: bool):
     rank = int(os.environ["RANK"])
     timeout = float(os.environ.get("CP_TIMEOUT", "60"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -67,7 +84,7 @@ def main():
         print(f"RESULT {type(e).__name__} {e}", flush=True)
         return
     finally:
-        if scenario in REGISTERED and dist.is_initialized():
+        if scenario in REGISTERED and dist.is_initialized() and not batched:
             dist.destroy_process_group()
     check = not scenario.endswith("_unchecked")  # the refusals that hold without the input check too
     model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=timeout, check_inputs=check)
@@ -82,7 +99,7 @@ def main():
                 if rank == 1:
                     if scenario == "dies":
                         os._exit(3)
-                    time.sleep(45)
+                    time.sleep(25)  # well past the others' 8 s timeout
                     os._exit(4)
                 start = time.time()
                 try:
@@ -138,7 +155,7 @@ def main():
         print("RESULT no error", flush=True)
     except hf_contextpar.ContextParallelError as e:
         print(f"RESULT {type(e).__name__} {e}", flush=True)
-    if dist.is_initialized() and scenario not in ("dies", "stalls"):
+    if dist.is_initialized() and scenario not in ("dies", "stalls") and not batched:
         dist.destroy_process_group()
 
 

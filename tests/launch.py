@@ -69,6 +69,19 @@ def matrix(worker: str, n: int, tmp_path_factory, args: tuple[str, ...] = ()) ->
     return _matrices[key]
 
 
+def selected(request, key: str, everything) -> tuple:
+    """The values of parameter `key` that this session runs for the requesting test function at the same
+    N (after -k, -m and the rotation, tests/conftest.py), in `everything`'s order: a matrix launch runs
+    only those."""
+    test, n = request.node.originalname, request.node.callspec.params["n"]
+    wanted = {
+        item.callspec.params[key]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test and item.callspec.params.get("n") == n
+    }
+    return tuple(v for v in everything if v in wanted)
+
+
 def record_each(out_dir, names, key: str, check):
     """A matrix worker's loop over families or geometries: `check(name, rec)` for every name, recording any
     number of cases per name (`run_cases` takes one per case), each failure as a case "error" so one broken

@@ -1,6 +1,6 @@
 """The exactness matrix: every supported family x N = 2..4 processes x case, on CPU/gloo, against
 the unpatched single-process model. One launch per N runs the families whose tests were selected
-(see cp_worker.py); each case is its own test, so a failure reads like
+(see cp_worker.py; at N = 3 and 4 the day's rotation picks half of them each, tests/conftest.py); each case is its own test, so a failure reads like
 `test_exact[N3-llama-beam_search]`. Tolerances are the exactness oracle's (hf_contextpar.eval.oracle).
 
 N = 1 is not in the matrix: on one process apply_context_parallel validates the model and returns
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cp_worker import FAMILIES, impl_for
-from launch import matrix, tolerance
+from launch import matrix, selected, tolerance
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -75,22 +75,11 @@ CASES = {
 }
 
 
-def _selected_families(session, n: int) -> tuple[str, ...]:
-    """The families of the test_exact cases on n ranks that this session runs (after -k and -m), so a
-    subset launches only what it checks."""
-    wanted = {
-        item.callspec.params["family"]
-        for item in session.items
-        if getattr(item, "originalname", None) == "test_exact" and item.callspec.params["n"] == n
-    }
-    return tuple(f for f in FAMILIES if f in wanted)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("n", WORLD_SIZES, ids=lambda n: f"N{n}")
 def test_exact(n, family, case, request, tmp_path_factory):
-    families = _selected_families(request.session, n)
+    families = selected(request, "family", FAMILIES)
     args = () if families == tuple(FAMILIES) else (",".join(families),)
     for rank, records in enumerate(matrix("cp_worker.py", n, tmp_path_factory, args)):
         mine = [r for r in records if r["family"] == family]
