@@ -186,6 +186,15 @@ def test_no_import_circles():
     assert not circles(), "import circles:\n" + "\n".join(circles())
 
 
+def test_every_package_is_in_the_wheel():
+    """pyproject lists the packages by name: a new folder missing there would be left out of the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, init, _ in modules() if init}
+    assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"
+
+
 def test_engine_imports_no_tool():
     assert not engine_violations(), "\n".join(engine_violations())
 
