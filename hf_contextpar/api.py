@@ -89,12 +89,18 @@ def apply_context_parallel(
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1 and dcp_of(model) is None:  # with DCP one CP rank still shares its KV heads' tokens
         return model
-    undo = Undo([lambda: release_group(group)])  # a group made for this call only
     try:
         if settings.whole_heads:
             latent.refuse_ulysses(model)
         settings = agree_settings(settings.resolved(device.type), model, group, tensor_parallel(model), dcp_of(model))
         runtime = ContextParallelRuntime(model, group, rank, world, settings)
+    except BaseException:
+        release_group(group)  # a group made for this call only
+        raise
+    # the group is reached through the runtime's Comm, which drops it at exit (comm/group.release_at_exit): an
+    # undo holding the group itself would keep a patched model's group, and gloo's threads, alive into finalization
+    undo = Undo([lambda: release_group(runtime.comm.group)])
+    try:
         runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
         undo.append(runtime.comm.close_shm)
         _switch_attention(model, runtime, undo)

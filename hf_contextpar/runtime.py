@@ -58,7 +58,7 @@ class ContextParallelRuntime:
         if settings.whole_heads:  # the heads this rank's attention receives, not the config's (dbrx, TP)
             held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
             check_ulysses(model.config, world, held)
-        self.last_decision = None  # the planner's Decision for the latest prefill (strategy="auto")
+        self._last_prefill = None  # (T, P) of the latest prefill: what last_decision re-derives
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
         self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
@@ -158,6 +158,8 @@ class ContextParallelRuntime:
         step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp)
         self.algorithm_counts[plan.algorithm] += 1
         self.last_plan = plan
+        if plan.shards.token_rows is not None:  # a prefill: the plan asked the policy for its strategy
+            self._last_prefill = (plan.num_new, plan.past)
         self.last_forward = dict(
             algorithm=plan.algorithm,
             tokens=inputs.num_new,
@@ -255,8 +257,17 @@ class ContextParallelRuntime:
         if self.chain:  # one way down the ranks, as the states go (plan/forward.py: ring pass-KV over a cache)
             return "kv_runahead"
         s = self.settings
-        self.last_decision = choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule)
-        return self.last_decision.strategy
+        return choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule).strategy
+
+    @property
+    def last_decision(self):
+        """The planner's Decision for the latest prefill under strategy="auto" (None before one, with a fixed
+        strategy, or on a model with recurrent layers): the pure choice the plan made, derived again here, so
+        the plan never writes back into the runtime."""
+        s = self.settings
+        if self._last_prefill is None or s.strategy != "auto" or self.chain:
+            return None
+        return choose(*self._last_prefill, self.world, self.shape, s.calibration, s.planner_rule)
 
     @staticmethod
     def _sizing(inputs: Inputs) -> list:

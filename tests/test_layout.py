@@ -195,6 +195,36 @@ def test_every_package_is_in_the_wheel():
     assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"
 
 
+def algorithm_reads(root: Path = ROOT) -> dict[str, set[str]]:
+    """Per algorithm file of the registry (plan/strategies.py, files in hf_contextpar/attention/): the names
+    it reads of its `step`."""
+    from hf_contextpar.plan.strategies import STRATEGIES
+
+    reads = {}
+    for strategy in STRATEGIES.values():
+        module = (strategy.algorithm or f".{strategy.name}:{strategy.name}").partition(":")[0]
+        if not module.startswith("."):
+            continue  # a test's own
+        path = root / "hf_contextpar" / "attention" / f"{module[1:]}.py"
+        tree = ast.parse(path.read_text())
+        reads[path.name] = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "step"
+        }
+    return reads
+
+
+def test_algorithms_read_only_their_layer_call():
+    """An algorithm reads of its step what `attention.call.LayerCall` lists: it returns (out, LSE) and hands
+    received blocks over; the plan, the cache and the adapter's bookkeeping are not its to touch."""
+    from hf_contextpar.attention.call import MEMBERS
+
+    assert len(algorithm_reads()) >= 8
+    beyond = {name: sorted(names - MEMBERS) for name, names in algorithm_reads().items() if names - MEMBERS}
+    assert not beyond, f"algorithms reading beyond LayerCall: {beyond}"
+
+
 def test_engine_imports_no_tool():
     assert not engine_violations(), "\n".join(engine_violations())
 
@@ -212,6 +242,30 @@ def test_no_module_over_400_lines():
     assert not long, f"split these by job (at most {MAX_LINES} lines a module): " + ", ".join(long)
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path = ROOT) -> list[str]:
+    """Engine functions over MAX_FUNCTION_LINES lines of code (the docstring aside): the tools apart."""
+    long = []
+    for name, _, path in modules(root):
+        if any(_within(name, p) for p in NOT_ENGINE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = node.body[0] if ast.get_docstring(node) is not None else None
+                lines = node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {lines} lines")
+    return long
+
+
+def test_engine_functions_are_short():
+    assert not long_functions(), f"split into named phases (at most {MAX_FUNCTION_LINES} lines): " + ", ".join(
+        long_functions()
+    )
+
+
 def test_rules_catch_violations(tmp_path):
     """The checks above can fail: a copy of the layout with one violation of each kind."""
     (tmp_path / "hf_contextpar" / "tools").mkdir(parents=True)
@@ -226,10 +280,17 @@ def test_rules_catch_violations(tmp_path):
     (tmp_path / "hf_contextpar" / "runtime.py").write_text(
         "from .tools import models\nfrom . import kernels\nkernels._math()\n"
     )
-    (tmp_path / "hf_contextpar" / "api.py").write_text("def f():\n    from .eval import compare\n")
+    (tmp_path / "hf_contextpar" / "api.py").write_text(
+        'def f():\n    """doc"""\n    from .eval import compare\n' + "    x = 1\n" * (MAX_FUNCTION_LINES - 2)
+    )
     engine = engine_violations(tmp_path)
     assert any("runtime.py:1" in b and "hf_contextpar.tools" in b for b in engine), engine
-    assert any("api.py:2" in b and "hf_contextpar.eval" in b for b in engine), engine
+    assert any("api.py:3" in b and "hf_contextpar.eval" in b for b in engine), engine
+    assert long_functions(tmp_path) == [], long_functions(tmp_path)  # 60 lines of code besides the docstring
+    (tmp_path / "hf_contextpar" / "api.py").write_text(
+        (tmp_path / "hf_contextpar" / "api.py").read_text() + "    x = 2\n"
+    )
+    assert [b.split(":")[0] for b in long_functions(tmp_path)] == ["hf_contextpar/api.py"], long_functions(tmp_path)
     assert any("patches/__init__.py:1" in b for b in engine), engine
     (tmp_path / "hf_contextpar" / "tools" / "cli.py").write_text("from ..eval import compare\n")
     (tmp_path / "eval" / "compare.py").write_text("from hf_contextpar.tools import models\n")

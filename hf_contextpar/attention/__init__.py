@@ -42,7 +42,51 @@ def _load(strategy):
 def context_parallel_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
 ):
+    """What every attention layer of a patched model calls: the running plan's algorithm over this rank's
+    K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
+    _refuse(step, module, attention_mask, dropout, kwargs)
+    expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
+    if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
+        expanded = None
+    cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
+    source = _source_layer(step, module, cached_k, cached_v)
+    step.attended.add(module.layer_idx)
+    chunk = chunk_size(module)
+    kv_local = _local_block(step, module.layer_idx, source, cached_k, cached_v, chunk, sliding_window)
+    step.kv_shapes[module.layer_idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
+    step.layer, step.kv_layer, step.sinks = module.layer_idx, source, kwargs.get("s_aux")
+    width = max(query.shape[-1], value.shape[-1])
+    step.kv = LayerKV(
+        key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
+        expand=expanded.expand if expanded is not None else None,
+        local=(key, value) if expanded is not None else None,
+        width=width if key.shape[-1] != value.shape[-1] else None,
+        out_dim=value.shape[-1] if value.shape[-1] < width else None,
+    )
+    q = step.kv.pad(query)
+    attn = dict(
+        scale=scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
+        window=Chunked(chunk, step.left_padding) if chunk is not None else sliding_window,
+        softcap=softcap,
+    )
+    if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
+        heads, sinks, step.sinks = q.shape[1], step.sinks, None
+        q = _gather_heads(step.dcp, q)
+        out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
+        out, lse = _merge_heads(step, q, out, lse, heads)
+        step.sinks = sinks
+    else:
+        out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
+    if out is None:  # no key visible for any row (only padding rows can be in that state)
+        out = q.new_zeros(step.out_shape(q))
+    elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
+        out = with_sink(out, lse, step.sinks)
+    return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _refuse(step, module, attention_mask, dropout, kwargs):
+    """What this attention cannot run exactly: outside a patched forward, dropout, a mask or bias of its own."""
     if step is None:
         raise PatchStateError(
             "hf_contextpar attention ran outside a context-parallel forward. Call the patched "
@@ -62,62 +106,35 @@ def context_parallel_attention(
             "attention (masks built from each block's global columns) cannot take: this model cannot run exactly "
             "under context parallelism."
         )
-    idx = module.layer_idx
-    expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
-    if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
-        expanded = None
-    cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
-    source = _source_layer(step, module, cached_k, cached_v)
-    step.attended.add(idx)
-    chunk = chunk_size(module)
-    if step.cache is not None:  # the layer's K/V as the cache holds them, this forward's included
-        layer = step.cache.layers[source]
-        if chunk is not None and (sliding_window is not None or layer.window not in (None, chunk)):
-            raise CacheMismatchError(
-                f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
-                "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
-            )
-        if chunk is None and layer.window is not None and sliding_window != layer.window:
-            raise CacheMismatchError(
-                f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
-                f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
-                "or DynamicCache(config=model.config). If you passed none, this model's attention disagrees with the "
-                "cache its own config makes (DynamicCache(config=model.config)), so it cannot run exactly under "
-                "context parallelism."
-            )
-        kv_local = layer.block()
-        if not STRATEGIES[step.algorithm].stays_local:  # a message: the cache buffer itself when it holds just these
-            kv_local = kv_local.contiguous()
-    else:  # no cache: this forward's own K/V are the block
+
+
+def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
+    """This rank's K/V block of the layer: the cache's (this forward's included), checked against the layer's
+    window, else this forward's own (DCP: this rank's slots of it, as the cache would hold them)."""
+    if step.cache is None:
         kv_local = pack_kv(cached_k, cached_v)
-        if step.dcp is not None:  # DCP: this rank's slots of it, as the cache would hold them
+        if step.dcp is not None:
             held = torch.arange(kv_local.shape[3], device=kv_local.device) % step.dcp.world == step.dcp.rank
             kv_local = kv_local[:, :, :, held]
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    width = max(query.shape[-1], value.shape[-1])
-    step.layer, step.kv_layer, step.sinks = idx, source, kwargs.get("s_aux")
-    step.kv = LayerKV(
-        key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
-        expand=expanded.expand if expanded is not None else None,
-        local=(key, value) if expanded is not None else None,
-        width=width if key.shape[-1] != value.shape[-1] else None,
-        out_dim=value.shape[-1] if value.shape[-1] < width else None,
-    )
-    q = step.kv.pad(query)
-    window = Chunked(chunk, step.left_padding) if chunk is not None else sliding_window
-    if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
-        heads, sinks, step.sinks = q.shape[1], step.sinks, None
-        q = _gather_heads(step.dcp, q)
-        out, lse = algorithm(step.algorithm)(step, q, kv_local, scale=scale, window=window, softcap=softcap)
-        out, lse = _merge_heads(step, q, out, lse, heads)
-        step.sinks = sinks
-    else:
-        out, lse = algorithm(step.algorithm)(step, q, kv_local, scale=scale, window=window, softcap=softcap)
-    if out is None:  # no key visible for any row (only padding rows can be in that state)
-        out = q.new_zeros(step.out_shape(q))
-    elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
-        out = with_sink(out, lse, step.sinks)
-    return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
+        return kv_local
+    layer = step.cache.layers[source]
+    if chunk is not None and (sliding_window is not None or layer.window not in (None, chunk)):
+        raise CacheMismatchError(
+            f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
+            "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
+        )
+    if chunk is None and layer.window is not None and sliding_window != layer.window:
+        raise CacheMismatchError(
+            f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
+            f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
+            "or DynamicCache(config=model.config). If you passed none, this model's attention disagrees with the "
+            "cache its own config makes (DynamicCache(config=model.config)), so it cannot run exactly under "
+            "context parallelism."
+        )
+    kv_local = layer.block()
+    if not STRATEGIES[step.algorithm].stays_local:  # a message: the cache buffer itself when it holds just these
+        kv_local = kv_local.contiguous()
+    return kv_local
 
 
 def _gather_heads(dcp, q: torch.Tensor) -> torch.Tensor:

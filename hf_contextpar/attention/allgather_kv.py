@@ -17,12 +17,11 @@ from .merge import Accumulator
 def allgather_kv(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
     blocks = comm.broadcast_blocks(kv_local, [block_shape(kv_local, step.kv_size(r)) for r in range(world)])
-    acc, level = Accumulator(q.shape[2]), step.level()
+    acc = Accumulator(q.shape[2])
     for src in [(rank + i) % world for i in range(world)]:  # our own block first, while the others land
         block = blocks[src].wait()
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-        if level is not None and src != rank:  # levelling: keep what this rank commits
-            step.cache.layers[step.kv_layer].stash(block, step.kv_cols[src], *level)
+        step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
         blocks[src] = None  # drop each gathered block as soon as it is attended
     return acc.result() or (None, None)

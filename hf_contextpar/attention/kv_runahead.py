@@ -10,13 +10,15 @@ block it receives to rank i+1. Only point-to-point messages, no collective; tota
 Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 received
 (blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
 done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection:
-once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`; layers may differ
-in head size, as Gemma 4's do, and a receive of the wrong size would abort the group), and unless
+once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`, which the attention
+adapter records for every layer; layers may differ in head size, as Gemma 4's do, and a receive of the
+wrong size would abort the group), and unless
 layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: messages between two
 ranks match in posting order, and its state may go first).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan/forward.py). Uneven partitions
 leave the earlier ranks more K/V; each rank keeps its even share of the columns instead, from its
-own block and those it receives (`forward._levelled`, `ShardedLayer.stash`), so the cache ends 1/N.
+own block and those it receives (`forward._levelled`: the algorithm hands each received block to
+`Step.received`), so the cache ends 1/N.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _post_receives(step, layer, like, geometry):
 def kv_runahead(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
     last = rank == world - 1
-    step.kv_shapes[step.layer] = geometry = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])
+    geometry = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])
     pending = step.state.pop(("kvr_recv", step.layer), None)
     if pending is None:
         _post_receives(step, step.layer, kv_local, geometry)
@@ -47,13 +49,12 @@ def kv_runahead(step, q, kv_local, **attn):
     sends = [] if last else [comm.send_next(kv_local)]
     acc = Accumulator(q.shape[2])
     blocks = [(rank, kv_local)]
-    level = step.level()
     for i in range(len(pending) + 1):
         src, block = blocks[i] if i == 0 else (pending[i - 1][0], pending[i - 1][1].wait())
         if i > 0 and not last:
             sends.append(comm.send_next(block))
-        if i > 0 and level is not None:
-            step.cache.layers[step.kv_layer].stash(block, step.kv_cols[src], *level)
+        if i > 0:
+            step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
     if step.layer + 1 in step.kv_shapes and not step.chained_at(step.layer + 1):

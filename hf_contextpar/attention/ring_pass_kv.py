@@ -16,7 +16,7 @@ from .merge import Accumulator
 
 def ring_pass_kv(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
-    acc, level = Accumulator(q.shape[2]), step.level()
+    acc = Accumulator(q.shape[2])
     block, src = kv_local, rank
     for hop in range(world):
         pending = None
@@ -25,8 +25,7 @@ def ring_pass_kv(step, q, kv_local, **attn):
             pending = comm.send_recv(block, block_shape(block, step.kv_size(nxt)))
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-        if level is not None and src != rank:  # levelling: keep what this rank commits
-            step.cache.layers[step.kv_layer].stash(block, step.kv_cols[src], *level)
+        step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
         if pending is not None:
             block, src = pending.wait(), nxt
     return acc.result() or (None, None)

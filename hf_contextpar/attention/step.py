@@ -51,8 +51,9 @@ class Step:
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
     sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
     kv: LayerKV = field(default_factory=LayerKV)  # the running layer's K/V blocks, set by the attention adapter
-    # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as seen by earlier
-    # forwards: the runtime keeps one dict for the model's life, so an algorithm can post receives ahead
+    # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as the attention adapter
+    # saw them in earlier forwards: the runtime keeps one dict for the model's life, so an algorithm can post
+    # receives ahead (the adapter writes it, an algorithm only reads it)
     kv_shapes: dict = field(default_factory=dict)
     # DCP: the TP peers holding this rank's KV head, each every dcp-th slot of the CP rank's columns (the
     # cache's ShardLayout.held); the algorithms see only this rank's slots, the adapter merges the peers'
@@ -122,6 +123,13 @@ class Step:
         if store is None or store.level is None or self.cache is None or self.kv_layer != self.layer:
             return None
         return store.level[:2]
+
+    def received(self, block: torch.Tensor, src: int) -> None:
+        """An algorithm hands over rank src's K/V block of the running layer as it arrives; the cache keeps what
+        this rank commits of it (levelling, forward._levelled). The algorithm itself writes nothing."""
+        level = self.level()
+        if level is not None and src != self.comm.rank:
+            self.cache.layers[self.kv_layer].stash(block, self.kv_cols[src], *level)
 
     def chained_at(self, layer: int) -> bool:
         """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V)?"""

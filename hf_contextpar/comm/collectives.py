@@ -54,7 +54,7 @@ _live: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm, for release_grou
 
 
 def release_groups() -> None:
-    """Every Comm drops its process group and shared memory (at exit: see distributed.release_at_exit)."""
+    """Every Comm drops its process group and shared memory (at exit: see comm/group.release_at_exit)."""
     for comm in list(_live):
         comm.group = None
         comm.close_shm()

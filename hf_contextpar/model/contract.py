@@ -172,21 +172,7 @@ class InputContract:
         kwargs = dict(kwargs)
         for name, value in zip(self.params, args):
             kwargs[name] = value
-        if kwargs.get("labels") is not None:
-            raise UnsupportedInputError(
-                "labels are not supported under context parallelism: compute the loss from the gathered "
-                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
-            )
-        if kwargs.get("output_attentions"):
-            raise UnsupportedInputError("output_attentions=True is not supported under context parallelism.")
-        implementation = self.model.config._attn_implementation
-        if (
-            self.attention_name is not None and implementation != self.attention_name
-        ):  # else each rank attends to its shard alone
-            raise PatchStateError(
-                f"the model's attention implementation is {implementation!r}, changed after apply_context_parallel; "
-                "call remove_context_parallel(model), set the implementation, then apply again."
-            )
+        self._refuse_options(kwargs)
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = embeds if embeds is not None else ids
         if x is None:
@@ -230,6 +216,25 @@ class InputContract:
             as_tuple=not (return_dict if return_dict is not None else getattr(self.model.config, "return_dict", True)),
         )
         return kwargs, inputs
+
+    def _refuse_options(self, kwargs):
+        """What a forward may ask that context parallelism does not give: a loss, attention weights, or another
+        attention implementation than the one switched in at apply."""
+        if kwargs.get("labels") is not None:
+            raise UnsupportedInputError(
+                "labels are not supported under context parallelism: compute the loss from the gathered "
+                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
+            )
+        if kwargs.get("output_attentions"):
+            raise UnsupportedInputError("output_attentions=True is not supported under context parallelism.")
+        implementation = self.model.config._attn_implementation
+        if (
+            self.attention_name is not None and implementation != self.attention_name
+        ):  # else each rank attends to its shard alone
+            raise PatchStateError(
+                f"the model's attention implementation is {implementation!r}, changed after apply_context_parallel; "
+                "call remove_context_parallel(model), set the implementation, then apply again."
+            )
 
     def new_cache(self) -> ShardedCache:
         return ShardedCache(self.num_layers, self.rank, self.world, self.windows, self.recurrence)

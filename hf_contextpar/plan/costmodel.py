@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ..errors import ContextParallelError
 from .strategies import STRATEGIES, Rows
@@ -321,21 +321,6 @@ def _modelled(s, P: int, N: int, shape: Shape) -> bool:
     if P and (s.fresh_only or not s.modelled_over_cache):
         return False
     return not s.whole_heads or ulysses_fits(shape.heads, shape.kv_heads, N)
-
-
-def exposed_comm(strategy: str, T: int, N: int, shape: Shape, m: Machine) -> float | None:
-    """Predicted communication time not hidden behind compute (seconds), for comparison with comm wait."""
-    if N == 1:
-        return 0.0
-    inf = float("inf")
-    no_comm = replace(m, bandwidth=inf, latency=0.0, all2all_bandwidth=inf, all2all_latency=0.0)
-    full, bare = predict_ttft(strategy, T, N, shape, m), predict_ttft(strategy, T, N, shape, no_comm)
-    return None if full is None else full - bare
-
-
-def decode_floor(shape: Shape, m: Machine) -> float:
-    """The least per-token cost of sharded-KV decode over one process: one small collective per layer."""
-    return shape.layers * m.latency
 
 
 def kv_bytes_per_rank(context: int, N: int, shape: Shape) -> float:

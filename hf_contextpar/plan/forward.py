@@ -58,7 +58,7 @@ class Gather:
 
 
 @dataclass(frozen=True)
-class Store:
+class RankStore:
     """Which of the K/V a rank computes in this forward it keeps."""
 
     rows: torch.Tensor | None = None  # ascending indices into the rank's new tokens; None: all of them
@@ -105,7 +105,7 @@ class Shards:
 class Storage:
     """What the cache stores in this forward and the layout it commits when the forward ends."""
 
-    store: list  # per rank: Store
+    store: list  # per rank: RankStore
     cols: list  # per rank: the layout's columns once committed (Shards.kv_cols)
     seq_length: int
     batch: int
@@ -227,7 +227,7 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     contiguous = policy.chain or STRATEGIES[algorithm].contiguous
     flat = all(c.dim() == 1 for c in before.cols)
     levelled = _levelled(q_cols, algorithm) if policy.level and contiguous and flat else None
-    store, kept = levelled or ([Store()] * policy.world, q_cols)
+    store, kept = levelled or ([RankStore()] * policy.world, q_cols)
     storage = dict(store=store, cols=_append(before.cols, kept), rotation=before.rotation, run=None)
     return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
 
@@ -244,7 +244,7 @@ def _levelled(q_cols, algorithm: str):
     earlier_only = levels == "earlier" and any(b > e for b, e in zip(bounds[1:], ends))
     if starts == bounds[:-1] or earlier_only or levels is None:
         return None
-    store = [Store(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
+    store = [RankStore(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
     return store, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -267,7 +267,7 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     kv_cols = _append(before.cols, [new_cols[o] for o in owned])
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
-        store=[Store(rows=o) for o in owned],
+        store=[RankStore(rows=o) for o in owned],
         cols=kv_cols,
         rotation=before.rotation,
         run=("decode", *run) if run is not None else None,
@@ -350,7 +350,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
 
 def _place_per_sequence(cols, col: int, seq_rows, batch: int):
     """One new column per sequence; rank r stores it for the sequences seq_rows[r], in the slot
-    after that sequence's last filled one. Returns the new (B, slots) tables and each rank's Store."""
+    after that sequence's last filled one. Returns the new (B, slots) tables and each rank's RankStore."""
     new_cols, store = [], []
     for rows, c in zip(seq_rows, cols):
         c = c.expand(batch, -1).clone() if c.dim() == 1 else c.clone()
@@ -365,7 +365,7 @@ def _place_per_sequence(cols, col: int, seq_rows, batch: int):
             c = torch.cat([c, c.new_full((batch, need - c.shape[1]), -1)], dim=1)
         c[idx, slots] = col
         new_cols.append(c)
-        store.append(Store(slots=(idx, slots)))
+        store.append(RankStore(slots=(idx, slots)))
     return new_cols, store
 
 

@@ -1,0 +1,50 @@
+"""What an attention algorithm may read of the forward it runs in: `LayerCall`.
+
+An algorithm is `fn(step: LayerCall, q, kv_local, *, scale, window, softcap) -> (out, LSE)`. `Step`
+(step.py) is the one implementation; it carries more (the plan, the cache, the adapter's per-layer
+bookkeeping), which an algorithm does not touch: it returns (out, LSE) and hands received blocks to
+`received`, and the cache and the runtime do their own bookkeeping. tests/test_layout.py checks that
+every algorithm file reads only these names of its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ..comm.collectives import Comm
+
+
+class LayerCall(Protocol):
+    comm: Comm  # this rank's communicator: rank, world, the sends and receives (byte-counted)
+    layer: int  # the attention layer running now
+    sinks: torch.Tensor | None  # its attention sinks (H,), for the algorithms that merge them themselves
+    state: dict  # what an algorithm carries from one layer to the next within a forward
+    kv_shapes: dict  # per layer, its K/V block geometry seen in earlier forwards (read only: to post receives ahead)
+    dcp: Comm | None  # DCP's peers sharing this KV head (decode keeps its LSE for their merge)
+    padding: torch.Tensor | None  # (B, global length) bool, False on padding; None: nothing padded
+    q_cols: torch.Tensor  # this rank's query columns
+    q_cols_all: list  # every rank's query columns
+    kv_cols: list  # per rank: the key columns its block of the running layer holds
+    batch_rows: list  # batched decode: per rank, the slice of sequences it runs
+
+    def kv_size(self, rank: int, layer: int | None = None) -> int: ...  # tokens in rank's block: a message size
+
+    def key_valid(self, rank, rows=slice(None)) -> torch.Tensor | None: ...  # (B, Tk) for rank's keys
+
+    def unpack(self, block: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # (k, v) to attend
+
+    def out_shape(self, q: torch.Tensor) -> tuple: ...  # the output's shape for queries q
+
+    def received(self, block: torch.Tensor, src: int) -> None: ...  # a block arrived: the cache keeps its share
+
+    def chained_at(self, layer: int) -> bool: ...  # does `layer` pass a recurrent state down the ranks too
+
+    def batch_size(self, rank: int) -> int: ...  # batched decode: how many sequences rank runs
+
+
+MEMBERS = frozenset(n for n in LayerCall.__annotations__) | frozenset(
+    n for n, v in vars(LayerCall).items() if isinstance(v, Callable) and not n.startswith("_")
+)
