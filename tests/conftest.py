@@ -121,13 +121,22 @@ def rotation_slice() -> int | None:
     return datetime.date.today().toordinal() % SLICES
 
 
-def pytest_report_header(config):
+def _rotation_line() -> str:
     k = rotation_slice()
-    which = "every slice" if k is None else f"slice {k} of {SLICES} (the day's)"
+    which = "every slice" if k is None else f"slice {k} of {SLICES}"
     return (
         f"hf-contextpar rotation: {which}; replay one with HF_CONTEXTPAR_SLICE=k (0..{SLICES - 1}), "
         "run all with HF_CONTEXTPAR_SLICE=all (tests/conftest.py ROTATING)"
     )
+
+
+def pytest_report_header(config):
+    return _rotation_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slice again at the end, where `-q` (which drops the header) still prints it."""
+    terminalreporter.write_line(_rotation_line())
 
 
 def _rotated_out(module: str, name: str, params: dict, k: int | None) -> bool:
