@@ -70,16 +70,17 @@ def matrix(worker: str, n: int, tmp_path_factory, args: tuple[str, ...] = ()) ->
 
 
 def selected(request, key: str, everything) -> tuple:
-    """The values of parameter `key` that this session runs for the requesting test function at the same
-    N (after -k, -m and the rotation, tests/conftest.py), in `everything`'s order: a matrix launch runs
-    only those."""
+    """The worker's arguments for the values of parameter `key` that this session runs for the requesting
+    test function at the same N (after -k, -m and the rotation, tests/conftest.py): () when that is all of
+    `everything`, else the comma-separated subset in its order, so a matrix launch runs only those."""
     test, n = request.node.originalname, request.node.callspec.params["n"]
     wanted = {
         item.callspec.params[key]
         for item in request.session.items
         if getattr(item, "originalname", None) == test and item.callspec.params.get("n") == n
     }
-    return tuple(v for v in everything if v in wanted)
+    subset = [v for v in everything if v in wanted]
+    return () if len(subset) == len(everything) else (",".join(subset),)
 
 
 def record_each(out_dir, names, key: str, check):

@@ -79,6 +79,7 @@ def _scenario_lines(scenario: str, request) -> tuple[list, list]:
         ("dropout", "UnsupportedModelError", "attention dropout is not supported"),
         ("deepcopy", "PatchStateError", "cannot be deep-copied"),
         ("timeout_differs", "RankMismatchError", "different timeout on different ranks"),
+        ("partitions_differ", "RankMismatchError", "different kvr_partitions on different"),
         ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("lookup_from_embeds_unchecked", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
@@ -111,6 +112,8 @@ def test_lost_rank_fails_the_others_within_the_timeout(scenario, code, limit):
 def test_bad_strategy():
     with pytest.raises(ValueError, match="strategy must be one of"):
         hf_contextpar.apply_context_parallel(tiny_model("llama"), strategy="bogus")
+    with pytest.raises(ValueError, match="planner_rule must be one of"):  # at apply, not at the first forward
+        hf_contextpar.apply_context_parallel(tiny_model("llama"), planner_rule="bogus")
 
 
 def _from_config(model_type, **kw):

@@ -42,9 +42,7 @@ def _check(records, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_hybrid_exact(n, family, request, tmp_path_factory):
-    families = selected(request, "family", FAMILIES)
-    args = () if families == tuple(FAMILIES) else (",".join(families),)
-    for records in matrix("hybrid_worker.py", n, tmp_path_factory, args):
+    for records in matrix("hybrid_worker.py", n, tmp_path_factory, selected(request, "family", FAMILIES)):
         _check(records, family)
 
 
