@@ -44,6 +44,7 @@ def apply_context_parallel(
     decode: str = "auto",
     kvr_partitions=None,
     kv_interleave: int = 1,
+    sparse=None,
 ):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
@@ -71,6 +72,10 @@ def apply_context_parallel(
         cp_kv_cache_interleave_size): runs of k tokens, each started on the least-loaded rank, so
         shards stay within k tokens of each other. 1 (default): token by token.
     check_inputs: verify with one small all-gather per forward that every rank got the same inputs.
+    sparse: an approximate mode, opt in: `hf_contextpar.sparse.CSA(keep=..., topology=...)` runs fresh prefills
+        with CSPS's communication-efficient sparse attention (earlier partitions' K/V pruned by distance and
+        importance before they travel: NOT the one-process result, see docs/csa.md); later turns and decode stay
+        exact. `get_runtime(model).approximate` counts the forwards that ran it. None (default): exact.
     On a single process this validates the model and changes nothing.
     """
     if getattr(model, _ATTR, None) is not None:
@@ -84,15 +89,18 @@ def apply_context_parallel(
         kv_interleave=kv_interleave,
         kvr_partitions=kvr_partitions,
         calibration=calibration,
+        sparse=sparse,
     )
-    family = check_model(model)
+    family = check_model(model, sparse=settings.sparse is not None)
     group, rank, world = resolve_group(group, device=device, timeout=timeout)
     if world == 1 and dcp_of(model) is None:  # with DCP one CP rank still shares its KV heads' tokens
         return model
     try:
         if settings.whole_heads:
             latent.refuse_ulysses(model)
-        settings = agree_settings(settings.resolved(device.type), model, group, tensor_parallel(model), dcp_of(model))
+        settings = agree_settings(
+            settings.resolved(device.type, world), model, group, tensor_parallel(model), dcp_of(model)
+        )
         runtime = ContextParallelRuntime(model, group, rank, world, settings)
     except BaseException:
         release_group(group)  # a group made for this call only

@@ -27,7 +27,14 @@ from .comm.agreement import RankCheck
 from .comm.collectives import Comm
 from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
-from .model.contract import InputContract, Inputs, attention_layers, check_ulysses, refuse_candidate_decoding
+from .model.contract import (
+    InputContract,
+    Inputs,
+    attention_layer_indices,
+    attention_layers,
+    check_ulysses,
+    refuse_candidate_decoding,
+)
 from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
@@ -35,6 +42,7 @@ from .plan.choice import choose
 from .plan.forward import ForwardPlan, Policy, build_plan
 from .plan.partitions import MeasuredWork, balanced, key_pairs
 from .settings import Settings
+from .sparse.csa import SparseRun
 
 
 class ContextParallelRuntime:
@@ -81,6 +89,14 @@ class ContextParallelRuntime:
                 f"{what} is not supported on a model with recurrent layers: their states are whole on every rank "
                 "and pass down the ranks in prefill. Use decode='auto' or 'replicated', and TP up to the KV heads."
             )
+        if settings.sparse is not None and dcp is not None:
+            raise UnsupportedModelError(
+                "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
+            )
+        self.sparse = (
+            SparseRun.of(settings.sparse, world, attention_layer_indices(model.config)) if settings.sparse else None
+        )
+        self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
@@ -155,18 +171,8 @@ class ContextParallelRuntime:
                 cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
-        step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp)
-        self.algorithm_counts[plan.algorithm] += 1
-        self.last_plan = plan
-        if plan.shards.token_rows is not None:  # a prefill: the plan asked the policy for its strategy
-            self._last_prefill = (plan.num_new, plan.past)
-        self.last_forward = dict(
-            algorithm=plan.algorithm,
-            tokens=inputs.num_new,
-            past=inputs.past,
-            bytes_sent=-self._attention.bytes_sent,
-            bytes_received=-self._attention.bytes_received,
-        )
+        step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp, sparse=self.sparse)
+        self._record(plan, inputs)
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep
         # activations alive. The caller's grad mode comes back in the forward hook.
@@ -216,6 +222,24 @@ class ContextParallelRuntime:
         return output
 
     # -- helpers -----------------------------------------------------------------------
+    def _record(self, plan: ForwardPlan, inputs: Inputs):
+        """What a forward ran, for `last_forward`, `algorithm_counts` and `approximate` (its bytes come at the end)."""
+        self.algorithm_counts[plan.algorithm] += 1
+        approximate = self.sparse.csa.describe() if plan.algorithm == "csa" else None
+        if approximate is not None:
+            self.approximate[approximate] += 1
+        self.last_plan = plan
+        if plan.shards.token_rows is not None:  # a prefill: the plan asked the policy for its strategy
+            self._last_prefill = (plan.num_new, plan.past)
+        self.last_forward = dict(
+            algorithm=plan.algorithm,
+            tokens=inputs.num_new,
+            past=inputs.past,
+            bytes_sent=-self._attention.bytes_sent,
+            bytes_received=-self._attention.bytes_received,
+            approximate=approximate,  # None: the exact result
+        )
+
     @property
     def _attention(self):
         return self.comm.tagged["attention"]
@@ -252,6 +276,8 @@ class ContextParallelRuntime:
         self.work.add(self.comm.all_gather(mine, "control").tolist())
 
     def _choose(self, num_new: int, past: int) -> str:
+        if self.sparse is not None and past == 0:  # asked for: a fresh prefill runs approximate
+            return "csa"
         if self.settings.strategy != "auto":
             return self.settings.strategy
         if self.chain:  # one way down the ranks, as the states go (plan/forward.py: ring pass-KV over a cache)
@@ -266,6 +292,8 @@ class ContextParallelRuntime:
         the plan never writes back into the runtime."""
         s = self.settings
         if self._last_prefill is None or s.strategy != "auto" or self.chain:
+            return None
+        if self.sparse is not None and self._last_prefill[1] == 0:  # it ran CSA, asked for
             return None
         return choose(*self._last_prefill, self.world, self.shape, s.calibration, s.planner_rule)
 

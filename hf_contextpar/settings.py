@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from .plan.choice import RULES, Calibration
 from .plan.partitions import PartitionTable
 from .plan.strategies import STRATEGIES, prefill_names
+from .sparse.csa import CSA
 
 DECODES = ("auto", "replicated", "ring_pass_q")
 PLANNER_RULES = RULES
@@ -29,6 +30,7 @@ class Settings:
     check_inputs: bool = True
     kv_interleave: int = 1
     partitions: str | None = None  # None, "even", "balanced", or "table" (then `partition_table`)
+    sparse: CSA | None = None  # an approximate mode, asked for (never a default); its topology resolved at apply
     # machine facts: as given, then this rank's (`resolved`), then rank 0's (the agreement)
     calibration: Calibration | dict | str | None = field(default=None, compare=False)
     partition_table: PartitionTable | dict | str | None = field(default=None, compare=False)
@@ -44,6 +46,7 @@ class Settings:
         kv_interleave=1,
         kvr_partitions=None,
         calibration=None,
+        sparse=None,
     ) -> Settings:
         """The caller's arguments, checked (a ValueError that says what is accepted); `resolved` reads them."""
         if strategy != "auto" and strategy not in prefill_names():
@@ -57,6 +60,8 @@ class Settings:
                 f"kv_interleave must be a positive int (decode tokens stored per rank before the next rank takes "
                 f"over; 1 = token by token), got {kv_interleave!r}."
             )
+        if sparse is not None and not isinstance(sparse, CSA):
+            raise ValueError(f"sparse must be None or hf_contextpar.sparse.CSA(...), got {sparse!r}.")
         fixed = isinstance(kvr_partitions, str) and kvr_partitions in PARTITION_MODES or kvr_partitions is None
         return cls(
             strategy=strategy,
@@ -67,13 +72,16 @@ class Settings:
             partitions=kvr_partitions if fixed else "table",
             calibration=calibration,
             partition_table=None if fixed else kvr_partitions,
+            sparse=sparse,
         )
 
-    def resolved(self, device_type: str) -> Settings:
-        """The calibration (a Calibration, dict, JSON path, or the saved file / defaults) and the partition
-        table (a PartitionTable, dict or JSON path) read on this rank."""
+    def resolved(self, device_type: str, world: int) -> Settings:
+        """The calibration (a Calibration, dict, JSON path, or the saved file / defaults), the partition
+        table (a PartitionTable, dict or JSON path) and an approximate mode's topology, read on this rank."""
         table = PartitionTable.load(self.partition_table) if self.partition_table is not None else None
-        return replace(self, calibration=Calibration.resolve(self.calibration, device_type), partition_table=table)
+        sparse = self.sparse.resolved(world) if self.sparse is not None else None
+        calibration = Calibration.resolve(self.calibration, device_type)
+        return replace(self, calibration=calibration, partition_table=table, sparse=sparse)
 
     @property
     def whole_heads(self) -> bool:
@@ -89,6 +97,7 @@ class Settings:
             check_inputs=self.check_inputs,
             kv_interleave=self.kv_interleave,
             kvr_partitions=self.partitions,
+            sparse=self.sparse.describe() if self.sparse is not None else None,
         )
 
     def facts(self) -> tuple:

@@ -29,6 +29,7 @@ class LayerCall(Protocol):
     q_cols_all: list  # every rank's query columns
     kv_cols: list  # per rank: the key columns its block of the running layer holds
     batch_rows: list  # batched decode: per rank, the slice of sequences it runs
+    sparse: object  # an approximate mode's settings (sparse/csa.SparseRun), or None
 
     def kv_size(self, rank: int, layer: int | None = None) -> int: ...  # tokens in rank's block: a message size
 

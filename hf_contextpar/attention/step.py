@@ -19,6 +19,7 @@ from ..plan.forward import ForwardPlan
 
 if TYPE_CHECKING:
     from ..cache.sharded import ShardedCache
+    from ..sparse.csa import SparseRun
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Step:
     # DCP: the TP peers holding this rank's KV head, each every dcp-th slot of the CP rank's columns (the
     # cache's ShardLayout.held); the algorithms see only this rank's slots, the adapter merges the peers'
     dcp: Comm | None = None
+    sparse: SparseRun | None = None  # the approximate mode's settings (CSA), where one was asked for
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers

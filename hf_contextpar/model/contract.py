@@ -31,6 +31,7 @@ from ..errors import (
 from ..patches import NOT_CHAINED, REGISTRY
 from ..patches import resolve as resolve_family
 from ..plan.costmodel import ulysses_fits
+from ..sparse.csa import refuse_layers as refuse_sparse_layers
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain
@@ -46,18 +47,25 @@ _WHY = {  # why a layer kind is refused (transformers' layer_types names)
 
 
 def attention_layers(config) -> int:
-    """Layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
+    """How many layers attend over the sequence (a hybrid block's included)."""
+    return len(attention_layer_indices(config))
+
+
+def attention_layer_indices(config) -> list:
+    """The layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
     text = config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None)
     if not types:
-        return text.num_hidden_layers
-    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding") for t in types)
+        return list(range(text.num_hidden_layers))
+    return [i for i, t in enumerate(types) if t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding")]
 
 
 # -- the model, at apply ---------------------------------------------------------------------
-def check_model(model):
-    """The model's family patch, after refusing what the algorithms do not implement."""
+def check_model(model, sparse: bool = False):
+    """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
     config = model.config
+    if sparse:
+        refuse_sparse_layers(config)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."

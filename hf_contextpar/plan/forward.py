@@ -295,14 +295,12 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     algorithm = policy.prefill(num_new, past)
     if past and STRATEGIES[algorithm].fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
         algorithm = STRATEGIES[algorithm].over_cache
-    if policy.chain:  # the states' chain: contiguous partitions in rank order, KV-Runahead's
-        # uneven ones where the K/V can be levelled (_levelled): pass-Q and Ulysses move no token's K/V
+    if policy.chain or STRATEGIES[algorithm].contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
+        # uneven only where the K/V can be levelled (_levelled): pass-Q, Ulysses and CSA move no whole K/V
         levels = policy.kvr_sizes is not None and STRATEGIES[algorithm].levels is not None
         sizes = policy.kvr_sizes(num_new, past) if levels else None
-        return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= 2 else even(num_new, policy.world))
-    if STRATEGIES[algorithm].contiguous:
-        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None else None
-        return algorithm, contiguous_plan(sizes or even(num_new, policy.world))
+        least = 2 if policy.chain else 0  # a chained rank's recurrent mixers need >= 2 tokens
+        return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= least else even(num_new, policy.world))
     if STRATEGIES[algorithm].over_tables and any(c.dim() == 2 for c in cols):
         algorithm = STRATEGIES[algorithm].over_tables  # after batched decode no single column order exists
     return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))

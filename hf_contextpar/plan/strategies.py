@@ -60,6 +60,7 @@ class Strategy:
     stays_local: bool = False  # its K/V never leave the rank: it may read a view of the cache
     returns_lse: bool = True  # False: its output is final (nothing merges it after)
     posts_ahead: bool = False  # posts the next layer's receives during this one (tests run two layers)
+    approximate: bool = False  # not the exact result: run only where asked (sparse=), never a value of strategy=
     time: Callable | None = None  # (LayerCost) -> one layer's attention seconds with its messages, or None
     traffic: Callable | None = None  # (Rows) -> bytes (sent, received) of one layer on that rank
     algorithm: str = ""  # "module:function" (a module relative to hf_contextpar.attention); "": ".{name}:{name}"
@@ -187,6 +188,14 @@ for _s in (
         traffic=_ulysses_traffic,
     ),
     Strategy(
+        "csa",
+        "CSPS CSA (approximate, sparse=CSA(...)): contiguous partitions, K/V pruned by level down a chain",
+        approximate=True,
+        contiguous=True,
+        fresh_only=True,
+        over_cache="ring_pass_kv",
+    ),
+    Strategy(
         "decode",
         "fewer sequences than ranks: every rank runs the new tokens over its slice of the cache",
         prefill=False,
@@ -215,4 +224,4 @@ for _s in (
 
 def prefill_names() -> tuple:
     """The values of strategy= besides "auto", in registration order."""
-    return tuple(name for name, s in STRATEGIES.items() if s.prefill)
+    return tuple(name for name, s in STRATEGIES.items() if s.prefill and not s.approximate)

@@ -1,0 +1,123 @@
+"""CSA on one process: the same definition (sparse/csa.py) applied as a mask to the unpatched model.
+
+`csa_reference(model, CSA(...), world=N)` switches the model's attention, for the `with` block, to one
+that cuts each fresh prompt into the N contiguous even partitions the distributed run uses and lets a
+query of partition d see its own partition causally and, of each earlier partition s, the keys kept at
+level(s, d) by the previous attention layer's importance order, each padding key masked. Everything
+else (a prefill over a cache, decode, prompts too short to split) attends exactly. It shares with the
+distributed algorithm (attention/csa.py) only the definitional pieces (levels, kept counts, the order),
+not its kernels, messages or cache: the sparse path is checked against its own definition with this, and
+`model.generate` inside the block is what the eval harness compares the approximate mode's cost with.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from hf_contextpar.cache.sharded import cache_recurrence
+from hf_contextpar.model.contract import attention_layer_indices
+from hf_contextpar.plan.partitions import even
+from hf_contextpar.sparse.csa import CSA, SparseRun, importance_order, kept_counts, observed_rows, refuse_layers
+
+NAME = "hf_contextpar_csa_reference"
+
+
+@contextmanager
+def csa_reference(model, csa: CSA, world: int):
+    """Within the block, `model` (unpatched, one process) attends as `world` ranks running `csa` would."""
+    refuse_layers(model.config)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    chained = any(r is not None for r in cache_recurrence(DynamicCache(config=model.config)))
+    reference = _Reference(SparseRun.of(csa, world, attention_layer_indices(model.config)), world, chained)
+    AttentionInterface.register(NAME, reference)
+    AttentionMaskInterface.register(NAME, _padding_mask)
+    original = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(original)
+
+
+def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+    """The 2D padding mask (B, keys), as the library's own attention takes it."""
+    return None if attention_mask is None or bool(attention_mask.all()) else attention_mask
+
+
+class _Reference:
+    def __init__(self, run: SparseRun, world: int, chained: bool):
+        self.run, self.world, self.least = run, world, world * (2 if chained else 1)
+        self.orders = None  # per partition: the previous attention layer's order of its keys
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kw):
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        tq, tk = query.shape[2], key.shape[2]
+        valid = attention_mask[:, :tk].bool() if attention_mask is not None else None
+        if module.layer_idx == min(self.run.exact, default=-1):
+            self.orders = None  # a new forward
+        if tk != tq or tq < self.least:  # over a cache, or too short to split: exact
+            vis = _causal(torch.arange(tk - tq, tk), torch.arange(tk), valid)
+            return _attend(query, key, value, vis.unsqueeze(1), scale, softcap), None
+        out, orders = _sparse(self, module.layer_idx, query, key, value, valid, scale, softcap)
+        self.orders = orders
+        return out, None
+
+
+def _sparse(ref: _Reference, layer: int, query, key, value, valid, scale, softcap):
+    """One fresh prefill's layer under CSA: per query partition, its visible keys as a (B, Hkv, rows, keys) mask."""
+    csa, tq = ref.run.csa, query.shape[2]
+    bounds = [0, *torch.tensor(even(tq, ref.world)).cumsum(0).tolist()]
+    parts = [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+    exact = ref.orders is None or layer in ref.run.exact
+    outs, orders = [], []
+    for d, rows in enumerate(parts):
+        vis = _causal(rows, torch.arange(tq), valid).unsqueeze(1).repeat(1, key.shape[1], 1, 1)  # (B, Hkv, rows, keys)
+        for s in range(0 if exact else d):  # an earlier partition: the keys its level keeps (all in the past)
+            kept = _kept_mask(ref.orders[s], valid, parts[s], csa.fraction(csa.levels(s, d)))
+            vis[..., parts[s]] = kept.expand(-1, -1, len(rows), -1)
+        outs.append(_attend(query[:, :, rows], key, value, vis, scale, softcap))
+        if layer != ref.run.last:
+            obs = rows[observed_rows(len(rows), csa.observe)]
+            row_valid = valid[:, obs] if valid is not None else None
+            key_valid = valid[:, rows] if valid is not None else None
+            orders.append(
+                importance_order(query[:, :, obs], key[:, :, rows], obs, rows, row_valid, key_valid, scale, softcap)
+            )
+    return torch.cat(outs, dim=1), orders if layer != ref.run.last else None
+
+
+def _kept_mask(order, valid, cols, fraction):
+    """(B, Hkv, 1, len(cols)) bool: the keys of one partition kept at `fraction` (a prefix of its order)."""
+    b, hkv, n = order.shape
+    counts = kept_counts(valid[:, cols] if valid is not None else None, n, b, fraction)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(n).expand(b, hkv, n).contiguous())  # each key's place in the order
+    return (rank < counts.view(b, 1, 1)).unsqueeze(2)
+
+
+def _causal(q_cols, k_cols, valid):
+    """(B or 1, rows, keys) bool: key column <= query column, and not padding."""
+    vis = (k_cols.view(1, -1) <= q_cols.view(-1, 1)).unsqueeze(0)
+    return vis & valid[:, None, :] if valid is not None else vis
+
+
+def _attend(q, k, v, vis, scale, softcap):
+    """(B, rows, H, D) softmax attention under vis (B or 1, Hkv or 1, rows, keys), in the accumulation dtype;
+    a row that sees no key gives zeros (the library's output for one)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    qg = q.to(acc).view(b, hkv, h // hkv, t, d)
+    s = torch.einsum("bgqtd,bgkd->bgqtk", qg, k.to(acc)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~vis.to(q.device).unsqueeze(2), -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bgqtk,bgkd->bgqtd", p, v.to(acc)).reshape(b, h, t, v.shape[-1])
+    return out.to(q.dtype).transpose(1, 2)

@@ -1,0 +1,206 @@
+"""CSPS's communication-efficient sparse attention (CSA, seed 003 sections 3.2.4-3.2.6): the definition.
+
+An *approximate* prefill, opt in only (`apply_context_parallel(model, sparse=CSA(...))`). The prompt is
+cut into N contiguous, even partitions placed on the ranks in topology order (rank = node x ranks per
+node + local rank, as torchrun numbers them), so nearer tokens live on nearer ranks. For a query on
+rank d, the keys of partition s belong to level 1 if s = d, else to the smallest topology group holding
+both ranks: level 2 (the node), level 3 (the world, or the rack with three fields), ... A query attends
+to every key of level 1 (causally) and to the *kept* keys of each earlier partition: at level v a
+fraction `fractions[v]` of that partition's real (not padding) tokens, per sequence and KV head, the
+ones with the highest importance. Level 2 keeps `keep`, each level above half the one below (CSPS's
+"roughly inversely proportional to distance"). The kept sets are nested (a prefix of one ordering), so a
+block pruned for a far level is a prefix of the block pruned for a near one.
+
+Importance (CSPS: "a head uses the attention score from its previous layer"): after each attention
+layer, each partition's keys are ordered by the attention the partition's last `observe` query rows
+give them in that layer (softmax over the partition's own keys, causal, summed over the query heads of
+the key's KV head), highest first, padding last. The next attention layer prunes with that order; the
+first attention layer of the model (no previous scores) and the last one keep everything.
+
+Everything else is exact: a prefill over a non-empty cache (a second turn, a chunked prefill) attends
+to every cached token; the cache keeps every token's K/V, so decode over the sharded cache is exact.
+Both the distributed algorithm (attention/csa.py) and the one-process reference (eval/csa_reference.py)
+read this module, so they implement one definition.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class CSA:
+    """The approximate mode's settings. keep: the fraction of an earlier partition's tokens level 2 keeps
+    (each level above keeps half the one below), or one fraction per level from 2 up. topology: "AxB" (A
+    nodes of B ranks; "AxBxC": racks x nodes x ranks), a tuple, or None to read it from the launcher
+    (LOCAL_WORLD_SIZE ranks per node). observe: the query rows at the end of each partition whose attention
+    ranks its keys."""
+
+    keep: float | tuple = 1.0
+    topology: str | tuple | None = None
+    observe: int = 64
+
+    def __post_init__(self):
+        fractions = self.keep if isinstance(self.keep, tuple) else (self.keep,)
+        if not fractions or any(isinstance(f, bool) or not isinstance(f, (int, float)) for f in fractions):
+            raise ValueError(f"CSA keep must be a fraction in (0, 1] or a tuple of them, got {self.keep!r}.")
+        if any(not 0 < f <= 1 for f in fractions) or list(fractions) != sorted(fractions, reverse=True):
+            raise ValueError(
+                f"CSA keep fractions must lie in (0, 1] and not grow with the level (a farther level keeps no "
+                f"more than a nearer one), got {self.keep!r}."
+            )
+        if isinstance(self.observe, bool) or not isinstance(self.observe, int) or self.observe < 1:
+            raise ValueError(f"CSA observe must be a positive int (query rows), got {self.observe!r}.")
+        if self.topology is not None:
+            _parse(self.topology)
+
+    def resolved(self, world: int) -> CSA:
+        """The topology as a tuple of group sizes (outermost first), read from the launcher where not given."""
+        if self.topology is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+            sizes = (world // local, local) if local < world and world % local == 0 else (1, world)
+        else:
+            sizes = _parse(self.topology)
+        if math.prod(sizes) != world:
+            raise ValueError(
+                f"CSA topology {'x'.join(map(str, sizes))} holds {math.prod(sizes)} ranks, but {world} run: give "
+                f"topology='AxB' with A x B = {world} (A nodes of B ranks)."
+            )
+        return replace(self, topology=tuple(sizes))
+
+    def levels(self, src: int, dst: int) -> int:
+        """The level of rank src's partition for rank dst's queries (1: the same rank). Needs `resolved`."""
+        if src == dst:
+            return 1
+        group = 1
+        for level, size in enumerate(reversed(self.topology), start=2):
+            group *= size
+            if src // group == dst // group:
+                return level
+        raise AssertionError("ranks outside the topology")
+
+    def fraction(self, level: int) -> float:
+        """The fraction of a partition's real tokens kept at `level` (1.0 at level 1)."""
+        if level == 1:
+            return 1.0
+        given = self.keep if isinstance(self.keep, tuple) else (self.keep,)
+        if level - 2 < len(given):
+            return float(given[level - 2])
+        return float(given[-1]) / 2 ** (level - 1 - len(given))
+
+    def used_levels(self) -> list:
+        """The levels above 1 some pair of ranks has (a topology field of 1 adds none). Needs `resolved`."""
+        return [v for v, size in enumerate(reversed(self.topology), start=2) if size > 1]
+
+    @property
+    def exact(self) -> bool:
+        """Every level keeps every token: the exact result. Needs `resolved`."""
+        return all(self.fraction(v) == 1.0 for v in self.used_levels())
+
+    def describe(self) -> str:
+        """One line for logs and the agreement: the topology and what each level keeps."""
+        if not isinstance(self.topology, tuple):
+            return f"CSA(topology={self.topology or 'launcher'}, keep={self.keep}, observe={self.observe})"
+        keep = ", ".join(f"L{v}={self.fraction(v):g}" for v in self.used_levels())
+        return f"CSA(topology={'x'.join(map(str, self.topology))}, keep {keep or 'all'}, observe={self.observe})"
+
+
+def _parse(topology) -> tuple:
+    if isinstance(topology, str):
+        try:
+            sizes = tuple(int(p) for p in topology.lower().split("x"))
+        except ValueError:
+            sizes = ()
+    else:
+        sizes = tuple(topology) if isinstance(topology, (tuple, list)) else ()
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"CSA topology must be like '2x2' (nodes x ranks per node), got {topology!r}.")
+    return sizes
+
+
+def kept_counts(valid: torch.Tensor | None, length: int, batch: int, fraction: float) -> torch.Tensor:
+    """(B,) how many of a partition's tokens are kept at a level: ceil(fraction x its real tokens), per
+    sequence. valid: (B, length) bool, False on padding, or None (nothing padded)."""
+    real = valid.sum(-1).cpu() if valid is not None else torch.full((batch,), length)
+    if fraction >= 1.0:
+        return real.long()
+    return torch.minimum(torch.ceil(real.double() * fraction).long(), real.long())
+
+
+def importance_order(q, k, q_cols, k_cols, row_valid, key_valid, scale, softcap=None) -> torch.Tensor:
+    """(B, Hkv, Tk) the key indices of one partition, most important first, padding last: by the attention
+    the query rows q (B, H, Tq, D) at columns q_cols give the keys k (B, Hkv, Tk, D) at k_cols (softmax over
+    these keys, causal by column, padding masked), summed over the rows (padding rows weigh 0) and the
+    query heads of each KV head. Ties keep column order (a stable sort)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, h, tq, _ = q.shape
+    hkv = k.shape[1]
+    qg = q.to(acc).reshape(b, hkv, (h // hkv) * tq, q.shape[-1])
+    s = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # (B, Hkv, group x Tq, Tk)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    vis = (k_cols.view(1, -1) <= q_cols.view(-1, 1)).to(q.device)  # (Tq, Tk)
+    vis = vis.view(1, 1, 1, tq, -1)
+    if key_valid is not None:
+        vis = vis & key_valid.to(q.device).view(b, 1, 1, 1, -1)
+    s = s.view(b, hkv, h // hkv, tq, -1).masked_fill(~vis, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key (padding) gives nothing
+    if row_valid is not None:
+        p = p * row_valid.to(q.device, acc).view(b, 1, 1, tq, 1)
+    score = p.sum(dim=(2, 3))  # (B, Hkv, Tk)
+    if key_valid is not None:
+        score = score.masked_fill(~key_valid.to(q.device).view(b, 1, -1), -math.inf)
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices
+
+
+def observed_rows(length: int, observe: int) -> slice:
+    """The query rows of a partition whose attention ranks its keys: its last `observe`."""
+    return slice(max(0, length - observe), length)
+
+
+def exact_layers(attending: list) -> frozenset:
+    """The attention layers that keep every token: the model's first (no earlier scores) and its last."""
+    return frozenset({attending[0], attending[-1]}) if attending else frozenset()
+
+
+def refuse_layers(config) -> None:
+    """What CSA does not define: a layer that sees only part of the past (sliding windows, chunks), attention
+    sinks, a latent (MLA) cache, K/V shared across layers. Refused at apply, with what to do."""
+    text = config.get_text_config(decoder=True)
+    types = set(getattr(text, "layer_types", None) or [])
+    why = []
+    if types & {"sliding_attention", "chunked_attention", "hybrid_sliding"} or (
+        getattr(text, "sliding_window", None) and not types
+    ):
+        why.append("sliding-window or chunked attention layers")
+    if getattr(text, "kv_lora_rank", None):
+        why.append("a latent (MLA) K/V cache")
+    if getattr(text, "num_kv_shared_layers", 0):
+        why.append("K/V shared across layers")
+    if text.model_type in ("gpt_oss",) or getattr(text, "use_sinks", False):
+        why.append("attention sinks")
+    if why:
+        raise UnsupportedModelError(
+            f"sparse=CSA(...) is defined for full causal attention layers; this model has {', '.join(why)}. "
+            "Run it exact (leave sparse unset)."
+        )
+
+
+@dataclass(frozen=True)
+class SparseRun:
+    """What a patched model's forwards read of its approximate mode: the settings, resolved at apply, and
+    the attention layers that keep every token."""
+
+    csa: CSA
+    exact: frozenset  # attention layer indices
+    last: int  # the last attention layer (no later layer reads its order)
+
+    @staticmethod
+    def of(csa: CSA, world: int, attending: list) -> SparseRun:
+        return SparseRun(csa.resolved(world), exact_layers(attending), attending[-1] if attending else -1)

@@ -1,0 +1,95 @@
+"""One rank of the CSA checks (issue 41): the approximate mode against its own one-process reference
+(`sparse.reference.csa_reference`, the same definition as a mask) and, with every level keeping every
+token, against the unpatched model. fp64, a left-padded batch of a length N does not divide, a second
+turn over the cache, greedy generate; the attention bytes the pruning saves. Writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from hf_contextpar.eval.csa_reference import csa_reference
+from hybrids import hybrid_config
+from launch import run_cases
+from transformers import AutoModelForCausalLM
+
+import hf_contextpar
+from hf_contextpar.models import tiny_model
+from hf_contextpar.sparse import CSA
+from hf_contextpar.tools.census_sweep import Fp64Internals
+
+FAMILIES = ("llama", "qwen3", "qwen3_next")
+TOPOLOGIES = {2: "2x1", 3: "3x1", 4: "2x2"}  # every N: two levels above 1 where N allows (2x2: node, world)
+
+
+def build(family: str, seed: int = 0):
+    if family == "qwen3_next":  # attention at layers 1, 3, 5 between Gated DeltaNet ones: layer 3 prunes
+        config = hybrid_config(family)
+        config.num_hidden_layers, config.layer_types = 6, ["linear_attention", "full_attention"] * 3
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float64, experts_implementation="eager", attn_implementation="sdpa"
+        ).eval()
+    return tiny_model(family, dtype=torch.float64, seed=seed, num_hidden_layers=4)
+
+
+def conversation(family: str, csa: CSA, n: int, against_plain: bool) -> dict:
+    """The CP model beside the reference (or, keeping everything, the unpatched model) over two turns and a
+    generate; the worst logit gap on real tokens, whether the tokens match, the prefill's attention bytes."""
+    g = torch.Generator().manual_seed(len(family) + n)
+    ids = torch.randint(0, 256, (2, 13 * n + 4), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    turn = torch.randint(0, 256, (2, 5), generator=g)
+    ref, cp = build(family), hf_contextpar.apply_context_parallel(build(family), sparse=csa)
+    runtime = hf_contextpar.get_runtime(cp)
+    reference = csa_reference(ref, csa, n) if not against_plain else contextlib.nullcontext()
+    with torch.no_grad(), Fp64Internals(), reference:  # a hybrid's fp32 scans in fp64 too
+        a = ref(ids, attention_mask=mask, use_cache=True)
+        b = cp(ids, attention_mask=mask, use_cache=True)
+        sent = runtime.last_forward["bytes_sent"]
+        ran = runtime.last_forward["approximate"]
+        both = torch.cat([mask, torch.ones_like(turn)], 1)
+        a2 = ref(turn, attention_mask=both, past_key_values=a.past_key_values, use_cache=True)
+        b2 = cp(turn, attention_mask=both, past_key_values=b.past_key_values, use_cache=True)
+        short = ids[:, : max(1, n - 1)]  # fewer tokens than ranks: every rank runs them whole, exact
+        a3, b3 = ref(short).logits, cp(short).logits
+        moved = (build(family)(ids, attention_mask=mask).logits - b.logits)[mask.bool()].abs().max().item()
+        ga = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        gb = cp.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    real = mask.bool()
+    worst = max(
+        (a.logits - b.logits)[real].abs().max().item(),
+        (a2.logits - b2.logits).abs().max().item(),
+        (a3 - b3).abs().max().item(),
+    )
+    total = torch.tensor([float(sent)])
+    dist.all_reduce(total)
+    hf_contextpar.remove_context_parallel(cp)
+    return dict(
+        max_diff=worst, tokens_equal=torch.equal(ga, gb), bytes_sent=total.item(), approximate=ran, from_plain=moved
+    )
+
+
+def cases(n: int):
+    topology = TOPOLOGIES[n]
+    keep_all = CSA(keep=(1.0, 1.0), topology=topology, observe=8)
+    sparse = CSA(keep=(0.6, 0.3), topology=topology, observe=8)
+    out = []
+    for family in FAMILIES:
+
+        def check(family=family):
+            exact = conversation(family, keep_all, n, against_plain=True)
+            cut = conversation(family, sparse, n, against_plain=False)
+            ok = exact["max_diff"] < 1e-10 and exact["tokens_equal"] and cut["max_diff"] < 1e-10 and cut["tokens_equal"]
+            ok = ok and cut["bytes_sent"] < exact["bytes_sent"] and cut["approximate"] == sparse.resolved(n).describe()
+            ok = ok and cut["from_plain"] > 1e-6  # the pruning changed the answer: the mode is not the exact one
+            return dict(ok=ok, exact=exact, sparse=cut)
+
+        out.append((family, check))
+    return out
+
+
+if __name__ == "__main__":
+    run_cases(cases)

@@ -1,0 +1,85 @@
+"""CSPS's CSA (issue 41): the approximate mode's settings on one process, and, on N = 2, 3, 4 ranks
+(tests/csa_worker.py), its distributed run against its one-process reference and, keeping every token,
+against the unpatched model."""
+
+import pytest
+import torch
+from csa_worker import cases
+from hf_contextpar.eval.csa_reference import csa_reference
+from launch import matrix
+
+import hf_contextpar
+from hf_contextpar.errors import UnsupportedModelError
+from hf_contextpar.models import tiny_model
+from hf_contextpar.sparse import CSA
+
+PARAMS = [(n, name) for n in (2, 3, 4) for name, _ in cases(n)]
+
+
+@pytest.mark.parametrize("n,case", PARAMS, ids=[f"N{n}-{c}" for n, c in PARAMS])
+def test_csa_matches_its_reference_and_keep_all_is_exact(n, case, tmp_path_factory):
+    records = matrix("csa_worker.py", n, tmp_path_factory)
+    for rank, recs in enumerate(records):
+        rec = next(r for r in recs if r["case"] == case)
+        assert rec["ok"], f"rank {rank}: {rec}"
+
+
+def test_levels_and_fractions_follow_the_topology():
+    csa = CSA(keep=0.8, topology="2x2x2").resolved(8)
+    assert [csa.levels(0, d) for d in range(8)] == [1, 2, 3, 3, 4, 4, 4, 4]
+    assert [csa.fraction(v) for v in (1, 2, 3, 4)] == [1.0, 0.8, 0.4, 0.2]
+    assert CSA(keep=(0.9, 0.5), topology="2x2").resolved(4).fraction(3) == 0.5
+    assert not CSA(keep=1.0, topology="2x2").resolved(4).exact  # the world level keeps half of 1.0
+    assert CSA(keep=(1.0, 1.0), topology="2x2").resolved(4).exact
+    assert CSA(keep=1.0, topology="1x4").resolved(4).exact  # one node: level 2 alone
+    assert CSA(topology=None).resolved(4).topology in (
+        (1, 4),
+        (
+            4 // int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 4)),
+            int(__import__("os").environ.get("LOCAL_WORLD_SIZE", 4)),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(keep=0.0), "(0, 1]"),
+        (dict(keep=(0.3, 0.6)), "not grow"),
+        (dict(keep="all"), "fraction"),
+        (dict(observe=0), "observe"),
+        (dict(topology="2by2"), "'2x2'"),
+    ],
+)
+def test_bad_settings_say_what_is_accepted(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[").replace("]", r"\]")):
+        CSA(**kwargs)
+
+
+def test_a_topology_that_does_not_hold_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="A x B = 4"):
+        CSA(topology="3x2").resolved(4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3", "gpt_oss"])
+def test_layers_csa_does_not_define_are_refused_at_apply(family):
+    with pytest.raises(UnsupportedModelError, match="sparse=CSA"):
+        hf_contextpar.apply_context_parallel(tiny_model(family, attn_implementation="eager"), sparse=CSA(keep=0.5))
+
+
+def test_sparse_is_never_a_strategy_and_must_be_a_csa():
+    assert "csa" not in hf_contextpar.api.STRATEGIES
+    with pytest.raises(ValueError, match="sparse must be"):
+        hf_contextpar.apply_context_parallel(tiny_model("llama"), sparse=0.5)
+
+
+def test_the_reference_on_one_partition_is_the_model():
+    """world = 1: one partition, every key level 1: the reference is the unpatched model."""
+    model = tiny_model("llama", dtype=torch.float64, num_hidden_layers=4)
+    ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with csa_reference(model, CSA(keep=0.3, topology="1x1"), 1):
+            ref = model(ids).logits
+    assert (plain - ref).abs().max().item() < 1e-10
+    assert model.config._attn_implementation == "sdpa"  # restored
