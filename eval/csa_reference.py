@@ -19,9 +19,16 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hf_contextpar.cache.sharded import cache_recurrence
-from hf_contextpar.model.contract import attention_layer_indices
 from hf_contextpar.plan.partitions import even
-from hf_contextpar.sparse.csa import CSA, SparseRun, importance_order, kept_counts, observed_rows, refuse_layers
+from hf_contextpar.sparse.csa import (
+    CSA,
+    SparseRun,
+    full_layers,
+    importance_order,
+    kept_counts,
+    observed_rows,
+    refuse_layers,
+)
 
 NAME = "hf_contextpar_csa_reference"
 
@@ -34,7 +41,7 @@ def csa_reference(model, csa: CSA, world: int):
     from transformers.masking_utils import AttentionMaskInterface
 
     chained = any(r is not None for r in cache_recurrence(DynamicCache(config=model.config)))
-    reference = _Reference(SparseRun.of(csa, world, attention_layer_indices(model.config)), world, chained)
+    reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained)
     AttentionInterface.register(NAME, reference)
     AttentionMaskInterface.register(NAME, _padding_mask)
     original = model.config._attn_implementation
@@ -55,14 +62,26 @@ class _Reference:
         self.run, self.world, self.least = run, world, world * (2 if chained else 1)
         self.orders = None  # per partition: the previous attention layer's order of its keys
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kw):
+    def __call__(
+        self,
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=None,
+        dropout=0.0,
+        sliding_window=None,
+        softcap=None,
+        **kw,
+    ):
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         tq, tk = query.shape[2], key.shape[2]
-        valid = attention_mask[:, :tk].bool() if attention_mask is not None else None
+        valid = attention_mask[:, -tk:].bool() if attention_mask is not None else None  # a sliding cache: the last
         if module.layer_idx == min(self.run.exact, default=-1):
             self.orders = None  # a new forward
-        if tk != tq or tq < self.least:  # over a cache, or too short to split: exact
-            vis = _causal(torch.arange(tk - tq, tk), torch.arange(tk), valid)
+        if tk != tq or tq < self.least or sliding_window is not None:  # over a cache, too short, sliding: exact
+            vis = _causal(torch.arange(tk - tq, tk), torch.arange(tk), valid, sliding_window)
             return _attend(query, key, value, vis.unsqueeze(1), scale, softcap), None
         out, orders = _sparse(self, module.layer_idx, query, key, value, valid, scale, softcap)
         self.orders = orders
@@ -101,9 +120,11 @@ def _kept_mask(order, valid, cols, fraction):
     return (rank < counts.view(b, 1, 1)).unsqueeze(2)
 
 
-def _causal(q_cols, k_cols, valid):
-    """(B or 1, rows, keys) bool: key column <= query column, and not padding."""
+def _causal(q_cols, k_cols, valid, window=None):
+    """(B or 1, rows, keys) bool: key column <= query column (and within the window), and not padding."""
     vis = (k_cols.view(1, -1) <= q_cols.view(-1, 1)).unsqueeze(0)
+    if window is not None:
+        vis = vis & (k_cols.view(1, -1) > q_cols.view(-1, 1) - window).unsqueeze(0)
     return vis & valid[:, None, :] if valid is not None else vis
 
 

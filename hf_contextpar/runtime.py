@@ -30,7 +30,6 @@ from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .model.contract import (
     InputContract,
     Inputs,
-    attention_layer_indices,
     attention_layers,
     check_ulysses,
     refuse_candidate_decoding,
@@ -42,7 +41,7 @@ from .plan.choice import choose
 from .plan.forward import ForwardPlan, Policy, build_plan
 from .plan.partitions import MeasuredWork, balanced, key_pairs
 from .settings import Settings
-from .sparse.csa import SparseRun
+from .sparse.csa import SparseRun, full_layers
 
 
 class ContextParallelRuntime:
@@ -93,9 +92,7 @@ class ContextParallelRuntime:
             raise UnsupportedModelError(
                 "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
             )
-        self.sparse = (
-            SparseRun.of(settings.sparse, world, attention_layer_indices(model.config)) if settings.sparse else None
-        )
+        self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
         self.ranks = RankCheck(self.comm, self.tp_group)

@@ -61,7 +61,7 @@ def test_a_topology_that_does_not_hold_the_ranks_is_refused():
         CSA(topology="3x2").resolved(4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama4_text", "deepseek_v3", "gpt_oss"])
 def test_layers_csa_does_not_define_are_refused_at_apply(family):
     with pytest.raises(UnsupportedModelError, match="sparse=CSA"):
         hf_contextpar.apply_context_parallel(tiny_model(family, attn_implementation="eager"), sparse=CSA(keep=0.5))

@@ -11,7 +11,8 @@ replicated padding and settings. A received block is attended whole (all its key
 slots beyond a sequence's kept count masked; partials merge by LSE. The rank's own block is attended
 exactly (causal), and its last `observe` query rows rank its keys for the next layer.
 
-The cache keeps every token (this rank's partition), so decode and later turns run exact.
+A sliding-window layer runs ring pass-KV, exact. The cache keeps every token (this rank's partition), so
+decode and later turns run exact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..errors import UnsupportedModelError
 from ..sparse.csa import importance_order, kept_counts, observed_rows
 from .kernels import attend
 from .merge import Accumulator
+from .ring_pass_kv import ring_pass_kv
 
 
 def _kept(step, src: int, dst: int, exact: bool) -> tuple:
@@ -43,10 +45,10 @@ def _prefix(block: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def csa(step, q, kv_local, *, scale, window=None, softcap=None):
-    if window is not None or step.sinks is not None:
-        raise UnsupportedModelError(
-            "sparse=CSA(...) runs full causal attention layers only (no sliding window, chunks or sinks)."
-        )
+    if step.sinks is not None or not isinstance(window, (int, type(None))):
+        raise UnsupportedModelError("sparse=CSA(...) prunes full causal attention layers: no chunks or sinks.")
+    if window is not None:  # a sliding layer sees only its near past, which CSA keeps whole: exact
+        return ring_pass_kv(step, q, kv_local, scale=scale, window=window, softcap=softcap)
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
     order = step.state.pop("csa_order", None)  # the previous attention layer's importance order of our keys
     exact = order is None or step.layer in step.sparse.exact

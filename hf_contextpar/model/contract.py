@@ -47,17 +47,12 @@ _WHY = {  # why a layer kind is refused (transformers' layer_types names)
 
 
 def attention_layers(config) -> int:
-    """How many layers attend over the sequence (a hybrid block's included)."""
-    return len(attention_layer_indices(config))
-
-
-def attention_layer_indices(config) -> list:
-    """The layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
+    """Layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
     text = config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None)
     if not types:
-        return list(range(text.num_hidden_layers))
-    return [i for i, t in enumerate(types) if t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding")]
+        return text.num_hidden_layers
+    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding") for t in types)
 
 
 # -- the model, at apply ---------------------------------------------------------------------

@@ -169,26 +169,35 @@ def exact_layers(attending: list) -> frozenset:
     return frozenset({attending[0], attending[-1]}) if attending else frozenset()
 
 
-def refuse_layers(config) -> None:
-    """What CSA does not define: a layer that sees only part of the past (sliding windows, chunks), attention
-    sinks, a latent (MLA) cache, K/V shared across layers. Refused at apply, with what to do."""
+def full_layers(config) -> list:
+    """The layers CSA prunes: full causal attention (a hybrid block's included). A sliding-window layer sees only
+    its near past, which CSA keeps whole: it runs exact."""
     text = config.get_text_config(decoder=True)
-    types = set(getattr(text, "layer_types", None) or [])
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return [] if getattr(text, "sliding_window", None) else list(range(text.num_hidden_layers))
+    return [i for i, t in enumerate(types) if t in ("full_attention", "hybrid")]
+
+
+def refuse_layers(config) -> None:
+    """What CSA does not define: chunked attention, attention sinks, a latent (MLA) cache, K/V shared across
+    layers, or no full-attention layer to prune. Refused at apply, with what to do."""
+    text = config.get_text_config(decoder=True)
     why = []
-    if types & {"sliding_attention", "chunked_attention", "hybrid_sliding"} or (
-        getattr(text, "sliding_window", None) and not types
-    ):
-        why.append("sliding-window or chunked attention layers")
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        why.append("chunked attention layers")
     if getattr(text, "kv_lora_rank", None):
         why.append("a latent (MLA) K/V cache")
     if getattr(text, "num_kv_shared_layers", 0):
         why.append("K/V shared across layers")
     if text.model_type in ("gpt_oss",) or getattr(text, "use_sinks", False):
         why.append("attention sinks")
+    if not full_layers(config):
+        why.append("no full-attention layer (nothing to prune)")
     if why:
         raise UnsupportedModelError(
-            f"sparse=CSA(...) is defined for full causal attention layers; this model has {', '.join(why)}. "
-            "Run it exact (leave sparse unset)."
+            f"sparse=CSA(...) prunes full causal attention layers (sliding-window ones run exact); this model has "
+            f"{', '.join(why)}. Run it exact (leave sparse unset)."
         )
 
 

@@ -130,6 +130,7 @@ def cmd_generate(args):
         decode=args.decode,
         timeout=args.timeout,
         kvr_partitions=args.kvr_partitions,
+        sparse=sparse_setting(args),
         **(dict(group=cp_group) if tp_group is not None else {}),
     )
     runtime = hf_contextpar.get_runtime(model)
@@ -183,16 +184,34 @@ def cmd_generate(args):
             where = f" (cp {r // args.tp}, tp {r % args.tp})" if tp_group is not None else ""
             held = f", weights {weights[0] / 2**20:.2f} MiB" if weights else ""
             print(f"  rank {r}{where}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB{held}")
+        approximate = runtime is not None and runtime.approximate
+        if approximate:  # never "identical": it is not meant to be
+            print(f"approximate ({', '.join(runtime.approximate)}): CSA drops distant tokens, not the exact result")
         if baseline is not None:
             same = torch.equal(baseline[0].cpu(), out.sequences.cpu())
+            verdict = f"tokens as the exact run's: {same}" if approximate else f"tokens identical: {same}"
             print(
                 f"unpatched, 1 process: TTFT {baseline[1] * 1000:.1f} ms   decode {baseline[2]:.1f} tokens/s   "
-                f"TTFT speed-up {baseline[1] / ttft:.2f}x   tokens identical: {same}"
+                f"TTFT speed-up {baseline[1] / ttft:.2f}x   {verdict}"
             )
         sys.stdout.flush()
     if dist.is_initialized():
         dist.barrier()  # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
+
+
+def sparse_setting(args):
+    """The approximate mode --csa asks for (None: exact); a bad setting exits with its message."""
+    if getattr(args, "csa", None) is None:
+        if getattr(args, "topology", None):
+            raise SystemExit("error: --topology is a setting of --csa (the approximate mode); add --csa KEEP.")
+        return None
+    from ..sparse import CSA
+
+    try:
+        return CSA(keep=tuple(args.csa), topology=args.topology, observe=args.observe)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _setup(args):
@@ -307,6 +326,15 @@ def main(argv=None):
         help="KV-Runahead partition table from `kvr-table`, 'balanced' (equal work per rank, as measured) or 'even'; "
         "default: balanced on a model with recurrent layers, else even (each rank keeps 1/N of the KV either way)",
     )
+    g.add_argument(
+        "--csa",
+        type=fractions,
+        metavar="KEEP",
+        help="APPROXIMATE: CSPS's sparse attention, keeping this fraction of the tokens of other ranks on the node "
+        "(level 2; each farther level half as many), or one fraction per level, comma-separated (default: exact)",
+    )
+    g.add_argument("--topology", help="with --csa: AxB (A nodes of B ranks; default: from the launcher)")
+    g.add_argument("--observe", type=positive_int, default=64, help="with --csa: query rows that rank the keys")
     g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
     g.add_argument(
