@@ -76,7 +76,12 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool) -> dict:
     dist.all_reduce(total)
     hf_contextpar.remove_context_parallel(cp)
     return dict(
-        max_diff=worst, turns=gaps, tokens_equal=torch.equal(ga, gb), bytes_sent=total.item(), approximate=ran, from_plain=moved
+        max_diff=worst,
+        turns=gaps,
+        tokens_equal=torch.equal(ga, gb),
+        bytes_sent=total.item(),
+        approximate=ran,
+        from_plain=moved,
     )
 
 
