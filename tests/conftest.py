@@ -11,7 +11,7 @@ so a renamed test cannot silently move into the fast subset. See docs/testing.md
 
 The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
 hybrid and multi-turn matrices, split by family so that every family runs at one of them in every run;
-N = 3 or 4 of the strategy matrix and of the census's re-run; N = 3 of the geometry, holes and
+N = 3 or 4 of the strategy and CSA matrices and of the census's re-run; N = 3 of the geometry, holes and
 interleave matrices; two of the three script orders of the exit check; lm-eval on 3 processes and lm-eval
 under TP 2 x CP 2) run in one of SLICES slices,
 picked by the day (every slice runs every SLICES days) and printed in the header. Replay one with
@@ -70,6 +70,9 @@ SLOW_TESTS = {
     ("test_census.py", "test_rotating_families_keep_their_classification"): None,
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: p["n"] == 2 and p["family"] == "qwen3_next",
     ("test_hybrid.py", "test_hybrid_strategies"): None,
+    ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): lambda p: (
+        p["n"] == 2 and p["case"] == "llama"
+    ),
     # TP x CP: the tp_cp matrix (one launch of 4 ranks) stays in the fast subset, the rest is slow
     ("test_tp.py", "test_dcp_exact"): None,
     ("test_tp.py", "test_dcp_refusals_and_fp32"): None,
@@ -101,6 +104,7 @@ ROTATING = {
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
     ("test_multiturn.py", "test_multiturn_exact_and_balanced"): _by_n,
     ("test_strategies.py", "test_strategy_exact"): _by_n,
+    ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): _by_n,
     ("test_strategies.py", "test_traffic_matches_the_formulas"): _by_n,
     ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
     ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,

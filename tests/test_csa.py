@@ -6,7 +6,7 @@ import pytest
 import torch
 from csa_worker import cases
 from hf_contextpar.eval.csa_reference import csa_reference
-from launch import matrix
+from launch import matrix, selected
 
 import hf_contextpar
 from hf_contextpar.errors import UnsupportedModelError
@@ -17,8 +17,9 @@ PARAMS = [(n, name) for n in (2, 3, 4) for name, _ in cases(n)]
 
 
 @pytest.mark.parametrize("n,case", PARAMS, ids=[f"N{n}-{c}" for n, c in PARAMS])
-def test_csa_matches_its_reference_and_keep_all_is_exact(n, case, tmp_path_factory):
-    records = matrix("csa_worker.py", n, tmp_path_factory)
+def test_csa_matches_its_reference_and_keep_all_is_exact(n, case, tmp_path_factory, request):
+    names = [name for name, _ in cases(n)]
+    records = matrix("csa_worker.py", n, tmp_path_factory, selected(request, "case", names))
     for rank, recs in enumerate(records):
         rec = next(r for r in recs if r["case"] == case)
         assert rec["ok"], f"rank {rank}: {rec}"
