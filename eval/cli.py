@@ -1,4 +1,5 @@
-"""`python -m hf_contextpar.eval needlebench|bookcorpus`: is the context-parallel model the same model?
+"""`python -m hf_contextpar.eval needlebench|bookcorpus|csa`: is the context-parallel model the same model
+(csa: what the approximate mode costs)?
 
     torchrun --nproc_per_node 2 -m hf_contextpar.eval needlebench --model tiny-llama --lengths 512,1024 --out nb/
     torchrun --nproc_per_node 4 -m hf_contextpar.eval needlebench --model meta-llama/Llama-3.1-8B-Instruct \\
@@ -24,6 +25,8 @@ from . import bookcorpus as bc
 from . import needlebench as nb
 from .bookcorpus_cmd import cmd_bookcorpus
 from .common import EXIT_ERROR, EXIT_NOT_EQUIVALENT, drop_reports
+from .csa_cmd import add_arguments as csa_arguments
+from .csa_cmd import cmd_csa
 from .needlebench_cmd import cmd_needlebench
 from .oracle import describe_tolerances
 
@@ -120,6 +123,12 @@ def main(argv=None) -> int:
     )
     b.add_argument("--text-column", default="text")
     b.set_defaults(func=cmd_bookcorpus)
+    c = sub.add_parser(
+        "csa", help="the approximate mode (CSA) beside the exact run and one process: scores, bytes, TTFT"
+    )
+    _common(c)
+    csa_arguments(c)
+    c.set_defaults(func=cmd_csa)
     args = p.parse_args(argv)
     if not args.save_reference and os.environ.get("RANK", "0") == "0":
         drop_reports(args.out)  # before anything can fail: OUT/report.json must not outlive a run that did

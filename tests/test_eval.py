@@ -380,3 +380,19 @@ def test_low_precision_tolerance_is_the_kernel_swap():
     assert tolerance(torch.bfloat16, "llama", 1e-4)[0] == 1e-2  # the floor
     assert tolerance(torch.float32)[0] == 1e-4 and tolerance(torch.float64)[0] == 1e-10
     assert tolerance(torch.float64, "gemma2")[0] == 1e-5
+
+
+def test_csa_report_beside_the_exact_run_n2(tmp_path):
+    """`eval csa`: NeedleBench cells and a BookCorpus window under the exact run, CSA and one process; the exact
+    run is the one process's, CSA its reference's, and the dropping saves bytes against keep-all CSA."""
+    out = tmp_path / "csa"
+    args = ["-m", "hf_contextpar.eval", "csa", "--csa", "0.5", "--lengths", "768", "--depths", "50"]
+    procs = launch(2, [*args, "--num-windows", "1", "--window", "512", "--max-new-tokens", "8", "--out", str(out)])
+    _check(procs, 0)
+    rep = json.load(open(out / "report.json"))
+    s = rep["summary"]
+    assert s["exact_equivalent"] and s["csa_matches_reference"] and s["world"] == 2
+    assert s["csa"] == "CSA(topology=1x2, keep L2=0.5, observe=64)"
+    assert s["bytes_csa"] < s["bytes_keep_all"] and s["ppl_csa"] is not None
+    assert [r["key"] for r in rep["records"]] == ["single_retrieval/768/50", "multi_retrieval/768/50", "window/0"]
+    assert "| window/0 |" in (out / "report.md").read_text()
