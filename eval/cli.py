@@ -27,6 +27,8 @@ from .bookcorpus_cmd import cmd_bookcorpus
 from .common import EXIT_ERROR, EXIT_NOT_EQUIVALENT, drop_reports
 from .csa_cmd import add_arguments as csa_arguments
 from .csa_cmd import cmd_csa
+from .csa_config import add_arguments as csa_config_arguments
+from .csa_config import cmd_csa_config
 from .needlebench_cmd import cmd_needlebench
 from .oracle import describe_tolerances
 
@@ -129,6 +131,10 @@ def main(argv=None) -> int:
     _common(c)
     csa_arguments(c)
     c.set_defaults(func=cmd_csa)
+    g = sub.add_parser("csa-config", help="CSA's keep fractions from a calibration split, within an accuracy drop")
+    _common(g)
+    csa_config_arguments(g)
+    g.set_defaults(func=cmd_csa_config)
     args = p.parse_args(argv)
     if not args.save_reference and os.environ.get("RANK", "0") == "0":
         drop_reports(args.out)  # before anything can fail: OUT/report.json must not outlive a run that did

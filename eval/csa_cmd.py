@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -37,7 +38,12 @@ from .needlebench_cmd import greedy
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--csa", required=True, help="keep fraction of level 2 (each level above half), or one per level")
+    p.add_argument(
+        "--csa",
+        required=True,
+        help="keep fraction of level 2 (each level above half), one per level (comma-separated), or the settings "
+        "file csa-config wrote",
+    )
     p.add_argument("--topology", help="AxB: A nodes of B ranks (default: from the launcher)")
     p.add_argument("--observe", type=int, default=64, help="query rows that rank a partition's keys (default 64)")
     p.add_argument("--lengths", default="2048,4096", help="NeedleBench prompt lengths (default 2048,4096)")
@@ -49,10 +55,10 @@ def add_arguments(p) -> None:
 
 
 def settings(args) -> CSA:
+    """--csa KEEP[,KEEP...] or a settings file csa-config wrote, with --topology / --observe."""
     try:
-        keep = tuple(float(x) for x in str(args.csa).split(",") if x.strip())
-        return CSA(keep=keep if len(keep) > 1 else keep[0], topology=args.topology, observe=args.observe)
-    except (ValueError, IndexError) as e:
+        return CSA.parse(str(args.csa), args.topology, args.observe)
+    except (ValueError, KeyError) as e:
         raise SystemExit(f"--csa / --topology / --observe: {e}") from None
 
 
@@ -81,9 +87,19 @@ def cmd_csa(args) -> int:
     return 0 if summary["exact_equivalent"] and summary["csa_matches_reference"] else EXIT_NOT_EQUIVALENT
 
 
-def _cases(args, tok) -> list:
-    """NeedleBench prompts, then BookCorpus windows, as dicts every rank receives from rank 0."""
+SPLITS = ("evaluation", "calibration")
+
+
+def split(data: nb.NeedleData, part: str) -> nb.NeedleData:
+    """The needles of one split: evaluation takes the even-numbered ones, calibration (csa-config) the odd, so
+    the settings the configurator picks never saw an evaluation needle."""
+    return replace(data, needles=data.needles[SPLITS.index(part) :: 2])
+
+
+def _cases(args, tok, part: str = "evaluation") -> list:
+    """NeedleBench prompts of one split, then BookCorpus windows, as dicts every rank receives from rank 0."""
     data, _ = nb.load_data(args.source, args.data, is_builtin(args.model))
+    data = split(data, part)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     prompts = nb.build_cases(
         data, tok, tasks, ints(args.lengths, "lengths"), ints(args.depths, "depths"), seed=args.seed

@@ -60,6 +60,7 @@ SLOW_TESTS = {
     ("test_eval.py", "test_needlebench_broken_ring_is_not_equivalent"): None,
     ("test_eval.py", "test_bookcorpus_saved_reference_n2"): None,
     ("test_eval.py", "test_csa_report_beside_the_exact_run_n2"): None,
+    ("test_eval.py", "test_csa_config_writes_settings_the_mode_loads"): None,
     ("test_selftest.py", "test_selftest_under_torchrun_on_cpu"): None,
     ("test_selftest.py", "test_a_broken_case_turns_the_verdict_to_fail"): None,
     ("test_selftest.py", "test_simulated_on_cpu"): None,

@@ -84,3 +84,12 @@ def test_the_reference_on_one_partition_is_the_model():
             ref = model(ids).logits
     assert (plain - ref).abs().max().item() < 1e-10
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_parse_and_save_round_trip(tmp_path):
+    assert CSA.parse("0.8").keep == 0.8 and CSA.parse("0.9,0.5", "2x2").keep == (0.9, 0.5)
+    path = CSA(keep=(0.9, 0.5), topology="2x2", observe=16).save(str(tmp_path / "s.json"), note="x")
+    assert CSA.parse(path) == CSA(keep=(0.9, 0.5), topology="2x2", observe=16)
+    assert CSA.parse(path, topology="1x4").topology == "1x4"
+    with pytest.raises(ValueError, match="keep fractions"):
+        CSA.parse("most")

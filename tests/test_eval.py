@@ -396,3 +396,19 @@ def test_csa_report_beside_the_exact_run_n2(tmp_path):
     assert s["bytes_csa"] < s["bytes_keep_all"] and s["ppl_csa"] is not None
     assert [r["key"] for r in rep["records"]] == ["single_retrieval/768/50", "multi_retrieval/768/50", "window/0"]
     assert "| window/0 |" in (out / "report.md").read_text()
+
+
+def test_csa_config_writes_settings_the_mode_loads(tmp_path):
+    """`eval csa-config` on the calibration split: a curve from keep-all down, the chosen settings in a file
+    that `CSA.load` (and `--csa FILE`) reads back."""
+    from hf_contextpar.sparse import CSA
+
+    out = tmp_path / "cfg"
+    args = ["-m", "hf_contextpar.eval", "csa-config", "--lengths", "512", "--depths", "50", "--grid", "1.0,0.5"]
+    procs = launch(2, [*args, "--tasks", "single_retrieval", "--max-new-tokens", "8", "--out", str(out)])
+    _check(procs, 0)
+    saved = json.load(open(out / "csa_settings.json"))
+    assert [p["keep"] for p in saved["curve"]][:1] == [1.0] and saved["keep"] in (1.0, 0.5)
+    assert all(p["drop"] <= 0 for p in saved["curve"] if p["keep"] >= saved["keep"])
+    assert CSA.load(str(out / "csa_settings.json")).keep == saved["keep"]
+    assert "keep (level 2) | score | drop" in procs[0][1]

@@ -60,6 +60,41 @@ class CSA:
         if self.topology is not None:
             _parse(self.topology)
 
+    def save(self, path: str, **measured) -> str:
+        """Write the settings (and what chose them) as JSON, for `CSA.load` and `--csa FILE`."""
+        import json
+
+        keep = list(self.keep) if isinstance(self.keep, tuple) else self.keep
+        top = "x".join(map(str, self.topology)) if isinstance(self.topology, tuple) else self.topology
+        with open(path, "w") as f:
+            json.dump(dict(keep=keep, topology=top, observe=self.observe, **measured), f, indent=1)
+        return path
+
+    @staticmethod
+    def load(path: str, topology=None) -> CSA:
+        """Settings `save` wrote (csa-config's); `topology` replaces the file's where given."""
+        import json
+
+        with open(path) as f:
+            saved = json.load(f)
+        keep = tuple(saved["keep"]) if isinstance(saved["keep"], list) else saved["keep"]
+        return CSA(keep=keep, topology=topology or saved.get("topology"), observe=saved.get("observe", 64))
+
+    @staticmethod
+    def parse(text: str, topology=None, observe: int = 64) -> CSA:
+        """A command line's --csa: fractions ("0.8", or "0.9,0.5" level by level) or a file `save` wrote."""
+        import os
+
+        if os.path.isfile(text):
+            return CSA.load(text, topology=topology)
+        try:
+            keep = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"--csa takes keep fractions (0.8 or 0.9,0.5) or a csa-config file, got {text!r}"
+            ) from None
+        return CSA(keep=keep if len(keep) != 1 else keep[0], topology=topology, observe=observe)
+
     def resolved(self, world: int) -> CSA:
         """The topology as a tuple of group sizes (outermost first), read from the launcher where not given."""
         if self.topology is None:

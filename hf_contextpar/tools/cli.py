@@ -209,8 +209,8 @@ def sparse_setting(args):
     from ..sparse import CSA
 
     try:
-        return CSA(keep=tuple(args.csa), topology=args.topology, observe=args.observe)
-    except ValueError as e:
+        return CSA.parse(args.csa, args.topology, args.observe)
+    except (ValueError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
 
 
@@ -328,10 +328,10 @@ def main(argv=None):
     )
     g.add_argument(
         "--csa",
-        type=fractions,
         metavar="KEEP",
         help="APPROXIMATE: CSPS's sparse attention, keeping this fraction of the tokens of other ranks on the node "
-        "(level 2; each farther level half as many), or one fraction per level, comma-separated (default: exact)",
+        "(level 2; each farther level half as many), one fraction per level (comma-separated), or the settings "
+        "file `python -m hf_contextpar.eval csa-config` wrote (default: exact)",
     )
     g.add_argument("--topology", help="with --csa: AxB (A nodes of B ranks; default: from the launcher)")
     g.add_argument("--observe", type=positive_int, default=64, help="with --csa: query rows that rank the keys")
