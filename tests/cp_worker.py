@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hf_contextpar.eval import first_divergence, logits_diff
 from hf_contextpar.patches import REGISTRY
 from launch import write_records
+from shared_reference import OnRankZero
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -47,7 +48,7 @@ def per_sequence_spread(cache, batch) -> int:
 
 
 def pair(family, dtype, seed=0):
-    ref = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
+    ref = OnRankZero(tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family)))
     cp = tiny_model(family, dtype=dtype, seed=seed, attn_implementation=impl_for(family))
     hf_contextpar.apply_context_parallel(cp, timeout=120)
     return ref, cp
@@ -203,10 +204,11 @@ def run_family(family, n, records):
     ids = prompt(301, seed=301)
     r = ref(ids).logits
     if impl_for(family) == "sdpa":
-        alt = tiny_model(family, dtype=torch.bfloat16, attn_implementation="eager")
+        alt = OnRankZero(tiny_model(family, dtype=torch.bfloat16, attn_implementation="eager"))
         kernel_swap = logits_diff(alt(ids).logits, r)
     else:  # only one kernel exists (Gemma2 eager): use bf16's own rounding, bf16 vs the fp32 model
-        kernel_swap = logits_diff(tiny_model(family, dtype=torch.float32, attn_implementation="eager")(ids).logits, r)
+        fp32 = OnRankZero(tiny_model(family, dtype=torch.float32, attn_implementation="eager"))
+        kernel_swap = logits_diff(fp32(ids).logits, r)
     rec("bf16_prefill", dtype="bfloat16", max_diff=logits_diff(cp(ids).logits, r), kernel_swap=kernel_swap)
 
 

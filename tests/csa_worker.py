@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hf_contextpar.eval.csa_reference import csa_reference
 from hybrids import hybrid_config
 from launch import run_cases
+from shared_reference import OnRankZero
 from transformers import AutoModelForCausalLM
 
 import hf_contextpar
@@ -53,9 +54,10 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool) -> dict:
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     turn = torch.randint(0, 256, (2, 5), generator=g)
-    ref, cp = build(family), hf_contextpar.apply_context_parallel(build(family), sparse=csa)
+    model, cp = build(family), hf_contextpar.apply_context_parallel(build(family), sparse=csa)
+    ref = OnRankZero(model)
     runtime = hf_contextpar.get_runtime(cp)
-    reference = csa_reference(ref, csa, n) if not against_plain else contextlib.nullcontext()
+    reference = csa_reference(model, csa, n) if not against_plain else contextlib.nullcontext()
     with torch.no_grad(), Fp64Internals(), reference:  # a hybrid's fp32 scans in fp64 too
         a = ref(ids, attention_mask=mask, use_cache=True)
         b = cp(ids, attention_mask=mask, use_cache=True)
@@ -66,7 +68,8 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool) -> dict:
         b2 = cp(turn, attention_mask=both, past_key_values=b.past_key_values, use_cache=True)
         short = ids[:, : max(1, n - 1)]  # fewer tokens than ranks: every rank runs them whole, exact
         a3, b3 = ref(short).logits, cp(short).logits
-        moved = (build(family)(ids, attention_mask=mask).logits - b.logits)[mask.bool()].abs().max().item()
+        plain = OnRankZero(build(family))(ids, attention_mask=mask).logits
+        moved = (plain - b.logits)[mask.bool()].abs().max().item()
         ga = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         gb = cp.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     real = mask.bool()

@@ -16,6 +16,7 @@ from cp_worker import gathered_equal, prompt  # noqa: E402
 from geometries import GEOMETRIES, GEOMETRY_THRESHOLD, geometry_model  # noqa: E402
 from hf_contextpar.eval import first_divergence, logits_diff  # noqa: E402
 from launch import record_each  # noqa: E402
+from shared_reference import OnRankZero
 
 import hf_contextpar  # noqa: E402
 
@@ -32,7 +33,7 @@ def lengths_for(name: str) -> list[int]:
 def check(name: str, n: int, rec):
     for dtype in (torch.float64, torch.float32):
         dname = str(dtype).split(".")[-1]
-        ref = geometry_model(name, dtype=dtype)
+        ref = OnRankZero(geometry_model(name, dtype=dtype))
         cp = hf_contextpar.apply_context_parallel(geometry_model(name, dtype=dtype), timeout=120)
         for length in lengths_for(name):
             ids = prompt(length, seed=length)

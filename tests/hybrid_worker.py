@@ -19,6 +19,7 @@ from cp_worker import gathered_equal  # noqa: E402
 from hf_contextpar.patches import REGISTRY  # noqa: E402
 from hybrids import BEAMS_REFUSED, FAMILIES, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
+from shared_reference import OnRankZero
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
@@ -40,7 +41,7 @@ def check(family: str, n: int, strategy: str, rec):
     mask[1, : 2 * n + 3] = 0  # row 1's padding reaches past the first partition
     more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
     last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
-    ref, cp = hybrid_model(family), hybrid_model(family)
+    ref, cp = OnRankZero(hybrid_model(family)), hybrid_model(family)
     raw = REGISTRY[family].raw_mask  # Mamba1's models take the new tokens' mask alone (one column per input token)
     extra = {}
     if strategy == "uneven":  # KV-Runahead over uneven partitions from a table: the first rank takes the most

@@ -15,6 +15,7 @@ import torch
 from cp_worker import gathered_equal, left_padded, per_sequence_spread, prompt
 from hf_contextpar.eval import logits_diff
 from launch import run_cases, tolerance
+from shared_reference import OnRankZero
 
 import hf_contextpar
 from hf_contextpar.errors import ContextParallelError, DecodeBatchError
@@ -71,7 +72,7 @@ def cases(n):
             for name, lengths in batches(n).items():
 
                 def check(k=k, decode=decode, lengths=lengths):
-                    ref = tiny_model("llama")
+                    ref = OnRankZero(tiny_model("llama"))
                     cp = hf_contextpar.apply_context_parallel(
                         tiny_model("llama"), decode=decode, kv_interleave=k, timeout=60
                     )
@@ -96,7 +97,7 @@ def cases(n):
         for mode in ("assisted", "lookup"):
 
             def drafts(k=k, mode=mode):
-                ref = tiny_model("llama")
+                ref = OnRankZero(tiny_model("llama"))
                 cp = hf_contextpar.apply_context_parallel(tiny_model("llama"), kv_interleave=k, timeout=60)
                 ids = prompt(23, seed=5).repeat(1, 2)  # repeats give the lookup something to propose
                 # an assistant with other weights: drafts get rejected, so the cache is cropped

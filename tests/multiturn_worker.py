@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from hf_contextpar.eval import logits_diff
 from launch import write_records
+from shared_reference import OnRankZero
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -60,7 +61,7 @@ def main():
         for dtype in (torch.float64, torch.float32):
             for strategy in STRATEGIES:
                 try:
-                    ref = tiny_model(family, dtype=dtype)
+                    ref = OnRankZero(tiny_model(family, dtype=dtype))
                     cp = hf_contextpar.apply_context_parallel(tiny_model(family, dtype=dtype), strategy=strategy)
                     n = dist.get_world_size()
                     worst, same, level = conversation(ref, cp, n, seed=len(records))

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal, impl_for, left_padded, prompt  # noqa: E402
 from hf_contextpar.eval import logits_diff  # noqa: E402
 from launch import write_records  # noqa: E402
+from shared_reference import OnRankZero
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.models import tiny_model  # noqa: E402
@@ -29,7 +30,7 @@ STRATEGIES = ["allgather_kv", "kv_runahead", "ulysses"]
 
 def model_pair(family, dtype, strategy):
     impl = impl_for(family)
-    ref = tiny_model(family, dtype=dtype, attn_implementation=impl)
+    ref = OnRankZero(tiny_model(family, dtype=dtype, attn_implementation=impl))
     cp = tiny_model(family, dtype=dtype, attn_implementation=impl)
     hf_contextpar.apply_context_parallel(cp, strategy=strategy, timeout=120)
     return ref, cp
