@@ -13,6 +13,7 @@ the same sequences.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -85,6 +86,8 @@ class ContextParallelRuntime:
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
         self._rope_modules = []
+        self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
+        self._forward = None
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
 
     def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
@@ -102,6 +105,8 @@ class ContextParallelRuntime:
         ]
         self._rope_modules = patch_rope(m)
         m.generate = self._generate
+        self._forward = m.__dict__.get("forward")  # an instance forward installed before (accelerate's hooks)
+        m.forward = self._direct_forward(m.forward)
 
     def uninstall(self):
         for h in self._handles:
@@ -110,6 +115,23 @@ class ContextParallelRuntime:
         unpatch_rope(self._rope_modules)
         self._rope_modules = []
         self.model.__dict__.pop("generate", None)
+        if self._forward is not None:
+            self.model.forward = self._forward
+        else:
+            self.model.__dict__.pop("forward", None)
+
+    def _direct_forward(self, forward):
+        """model.forward(...) as model(...) (PEFT's LoRA calls its base model's forward): a call that did not come
+        through the module's hooks goes through them; the hooked call itself runs the model's forward."""
+
+        @functools.wraps(forward)
+        def direct(*args, **kwargs):
+            if self._entered:  # the pre-hook just ran: this is the module call's own forward
+                self._entered = False
+                return forward(*args, **kwargs)
+            return self.model(*args, **kwargs)
+
+        return direct
 
     def _generate(self, *args, **kwargs):
         """model.generate, after refusing what one process does not run exactly, then (check_inputs)
@@ -177,15 +199,19 @@ class ContextParallelRuntime:
         measure = self.balanced and plan.contiguous and self.tp == 1
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
+        self._entered = True
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
+        self._entered = False
         if not self._pending:
             return output
         token, step, grad, as_tuple, scratch, started = self._pending.pop()
         current_step.reset(token)
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
+            if ok:
+                self._check_attended(step)
             if ok and plan.chained:
                 step.cache.end_chain()  # the last layer's states to the next rank
             if ok and started is not None:
@@ -216,6 +242,39 @@ class ContextParallelRuntime:
         return output
 
     # -- helpers -----------------------------------------------------------------------
+    def _check_attended(self, step: Step):
+        """Every attention layer went through the library's attention once in this forward (the adapter
+        counts them, `Step.attended`), and every cache layer whose K/V this forward updated was attended
+        through it: a layer patched to call SDPA (or anything else) itself would attend to this rank's shard
+        alone. Raised before any output leaves the forward; the same code runs on every rank, so every rank
+        raises alike. Costs two set sizes per forward."""
+        expected = self.attention_layers if self.contract.attention_name is not None else 0
+        missed = (
+            []
+            if step.cache is None
+            else [
+                i
+                for i, layer in enumerate(step.cache.layers)
+                if getattr(layer, "handed", False) and i not in step.sources
+            ]
+        )
+        if len(step.attended) == expected and not missed:
+            return
+        names = [
+            f"{name} ({type(m).__name__}, layer {m.layer_idx})"
+            for name, m in self.model.named_modules()
+            if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) not in step.attended | {None}
+        ]
+        where = ", ".join(names) or f"cache layer(s) {missed}"
+        raise UnsupportedModelError(
+            f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention in this "
+            f"forward; not through it: {where}. A layer whose forward calls an attention function itself (SDPA, "
+            "a KV-compression or research patch of the attention forward) attends to this rank's shard of the "
+            "sequence alone, so its output would be wrong. Attention must go through transformers' "
+            "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run "
+            "the model on one process."
+        )
+
     @property
     def _attention(self):
         return self.comm.tagged["attention"]
