@@ -210,10 +210,10 @@ class ContextParallelRuntime:
         current_step.reset(token)
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
-            if ok:
-                self._check_attended(step)
             if ok and plan.chained:
                 step.cache.end_chain()  # the last layer's states to the next rank
+            if ok:  # after the chain's sends complete (the next rank receives them in this forward), before any output
+                self._check_attended(step)
             if ok and started is not None:
                 self._measure(plan, started)
             if ok and plan.chained:
