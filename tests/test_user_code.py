@@ -16,7 +16,7 @@ from hf_contextpar import patches
 from hf_contextpar.models import tiny_model
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import matrix  # noqa: E402
+from launch import matrix, selected  # noqa: E402
 from user_code_worker import cases  # noqa: E402
 
 NAMES = [name for name, _ in cases(2)]
@@ -24,8 +24,9 @@ NAMES = [name for name, _ in cases(2)]
 
 @pytest.mark.parametrize("case", NAMES)
 @pytest.mark.parametrize("n", [2, 3])
-def test_user_code(n, case, tmp_path_factory):
-    for rank, records in enumerate(matrix("user_code_worker.py", n, tmp_path_factory)):
+def test_user_code(n, case, tmp_path_factory, request):
+    args = selected(request, "case", NAMES)  # -k starts only the cases it selects
+    for rank, records in enumerate(matrix("user_code_worker.py", n, tmp_path_factory, args)):
         (r,) = [r for r in records if r["case"] == case]
         assert r["ok"], f"rank {rank}: {r}"
 

@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import sys
+import time
 import warnings
 
 import torch
@@ -234,7 +235,7 @@ def dropped_models(family):
         return len(os.listdir("/proc/self/fd"))
 
     counts, groups = [], []
-    for _ in range(4):
+    for _ in range(3):
         model = hf_contextpar.apply_context_parallel(model_of(family), timeout=60)
         with torch.no_grad():
             model(ids_of(3 * dist.get_world_size()))
@@ -255,5 +256,19 @@ def cases(n):
     return out
 
 
+def selected(n):
+    """argv[2], if given: the comma-separated cases to run (launch.selected's subset), else every case."""
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    return [(name, _timed(fn)) for name, fn in cases(n) if wanted is None or name in wanted]
+
+
+def _timed(fn):
+    def run():
+        start = time.perf_counter()
+        return dict(fn(), seconds=round(time.perf_counter() - start, 2))
+
+    return run
+
+
 if __name__ == "__main__":
-    run_cases(cases)
+    run_cases(selected)
