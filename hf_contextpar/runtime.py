@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections import Counter
 
@@ -126,10 +127,16 @@ class ContextParallelRuntime:
 
         @functools.wraps(forward)
         def direct(*args, **kwargs):
-            if self._entered:  # the pre-hook just ran: this is the module call's own forward
-                self._entered = False
+            if not self._entered:
+                return self.model(*args, **kwargs)
+            self._entered = False  # the pre-hook just ran: this is the module call's own forward
+            try:
                 return forward(*args, **kwargs)
-            return self.model(*args, **kwargs)
+            except Exception as e:  # a layer that ran transformers' own attention failed on this rank's shard
+                bypass = _other_attention(e.__traceback__)
+                if bypass is None:
+                    raise
+                raise UnsupportedModelError(_bypass_message([bypass])) from e
 
         return direct
 
@@ -265,15 +272,8 @@ class ContextParallelRuntime:
             for name, m in self.model.named_modules()
             if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) not in step.attended | {None}
         ]
-        where = ", ".join(names) or f"cache layer(s) {missed}"
-        raise UnsupportedModelError(
-            f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention in this "
-            f"forward; not through it: {where}. A layer whose forward calls an attention function itself (SDPA, "
-            "a KV-compression or research patch of the attention forward) attends to this rank's shard of the "
-            "sequence alone, so its output would be wrong. Attention must go through transformers' "
-            "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run "
-            "the model on one process."
-        )
+        prefix = f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention; "
+        raise UnsupportedModelError(prefix + _bypass_message(names or [f"cache layer(s) {missed}"]))
 
     @property
     def _attention(self):
@@ -367,3 +367,26 @@ class ContextParallelRuntime:
             # drops the other rows before its KV-shared layers, by each rank's own token count)
             x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
             kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
+
+
+def _bypass_message(where: list) -> str:
+    return (
+        f"not through it in this forward: {', '.join(where)}. A layer whose forward calls an attention function "
+        "itself (SDPA, a KV-compression or research patch of the attention forward) attends to this rank's shard of "
+        "the sequence alone, so its output would be wrong. Attention must go through transformers' "
+        "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run the "
+        "model on one process."
+    )
+
+
+def _other_attention(tb) -> str | None:
+    """The attention module that ran one of transformers' own attention functions (sdpa_attention_forward, a
+    model's eager_attention_forward, ...) in a failed forward of a patched model, where only the library's may
+    run; None if none did."""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name.endswith("attention_forward") and f"{os.sep}transformers{os.sep}" in code.co_filename:
+            module = tb.tb_frame.f_locals.get("module")
+            return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}), which ran {code.co_name}"
+        tb = tb.tb_next
+    return None

@@ -119,11 +119,15 @@ def bypass(family):
         gen = refused(
             lambda: model.generate(ids, max_new_tokens=3, do_sample=False), hf_contextpar.UnsupportedModelError
         )
+        batch = torch.cat([ids, ids.flip(1)])  # left padding: transformers' SDPA fails on the 2D mask's shard
+        mask = torch.ones_like(batch)
+        mask[1, :3] = 0
+        padded = refused(lambda: model(batch, attention_mask=mask), hf_contextpar.UnsupportedModelError)
         del layer.forward  # the patch undone: exact again
         diff = float((model(ids).logits - ref(ids).logits).abs().max())
-    names = f"layer {layer.layer_idx}" in one["message"] and f"layer {layer.layer_idx}" in gen["message"]
-    ok = one["ok"] and gen["ok"] and names and diff <= tol(family) and same_everywhere(one["message"])
-    return dict(ok=ok, forward=one, generate=gen, diff_after=diff)
+    names = all(f"layer {layer.layer_idx}" in r["message"] for r in (one, gen, padded))
+    ok = one["ok"] and gen["ok"] and padded["ok"] and names and diff <= tol(family) and same_everywhere(one["message"])
+    return dict(ok=ok, forward=one, generate=gen, padded=padded, diff_after=diff)
 
 
 # -- 3: caches that copy --------------------------------------------------------------------------------

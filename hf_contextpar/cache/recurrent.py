@@ -33,6 +33,7 @@ _MAX_STATES = 8
 HEADER = 2 + _FIELDS * _MAX_STATES  # states, payload bytes, then the states' fields
 
 
+_abandoned: list = []  # the posted state sends of chains whose forward raised, until they complete
 _running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
 
 
@@ -199,10 +200,13 @@ class ChainedStates:
             chain.finish(self)
 
     def drop_chain(self) -> None:
-        """A forward that raised: forget its chain without sending."""
+        """A forward that raised: forget its chain without sending more. The states it posted already stay
+        referenced until they are sent (`_abandoned`): a dropped gloo send is cancelled, and the next rank,
+        which raises alike later in the same forward, may still be waiting for it."""
         chain, self.chain = self.chain, None
         if chain is not None:
             _running.reset(chain.token)
+            _abandoned[:] = [p for p in _abandoned if not p.done()] + chain._sends
 
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):
