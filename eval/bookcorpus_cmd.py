@@ -63,7 +63,7 @@ def cmd_bookcorpus(args) -> int:
             lambda c: dict(prompt_sha=fingerprint(c["ids"]), logits=forward(model, c).cpu()),
         )
     reference = load_reference(args.reference, "bookcorpus", cases, meta) if args.reference else None
-    tol, rule, ks = run_tolerance(args, d, model, cases[0]["ids"])
+    tol, rule, ks = run_tolerance(args, d, model, cases[0]["ids"], max((c["ids"] for c in cases), key=len))
 
     def compare_fn(case, ref, cp_logits):
         ref_logits = ref["logits"] if isinstance(ref, dict) else ref

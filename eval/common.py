@@ -8,13 +8,14 @@ import sys
 import time
 
 import torch
+from hf_contextpar.patches import REGISTRY
 
 import hf_contextpar
 from hf_contextpar.models import DTYPES, load
 
 from . import report
 from .harness import Dist, on_rank0, save_reference
-from .oracle import kernel_swap, tolerance
+from .oracle import internals_error, kernel_swap, tolerance
 
 EXIT_NOT_EQUIVALENT, EXIT_ERROR = 1, 2
 
@@ -84,17 +85,23 @@ def weights_fingerprint(model) -> float:
         )  # no fp64 copy of a whole tensor
 
 
-def run_tolerance(args, d, model, first_ids):
+def run_tolerance(args, d, model, first_ids, longest_ids=None):
     """(tolerance, how it was chosen, measured kernel swap or None): --tolerance, else the oracle's
-    for the model's dtype (bf16/fp16: the kernel swap measured on rank 0 on the first prompt)."""
+    for the model's dtype (bf16/fp16: the kernel swap measured on rank 0 on the first prompt; fp64, a model
+    with fp32 internals (a hybrid, or a family whose census bound is wider than 1e-10): twice its own
+    fp32-internals error measured on rank 0 on the longest prompt, where that is wider than the family's)."""
     dtype = DTYPES[args.dtype]
     if args.tolerance is not None:
         return args.tolerance, "given with --tolerance", None
-    ks = None
+    ks = internals = None
     if dtype not in (torch.float32, torch.float64):
         ids = torch.tensor([first_ids[:2048]], device=d.device)
         ks = on_rank0(d, lambda: kernel_swap(model, ids))
-    tol, rule = tolerance(dtype, model.config.model_type, ks)
+    family = REGISTRY.get(model.config.model_type)
+    if dtype == torch.float64 and family is not None and (family.recurrent or family.fp64_tolerance > 1e-10):
+        ids = torch.tensor([longest_ids if longest_ids is not None else first_ids], device=d.device)
+        internals = on_rank0(d, lambda: internals_error(model, ids))
+    tol, rule = tolerance(dtype, model.config.model_type, ks, internals_error=internals)
     return tol, rule, ks
 
 

@@ -123,7 +123,7 @@ def cmd_needlebench(args) -> int:
     if args.save_reference:
         return save_references(args, "needlebench", meta, cases, lambda c: ref_fn(model, c))
     reference = load_reference(args.reference, "needlebench", cases, meta) if args.reference else None
-    tol, rule, ks = run_tolerance(args, d, model, cases[0]["ids"])
+    tol, rule, ks = run_tolerance(args, d, model, cases[0]["ids"], max((c["ids"] for c in cases), key=len))
 
     def compare_fn(case, ref, out):
         cp_tokens, cp_logits = out

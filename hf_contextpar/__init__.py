@@ -19,6 +19,7 @@ from .errors import (
     PatchStateError,
     PeerFailureError,
     RankMismatchError,
+    RegistrationError,
     UnsupportedInputError,
     UnsupportedModelError,
 )
@@ -42,4 +43,5 @@ __all__ = [
     "RankMismatchError",
     "PeerFailureError",
     "PatchStateError",
+    "RegistrationError",
 ]

@@ -7,10 +7,12 @@ apply that fails half-way undoes what it did before raising.
 
 from __future__ import annotations
 
+import weakref
+
 from . import attention
 from .attention import latent
 from .comm.agreement import agree_settings
-from .comm.group import DEFAULT_TIMEOUT_S, release_group, resolve_group
+from .comm.group import DEFAULT_TIMEOUT_S, release_dropped, release_group, resolve_group
 from .comm.shm import open_shm_gather
 from .errors import PatchStateError, UnsupportedModelError
 from .mesh import dcp_of, tensor_parallel
@@ -123,6 +125,10 @@ def apply_context_parallel(
         undo.run()
         raise
     runtime.undo = undo
+    # dropped without remove_context_parallel (a loop over checkpoints): its group and shared memory go with it
+    finalizer = weakref.finalize(model, release_dropped, runtime.comm)
+    finalizer.atexit = False  # at exit, comm/group.release_at_exit tears everything down
+    undo.append(finalizer.detach)
     return model
 
 
@@ -133,6 +139,7 @@ def _switch_attention(model, runtime, undo: Undo):
     if runtime.contract.attention_name is None:
         return
     original = model.config._attn_implementation
+    attention.refuse_unknown_implementation(original)
     model.set_attn_implementation(attention.NAME)
     undo.append(lambda: model.set_attn_implementation(original))
     if model.config._attn_implementation != attention.NAME:  # the same model on every rank: all refuse

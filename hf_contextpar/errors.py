@@ -48,3 +48,7 @@ class PeerFailureError(ContextParallelError):
 class PatchStateError(ContextParallelError):
     """The patched model used in a state the patch does not allow (applied twice, deep-copied,
     its attention implementation changed after apply, a ShardedCache used after removal)."""
+
+
+class RegistrationError(ContextParallelError, ValueError):
+    """patches.register() of a family hf-contextpar already registers (its entry, with its patch, would be lost)."""

@@ -13,7 +13,9 @@ the same sequences.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import time
 from collections import Counter
 
@@ -98,6 +100,8 @@ class ContextParallelRuntime:
         self.ranks = RankCheck(self.comm, self.tp_group)
         self._handles = []
         self._rope_modules = []
+        self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
+        self._forward = None
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
 
     def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
@@ -115,6 +119,8 @@ class ContextParallelRuntime:
         ]
         self._rope_modules = patch_rope(m)
         m.generate = self._generate
+        self._forward = m.__dict__.get("forward")  # an instance forward installed before (accelerate's hooks)
+        m.forward = self._direct_forward(m.forward)
 
     def uninstall(self):
         for h in self._handles:
@@ -123,6 +129,29 @@ class ContextParallelRuntime:
         unpatch_rope(self._rope_modules)
         self._rope_modules = []
         self.model.__dict__.pop("generate", None)
+        if self._forward is not None:
+            self.model.forward = self._forward
+        else:
+            self.model.__dict__.pop("forward", None)
+
+    def _direct_forward(self, forward):
+        """model.forward(...) as model(...) (PEFT's LoRA calls its base model's forward): a call that did not come
+        through the module's hooks goes through them; the hooked call itself runs the model's forward."""
+
+        @functools.wraps(forward)
+        def direct(*args, **kwargs):
+            if not self._entered:
+                return self.model(*args, **kwargs)
+            self._entered = False  # the pre-hook just ran: this is the module call's own forward
+            try:
+                return forward(*args, **kwargs)
+            except Exception as e:  # a layer that ran transformers' own attention failed on this rank's shard
+                bypass = _other_attention(e.__traceback__)
+                if bypass is None:
+                    raise
+                raise UnsupportedModelError(_bypass_message([bypass])) from e
+
+        return direct
 
     def _generate(self, *args, **kwargs):
         """model.generate, after refusing what one process does not run exactly, then (check_inputs)
@@ -180,9 +209,11 @@ class ContextParallelRuntime:
         measure = self.balanced and plan.contiguous and self.tp == 1
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
+        self._entered = True
         return (), kwargs
 
     def _post_forward(self, module, args, kwargs, output):
+        self._entered = False
         if not self._pending:
             return output
         token, step, grad, as_tuple, scratch, started = self._pending.pop()
@@ -191,6 +222,8 @@ class ContextParallelRuntime:
         try:
             if ok and plan.chained:
                 step.cache.end_chain()  # the last layer's states to the next rank
+            if ok:  # after the chain's sends complete (the next rank receives them in this forward), before any output
+                self._check_attended(step)
             if ok and started is not None:
                 self._measure(plan, started)
             if ok and plan.chained:
@@ -236,6 +269,32 @@ class ContextParallelRuntime:
             bytes_received=-self._attention.bytes_received,
             approximate=approximate,  # None: the exact result
         )
+
+    def _check_attended(self, step: Step):
+        """Every attention layer went through the library's attention once in this forward (the adapter
+        counts them, `Step.attended`), and every cache layer whose K/V this forward updated was attended
+        through it: a layer patched to call SDPA (or anything else) itself would attend to this rank's shard
+        alone. Raised before any output leaves the forward; the same code runs on every rank, so every rank
+        raises alike. Costs two set sizes per forward."""
+        expected = self.attention_layers if self.contract.attention_name is not None else 0
+        missed = (
+            []
+            if step.cache is None
+            else [
+                i
+                for i, layer in enumerate(step.cache.layers)
+                if getattr(layer, "handed", False) and i not in step.sources
+            ]
+        )
+        if len(step.attended) == expected and not missed:
+            return
+        names = [
+            f"{name} ({type(m).__name__}, layer {m.layer_idx})"
+            for name, m in self.model.named_modules()
+            if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) not in step.attended | {None}
+        ]
+        prefix = f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention; "
+        raise UnsupportedModelError(prefix + _bypass_message(names or [f"cache layer(s) {missed}"]))
 
     @property
     def _attention(self):
@@ -333,3 +392,26 @@ class ContextParallelRuntime:
             # drops the other rows before its KV-shared layers, by each rank's own token count)
             x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
             kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
+
+
+def _bypass_message(where: list) -> str:
+    return (
+        f"not through it in this forward: {', '.join(where)}. A layer whose forward calls an attention function "
+        "itself (SDPA, a KV-compression or research patch of the attention forward) attends to this rank's shard of "
+        "the sequence alone, so its output would be wrong. Attention must go through transformers' "
+        "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run the "
+        "model on one process."
+    )
+
+
+def _other_attention(tb) -> str | None:
+    """The attention module that ran one of transformers' own attention functions (sdpa_attention_forward, a
+    model's eager_attention_forward, ...) in a failed forward of a patched model, where only the library's may
+    run; None if none did."""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name.endswith("attention_forward") and f"{os.sep}transformers{os.sep}" in code.co_filename:
+            module = tb.tb_frame.f_locals.get("module")
+            return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}), which ran {code.co_name}"
+        tb = tb.tb_next
+    return None

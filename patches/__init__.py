@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hf_contextpar.errors import UnsupportedModelError
+from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
 from . import bamba, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
@@ -49,8 +49,24 @@ class FamilyPatch:
 REGISTRY: dict[str, FamilyPatch] = {}
 
 
+BUILTIN: frozenset = frozenset()  # the families this module registers (set at the end of the import)
+
+
 def register(patch: FamilyPatch) -> FamilyPatch:
-    """Add (or replace) a family. Users can register a family they have verified themselves."""
+    """Add a family the library does not know (or replace one you added). Users can register a family they have
+    verified themselves. A family the library already lists is refused: an entry of yours would drop its patch,
+    check and tolerances (Opt's left-padding patch, a hybrid's state chain), silently changing its results."""
+    if patch.model_type in BUILTIN:
+        raise RegistrationError(
+            f"model_type '{patch.model_type}' is already in hf-contextpar's registry (verified, with what it needs: "
+            f"{REGISTRY[patch.model_type].description}); it runs with apply_context_parallel(model) alone. "
+            "Registering it again would replace that entry and drop its patch or checks: remove the register() "
+            "call."
+        )
+    return _add(patch)
+
+
+def _add(patch: FamilyPatch) -> FamilyPatch:
     REGISTRY[patch.model_type] = patch
     return patch
 
@@ -64,7 +80,7 @@ def _text_only_gemma3(config):
 
 
 for _mt, (_tol, _attn) in VERIFIED.items():
-    register(
+    _add(
         FamilyPatch(_mt, f"{_mt}: verified by the model census", reference_attn=_attn, fp64_tolerance=_tol, census=True)
     )
 
@@ -173,7 +189,7 @@ for _patch in [
         ),
     ),
 ]:
-    register(_patch)
+    _add(_patch)
 # Hybrids: recurrent layers (linear attention, state-space, short convolutions) beside attention. Their mixers read
 # and write their states only through transformers' cache API and continue a multi-token forward from a cached
 # state, so the states pass down the ranks in the cache (recurrent.py); tests/test_hybrid.py checks each against
@@ -198,7 +214,7 @@ for _mt, _what, _fp32 in [
     ("kimi_linear", "Kimi-Linear: KDA layers beside latent (MLA) attention", 2e-4),
     ("olmo_hybrid", "OLMo-hybrid: Gated DeltaNet layers beside attention", 2e-4),
 ]:
-    register(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
+    _add(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
 NOT_CHAINED = {
     "zamba": "its Mamba1 scan keeps its state in other shapes than patches/mamba1.py handles; not verified yet",
@@ -206,18 +222,18 @@ NOT_CHAINED = {
     "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
 }
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
-register(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
+_add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
-    register(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
+    _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
 # MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)
-register(
+_add(
     FamilyPatch(
         "minimax", "MiniMax: lightning-attention layers beside attention, MoE", apply=minimax.apply, recurrent=True
     )
 )
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
-register(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
-register(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
+_add(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
+_add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
 
 
 # families whose attention hf-contextpar cannot serve exactly whatever the weights: refused even when registered (a
@@ -260,3 +276,6 @@ def resolve(config) -> FamilyPatch:
     if patch.check is not None:
         patch.check(config)
     return patch
+
+
+BUILTIN = frozenset(REGISTRY)

@@ -11,7 +11,7 @@ so a renamed test cannot silently move into the fast subset. See docs/testing.md
 
 The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
 hybrid and multi-turn matrices, split by family so that every family runs at one of them in every run;
-N = 3 or 4 of the strategy and CSA matrices and of the census's re-run; N = 3 of the geometry, holes and
+N = 3 or 4 of the strategy and CSA matrices and of the census's re-run; N = 3 of the geometry, holes, user-code and
 interleave matrices; two of the three script orders of the exit check; lm-eval on 3 processes and lm-eval
 under TP 2 x CP 2) run in one of SLICES slices,
 picked by the day (every slice runs every SLICES days) and printed in the header. Replay one with
@@ -75,6 +75,7 @@ SLOW_TESTS = {
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): lambda p: (
         p["n"] == 2 and p["case"] == "llama"
     ),
+    ("test_user_code.py", "test_user_code"): None,  # one launch per N (about 25 s each on 2 cores)
     # TP x CP: the tp_cp matrix (one launch of 4 ranks) stays in the fast subset, the rest is slow
     ("test_tp.py", "test_dcp_exact"): None,
     ("test_tp.py", "test_dcp_refusals_and_fp32"): None,
@@ -114,6 +115,7 @@ ROTATING = {
     ("test_geometries.py", "test_geometry_exact"): lambda p: 0 if p["n"] == 3 else None,
     ("test_holes.py", "test_case"): lambda p: 1 if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: 0 if p["n"] == 3 else None,
+    ("test_user_code.py", "test_user_code"): lambda p: 1 if p["n"] == 3 else None,
     ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {"group": 0, "model": 1}.get(p["order"]),
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: 0,
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: 1,

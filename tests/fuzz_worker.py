@@ -9,7 +9,9 @@ Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, s
 case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
 few opted in through `hf_contextpar.patches.register`, and the real-checkpoint geometries of
 tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
-padding, prompt lengths, 1 to 3 turns and a generation mode per turn. Rank 0 runs the unpatched model (the
+padding, prompt lengths, 1 to 3 turns and a generation mode per turn, the cache copied between turns (deep
+copy, pickle, torch.save) and user code around the model (a custom attention function, a layer calling SDPA
+itself, register() of the family: refused by type, or exact). Rank 0 runs the unpatched model (the
 single-process reference: nothing distributed touches it) and broadcasts its results; every
 rank then runs the patched model and compares each turn (logits within tolerance, tokens
 identical), and digests of every rank's outputs are compared (identical on every rank).
@@ -65,9 +67,11 @@ import argparse
 import contextlib
 import copy
 import datetime
+import io
 import json
 import math
 import os
+import pickle
 import random
 import sys
 import time
@@ -77,7 +81,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, Cache, DynamicCache
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, Cache, DynamicCache
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -294,6 +298,12 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # front-loaded table (halving: each rank keeps an even share of the K/V all the same, plan._levelled)
     front = dict(world=n, entries={"16": [2.0**-i for i in range(n)]})
     case["partitions"] = r.choice([None, None, "balanced", front])
+    # what users do around the model (issue 42), drawn last: the cache copied after every turn (the prompt-reuse
+    # recipe: deep copy, pickle or torch.save round trip, on both sides), and user code the library must refuse
+    # on every rank (a custom attention function registered with transformers, an attention forward patched to
+    # call SDPA itself, register() of a family the library lists) or run exactly (re-registering an opted-in one)
+    case["copy_cache"] = r.choice([None, None, None, "deepcopy", "pickle", "torch_save"])
+    case["user_code"] = r.choice([None] * 21 + ["custom_attention", "bypass", "reregister"])
     return case
 
 
@@ -315,7 +325,7 @@ def describe(case: dict) -> str:
         f"mask={'yes' if case['mask_given'] else 'no'} cache={case['cache']} "
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
         f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
-        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''}{' empty_turn' if case.get('empty_turn') else ''} turns=[{turns}]"
+        f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''}{' empty_turn' if case.get('empty_turn') else ''} copy_cache={case.get('copy_cache')} user_code={case.get('user_code')} turns=[{turns}]"
     )
 
 
@@ -362,7 +372,55 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     if case["family"] in HYBRIDS:  # grouped MoE matmuls have no fp64 CPU kernel
         kw["experts_implementation"] = "eager"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    if case.get("user_code") == "custom_attention" and "attn_implementation" in kw:  # both sides: one process runs it
+        AttentionInterface.register("fuzz_logn", _logn_attention)
+        model.set_attn_implementation("fuzz_logn")
+    if case.get("user_code") == "bypass":
+        _call_sdpa_itself(model)
+    return model
+
+
+def _logn_attention(module, query, key, value, attention_mask, scaling=None, **kw):
+    """A user's attention function: log-n query scaling (a long-context extrapolation trick) over SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    scale = torch.log(torch.tensor(float(key.shape[-2] + 1), dtype=query.dtype)).clamp(min=1.0)
+    return sdpa_attention_forward(module, query * scale, key, value, attention_mask, scaling=scaling, **kw)
+
+
+def _call_sdpa_itself(model) -> bool:
+    """Patch the last attention module's forward to call SDPA itself (what KV-compression patches do): its own
+    code, with ALL_ATTENTION_FUNCTIONS' SDPA in place of the configured attention. False: no attention module."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not layers or not hasattr(layers[-1], "config"):
+        return False
+    layer, forward = layers[-1], layers[-1].forward
+
+    def sdpa_itself(*args, **kwargs):
+        config, saved = layer.config, layer.config._attn_implementation
+        config._attn_implementation = "sdpa"
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            config._attn_implementation = saved
+
+    layer.forward = sdpa_itself
+    return True
+
+
+def copied(cache, how: str | None):
+    """The cache as the prompt-reuse recipe hands it on: a deep copy, or a pickle or torch.save round trip."""
+    if cache is None or how is None:
+        return cache
+    if how == "deepcopy":
+        return copy.deepcopy(cache)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(cache))
+    buf = io.BytesIO()
+    torch.save(cache, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def internals(case: dict):
@@ -527,6 +585,7 @@ def conversation(model, case: dict, make_assistant):
                 )
         if case["cache"] == "returned":
             cache = getattr(out, name)
+        cache = copied(cache, case.get("copy_cache"))
         yield result
 
 
@@ -635,6 +694,12 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     index of the turn that raised."""
     if isinstance(exc, hf_contextpar.HeadsNotDivisibleError):  # at apply
         return case["strategy"] == "ulysses" and not ulysses_fits(case)
+    user = case.get("user_code")
+    if type(exc) is hf_contextpar.RegistrationError:  # register() of a family the library lists
+        return user == "reregister"
+    attends = getattr(build_config(case["family"]).get_text_config(decoder=True), "num_attention_heads", None)
+    if type(exc) is hf_contextpar.UnsupportedModelError and user in ("custom_attention", "bypass") and attends:
+        return True  # at apply (a custom attention function) or at the first forward (a layer calling SDPA itself)
     hybrid = case["family"] in HYBRIDS
     if isinstance(exc, hf_contextpar.UnsupportedModelError) and hybrid:  # batched pass-Q would move states
         return case["decode"] == "ring_pass_q"
@@ -771,6 +836,8 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
     cp = None
     try:
         cp = build_model(case, dtype)
+        if case.get("user_code") == "reregister":  # an older README's opt-in: refused for a family the library lists
+            register(FamilyPatch(cp.config.model_type, "registered again by the fuzz test"))
         hf_contextpar.apply_context_parallel(
             cp,
             strategy=case["strategy"],

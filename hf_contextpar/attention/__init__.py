@@ -52,6 +52,7 @@ def context_parallel_attention(
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
     step.attended.add(module.layer_idx)
+    step.sources.add(source)
     chunk = chunk_size(module)
     kv_local = _local_block(step, module.layer_idx, source, cached_k, cached_v, chunk, sliding_window)
     step.kv_shapes[module.layer_idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
@@ -89,9 +90,12 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
     """What this attention cannot run exactly: outside a patched forward, dropout, a mask or bias of its own."""
     if step is None:
         raise PatchStateError(
-            "hf_contextpar attention ran outside a context-parallel forward. Call the patched "
-            "*ForCausalLM model (or its generate()), not an inner module, or call "
-            "hf_contextpar.remove_context_parallel(model) first."
+            f"{type(module).__name__} ran hf_contextpar's attention outside a context-parallel forward: an inner "
+            "module of a patched model (its decoder, model.model(...) or get_decoder()(...), or a layer) was called "
+            "by itself, which would attend to one rank's share of the sequence. Call the patched *ForCausalLM "
+            "model itself (model(...), model.forward(...) or model.generate(...)); for hidden states, "
+            "model(..., output_hidden_states=True).hidden_states (gathered on every rank, as one process returns "
+            "them). Or call hf_contextpar.remove_context_parallel(model) first."
         )
     if dropout:  # a training-mode module with attention_dropout > 0: one process would drop weights at random
         raise UnsupportedModelError(
@@ -213,6 +217,41 @@ def context_parallel_mask(
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+# transformers' own implementations of plain softmax attention (the model's eager one, SDPA, flash, flex): what the
+# library's attention replaces exactly. Anything else a config names (a function a user registered with
+# AttentionInterface, a hub kernel) may compute something else, which the replacement would silently drop.
+SOFTMAX_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+)
+
+
+def refuse_unknown_implementation(name) -> None:
+    """At apply: refuse an attention implementation the library does not know to be plain softmax attention:
+    a name outside transformers' own, or one of those names re-registered with a function of the user's."""
+    from transformers import AttentionInterface
+
+    function = AttentionInterface._global_mapping.get(name)
+    own = function is None or getattr(function, "__module__", "").startswith("transformers.")
+    if name is None or (name in SOFTMAX_IMPLEMENTATIONS and own):
+        return
+    what = (
+        "is not one of transformers' softmax attentions"
+        if name not in SOFTMAX_IMPLEMENTATIONS
+        else (f"is registered with a function of your own ({getattr(function, '__qualname__', function)!r})")
+    )
+    raise UnsupportedModelError(
+        f"the model's attention implementation {name!r} {what}. hf-contextpar replaces the attention with its own "
+        f"exact context-parallel softmax attention, which would silently drop whatever {name!r} computes "
+        "differently (a score scaling, a bias, sparsity). Load the model with one of "
+        f"{', '.join(SOFTMAX_IMPLEMENTATIONS)} (attn_implementation=...), or run it on one process."
+    )
 
 
 def register() -> None:

@@ -50,6 +50,7 @@ class Step:
     kv_layer: int = 0  # the cache layer whose K/V it attends (another's where a model shares KV across layers)
     state: dict = field(default_factory=dict)  # what an algorithm carries from one layer to the next
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
+    sources: set = field(default_factory=set)  # the cache layers whose K/V those layers attended
     sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
     kv: LayerKV = field(default_factory=LayerKV)  # the running layer's K/V blocks, set by the attention adapter
     # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as the attention adapter

@@ -33,6 +33,7 @@ _MAX_STATES = 8
 HEADER = 2 + _FIELDS * _MAX_STATES  # states, payload bytes, then the states' fields
 
 
+_abandoned: list = []  # the posted state sends of chains whose forward raised, until they complete
 _running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
 
 
@@ -121,6 +122,7 @@ class StateChain:
         self.sent: set[int] = set()  # layers whose outgoing state is posted
         self.current: int | None = None  # the recurrent layer the forward is in
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
+        self.token = None  # the ContextVar token of `_running` while this chain runs (ChainedStates.begin_chain)
         self._sends = []
 
     def enter(self, cache, layer_idx: int) -> None:
@@ -187,19 +189,24 @@ class ChainedStates:
     def begin_chain(self, comm, receive: bool, send: bool) -> None:
         """Start a chained forward. A receiving rank's recurrent layers continue from the incoming state."""
         self.chain = StateChain(comm, receive, send)
-        self._token = _running.set(self.chain)
+        # the ContextVar token stays on the chain, which the cache drops at the forward's end: a cache between
+        # forwards holds tensors and plain data alone, so it deep-copies, pickles and torch.saves (a Token does not)
+        self.chain.token = _running.set(self.chain)
 
     def end_chain(self) -> None:
         chain, self.chain = self.chain, None
         if chain is not None:
-            _running.reset(self._token)
+            _running.reset(chain.token)
             chain.finish(self)
 
     def drop_chain(self) -> None:
-        """A forward that raised: forget its chain without sending."""
-        if self.chain is not None:
-            _running.reset(self._token)
-            self.chain = None
+        """A forward that raised: forget its chain without sending more. The states it posted already stay
+        referenced until they are sent (`_abandoned`): a dropped gloo send is cancelled, and the next rank,
+        which raises alike later in the same forward, may still be waiting for it."""
+        chain, self.chain = self.chain, None
+        if chain is not None:
+            _running.reset(chain.token)
+            _abandoned[:] = [p for p in _abandoned if not p.done()] + chain._sends
 
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):

@@ -268,6 +268,10 @@ class Pending:
     def __init__(self, comm: Comm, works, recv, op: str, tag: str = "attention"):
         self._comm, self._works, self._recv, self._op, self._tag = comm, works, recv, op, tag
 
+    def done(self) -> bool:
+        """Has every posted operation completed (without waiting)?"""
+        return all(w.is_completed() for w in self._works)
+
     def wait(self) -> torch.Tensor | None:
         what = "ring send/recv" if self._op.startswith("ring") else self._op
         with self._comm._guard(what, self._op, self._tag):

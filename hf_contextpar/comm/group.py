@@ -147,3 +147,16 @@ def release_group(group) -> None:
         except (RuntimeError, dist.DistError):
             return  # a peer is gone: leave the group to the exit hook rather than fail here
         dist.destroy_process_group(group)
+
+
+def release_dropped(comm) -> None:
+    """A patched model was garbage-collected without remove_context_parallel (a weakref finaliser, api.py): close
+    its shared memory and destroy the group of its own it had (`timeout=`). No barrier: the ranks collect their
+    model at different moments, and a dropped model has no forward in flight on its group."""
+    comm.close_shm()
+    group, comm.group = comm.group, None
+    if group is None or group not in _created:
+        return
+    _created.remove(group)
+    if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)

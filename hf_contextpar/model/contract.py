@@ -58,6 +58,7 @@ def attention_layers(config) -> int:
 # -- the model, at apply ---------------------------------------------------------------------
 def check_model(model, sparse: bool = False):
     """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
+    _refuse_wrapper(model)
     config = model.config
     if sparse:
         refuse_sparse_layers(config)
@@ -104,6 +105,24 @@ def check_model(model, sparse: bool = False):
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
         )
     return resolve_family(config)
+
+
+def _refuse_wrapper(model):
+    """A wrapper around the causal LM (torch.compile's, PEFT's) is not the module whose forward the library hooks:
+    say which module to apply to, and in what order."""
+    if isinstance(model, torch.nn.Module) and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise UnsupportedModelError(
+            f"this is torch.compile's wrapper of {type(model._orig_mod).__name__}: apply context parallelism before "
+            "compiling, model = torch.compile(hf_contextpar.apply_context_parallel(model)) (the compiled graph must "
+            "contain the library's hooks and attention), or apply to the uncompiled model (compiled._orig_mod)."
+        )
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and base() is not model:
+        raise UnsupportedModelError(
+            f"this is a {type(model).__name__} (PEFT) wrapping {type(base()).__name__}: apply context parallelism to "
+            "the causal LM inside it, hf_contextpar.apply_context_parallel(peft_model.get_base_model()), or before "
+            "get_peft_model(); the PeftModel's forward and generate() then run through it exactly."
+        )
 
 
 def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
@@ -223,10 +242,20 @@ class InputContract:
     def _refuse_options(self, kwargs):
         """What a forward may ask that context parallelism does not give: a loss, attention weights, or another
         attention implementation than the one switched in at apply."""
+        if self.model.training and torch.is_grad_enabled():
+            raise UnsupportedInputError(
+                f"{type(self.model).__name__} is in training mode with gradients enabled, but hf-contextpar is for "
+                "inference only: its forward runs without autograd (the collectives between ranks are not "
+                "differentiable), so no gradient would reach the weights and backward() would fail. Call "
+                "model.eval() and run the forward under torch.no_grad() or torch.inference_mode(); to train, "
+                "remove_context_parallel(model) first."
+            )
         if kwargs.get("labels") is not None:
             raise UnsupportedInputError(
-                "labels are not supported under context parallelism: compute the loss from the gathered "
-                "logits (model(..., logits_to_keep=0).logits), which are identical on every rank."
+                "labels are not supported under context parallelism (inference only: the forward runs without "
+                "autograd, so there is no loss to train on). To evaluate a loss, compute it under torch.no_grad() "
+                "from the gathered logits (model(..., logits_to_keep=0).logits, identical on every rank), as "
+                "transformers does: cross-entropy of logits[:, :-1] against input_ids[:, 1:]."
             )
         if kwargs.get("output_attentions"):
             raise UnsupportedInputError("output_attentions=True is not supported under context parallelism.")

@@ -27,10 +27,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 import hf_contextpar
-from hf_contextpar.eval.oracle import FLOAT_TOL, logits_diff
+from hf_contextpar.eval.oracle import FLOAT_TOL, Fp64Internals, logits_diff  # noqa: F401 (tests import it here)
 from hf_contextpar.model.contract import check_ulysses
 from hf_contextpar.plan.strategies import prefill_names
 
@@ -59,32 +58,6 @@ def padded_batch(world: int, prompt: int, second: int, pad_id: int):
 
 
 # -- the model's own fp32 arithmetic ----------------------------------------------------------------
-_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type}
-_SOFTMAX = {torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax, torch.nn.functional.log_softmax}
-
-
-class Fp64Internals(TorchFunctionMode):
-    """Inside: a cast of an fp64 tensor to fp32 returns the tensor, a softmax asked for fp32 of fp64 input
-    computes in fp64, and fp32 tensors meeting fp64 ones in one call are promoted: the model's deliberate
-    fp32 computations run in fp64. For measurement only."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _SOFTMAX and kwargs.get("dtype") == torch.float32 and _is64(args[0] if args else None):
-            kwargs["dtype"] = torch.float64
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if any(t.dtype == torch.float64 for t in tensors):
-            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args)
-        out = func(*args, **kwargs)
-        if func in _CASTS and _is64(args[0]) and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-            return args[0] if out.device == args[0].device else out.double()
-        return out
-
-
-def _is64(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
-
-
 def _max_diff(ref: dict, other: dict, mask=None) -> float:
     keys = [k for k in ref if k.startswith(("forward", "logits")) and k in other]
     return max(logits_diff(other[k], ref[k], mask if k == "forward" else None) for k in keys)

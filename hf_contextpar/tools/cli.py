@@ -1,7 +1,7 @@
 """`python -m hf_contextpar generate`: the main job, launched with torchrun or accelerate.
 
     torchrun --nproc_per_node 2 -m hf_contextpar generate
-    torchrun --nproc_per_node 2 -m hf_contextpar generate --prompt-tokens 16384 --depth 25 --needle 2
+    torchrun --nproc_per_node 2 -m hf_contextpar generate --prompt-tokens 8192 --depth 25 --needle 2
     torchrun --nproc_per_node 2 -m hf_contextpar generate --model meta-llama/Llama-3.2-1B --prompt-file book.txt
 
 By default it runs the built-in trained model (needle-lm) on a NeedleBench prompt: a fact (a
