@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 import hf_contextpar
+from hf_contextpar.cliargs import add_csa_arguments, csa_setting
 from hf_contextpar.models import is_builtin
 from hf_contextpar.sparse import CSA
 
@@ -38,14 +39,7 @@ from .needlebench_cmd import greedy
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "--csa",
-        required=True,
-        help="keep fraction of level 2 (each level above half), one per level (comma-separated), or the settings "
-        "file csa-config wrote",
-    )
-    p.add_argument("--topology", help="AxB: A nodes of B ranks (default: from the launcher)")
-    p.add_argument("--observe", type=int, default=64, help="query rows that rank a partition's keys (default 64)")
+    add_csa_arguments(p, required=True)
     p.add_argument("--lengths", default="2048,4096", help="NeedleBench prompt lengths (default 2048,4096)")
     p.add_argument("--depths", default="0,50,100", help="needle depths in %% of the haystack (default 0,50,100)")
     p.add_argument("--tasks", default="single_retrieval,multi_retrieval", help="NeedleBench tasks")
@@ -54,17 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--num-windows", type=int, default=2, help="BookCorpus windows (0: none; default 2)")
 
 
-def settings(args) -> CSA:
-    """--csa KEEP[,KEEP...] or a settings file csa-config wrote, with --topology / --observe."""
-    try:
-        return CSA.parse(str(args.csa), args.topology, args.observe)
-    except (ValueError, KeyError) as e:
-        raise SystemExit(f"--csa / --topology / --observe: {e}") from None
-
-
 def cmd_csa(args) -> int:
     started = time.perf_counter()
-    csa = settings(args)
+    csa = csa_setting(args)
     args.reference = args.save_reference = None  # this command computes its references itself
     d, model, tok = setup(args)
     try:  # this model under CSA: refused now, with the library's message, rather than half-way
@@ -72,13 +58,13 @@ def cmd_csa(args) -> int:
     except (hf_contextpar.ContextParallelError, ValueError) as e:
         raise SystemExit(f"cannot run this model under CSA: {e}") from None
     hf_contextpar.remove_context_parallel(model)
-    cases = on_rank0(d, lambda: _cases(args, tok))
+    cases = on_rank0(d, lambda: needle_cases(args, tok))
     one = _one_process(d, model, tok, cases, csa, args)
-    exact = _distributed(d, model, tok, cases, args, dict(strategy=args.strategy))
-    sparse = _distributed(d, model, tok, cases, args, dict(sparse=csa))
+    exact = distributed_runs(d, model, tok, cases, args, dict(strategy=args.strategy))
+    sparse = distributed_runs(d, model, tok, cases, args, dict(sparse=csa))
     # the same placement keeping every token: what CSA's bytes and time would be without the dropping
     every = CSA(keep=(1.0,) * 3, topology=csa.topology, observe=csa.observe)
-    kept = _distributed(d, model, tok, cases, args, dict(sparse=every), results=False)
+    kept = distributed_runs(d, model, tok, cases, args, dict(sparse=every), results=False)
     records = [_record(c, o, e, s, k, tok) for c, o, e, s, k in zip(cases, one, exact, sparse, kept)]
     summary = _summary(records, csa.resolved(d.world).describe(), args, d.world, time.perf_counter() - started)
     if d.rank == 0:
@@ -96,7 +82,7 @@ def split(data: nb.NeedleData, part: str) -> nb.NeedleData:
     return replace(data, needles=data.needles[SPLITS.index(part) :: 2])
 
 
-def _cases(args, tok, part: str = "evaluation") -> list:
+def needle_cases(args, tok, part: str = "evaluation") -> list:
     """NeedleBench prompts of one split, then BookCorpus windows, as dicts every rank receives from rank 0."""
     data, _ = nb.load_data(args.source, args.data, is_builtin(args.model))
     data = split(data, part)
@@ -162,7 +148,7 @@ def _digest(case, out) -> dict:
     return dict(ppl=window_metrics(out["logits"], out["logits"], ids)["ppl_ref"])
 
 
-def _distributed(d, model, tok, cases, args, how: dict, results: bool = True) -> list:
+def distributed_runs(d, model, tok, cases, args, how: dict, results: bool = True) -> list:
     """Per case on every rank: the result, each rank's prefill seconds and attention bytes (side by side: the
     same prompts, one setting after the other)."""
     hf_contextpar.apply_context_parallel(model, group=d.group, **how)

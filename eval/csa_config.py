@@ -22,7 +22,7 @@ import time
 from hf_contextpar.sparse import CSA
 
 from .common import setup
-from .csa_cmd import _cases, _distributed
+from .csa_cmd import distributed_runs, needle_cases
 from .needlebench import score
 
 
@@ -48,13 +48,13 @@ def cmd_csa_config(args) -> int:
         raise SystemExit(f"--grid / --topology / --observe: {e}") from None
     d, model, tok = setup(args)
     cases = _on_rank0_cases(d, args, tok)
-    exact = _distributed(d, model, tok, cases, args, dict(strategy=args.strategy))
+    exact = distributed_runs(d, model, tok, cases, args, dict(strategy=args.strategy))
     exact_score = _mean_score(cases, exact, tok)
-    keep_all = _distributed(d, model, tok, cases, args, dict(sparse=_csa(args, (1.0,) * 3)), results=False)
+    keep_all = distributed_runs(d, model, tok, cases, args, dict(sparse=_csa(args, (1.0,) * 3)), results=False)
     all_bytes = sum(sum(r["bytes_sent"]) for r in keep_all)
     curve, chosen = [], None
     for keep in grid:
-        runs = _distributed(d, model, tok, cases, args, dict(sparse=_csa(args, keep)))
+        runs = distributed_runs(d, model, tok, cases, args, dict(sparse=_csa(args, keep)))
         point = dict(
             keep=keep,
             score=_mean_score(cases, runs, tok),
@@ -75,7 +75,7 @@ def cmd_csa_config(args) -> int:
 def _on_rank0_cases(d, args, tok):
     from .harness import on_rank0
 
-    return on_rank0(d, lambda: _cases(args, tok, "calibration"))
+    return on_rank0(d, lambda: needle_cases(args, tok, "calibration"))
 
 
 def _csa(args, keep) -> CSA:

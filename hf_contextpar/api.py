@@ -107,12 +107,19 @@ def apply_context_parallel(
     except BaseException:
         release_group(group)  # a group made for this call only
         raise
+    _install(model, runtime, family, device)
+    return model
+
+
+def _install(model, runtime, family, device):
+    """Every step that changes the model, each pushing its undo (`Undo`): a step that fails undoes the earlier."""
+    comm = runtime.comm
     # the group is reached through the runtime's Comm, which drops it at exit (comm/group.release_at_exit): an
     # undo holding the group itself would keep a patched model's group, and gloo's threads, alive into finalization
     undo = Undo([lambda: release_group(runtime.comm.group)])
     try:
-        runtime.comm.shm = open_shm_gather(group, rank, world, device, DEFAULT_TIMEOUT_S)
-        undo.append(runtime.comm.close_shm)
+        comm.shm = open_shm_gather(comm.group, comm.rank, comm.world, device, DEFAULT_TIMEOUT_S)
+        undo.append(comm.close_shm)
         _switch_attention(model, runtime, undo)
         if family.apply is not None:
             undo.append(family.apply(model))
@@ -126,10 +133,9 @@ def apply_context_parallel(
         raise
     runtime.undo = undo
     # dropped without remove_context_parallel (a loop over checkpoints): its group and shared memory go with it
-    finalizer = weakref.finalize(model, release_dropped, runtime.comm)
+    finalizer = weakref.finalize(model, release_dropped, comm)
     finalizer.atexit = False  # at exit, comm/group.release_at_exit tears everything down
     undo.append(finalizer.detach)
-    return model
 
 
 def _switch_attention(model, runtime, undo: Undo):

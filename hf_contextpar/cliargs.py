@@ -103,3 +103,31 @@ def exits_cleanly(func):
             sys.exit(2)
 
     return run
+
+
+def csa_setting(args):
+    """The approximate mode --csa asks for (None: exact); a bad setting exits with its message."""
+    if getattr(args, "csa", None) is None:
+        if getattr(args, "topology", None):
+            raise SystemExit("error: --topology is a setting of --csa (the approximate mode); add --csa KEEP.")
+        return None
+    from .sparse import CSA
+
+    try:
+        return CSA.parse(args.csa, args.topology, args.observe)
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def add_csa_arguments(p, required: bool = False) -> None:
+    """--csa / --topology / --observe: the approximate mode's settings (`csa_setting` reads them)."""
+    p.add_argument(
+        "--csa",
+        metavar="KEEP",
+        required=required,
+        help="APPROXIMATE: CSPS's sparse attention, keeping this fraction of the tokens of other ranks on the node "
+        "(level 2; each farther level half as many), one fraction per level (comma-separated), or the settings "
+        "file `python -m hf_contextpar.eval csa-config` wrote" + ("" if required else " (default: exact)"),
+    )
+    p.add_argument("--topology", help="with --csa: AxB (A nodes of B ranks; default: from the launcher)")
+    p.add_argument("--observe", type=positive_int, default=64, help="with --csa: query rows that rank the keys")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from collections import Counter
 
@@ -23,6 +22,7 @@ import torch
 
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
+from .attention.coverage import bypass_error, check_attended
 from .attention.step import Step
 from .cache.recurrent import share_final_states
 from .comm.agreement import RankCheck
@@ -146,10 +146,10 @@ class ContextParallelRuntime:
             try:
                 return forward(*args, **kwargs)
             except Exception as e:  # a layer that ran transformers' own attention failed on this rank's shard
-                bypass = _other_attention(e.__traceback__)
+                bypass = bypass_error(e.__traceback__)
                 if bypass is None:
                     raise
-                raise UnsupportedModelError(_bypass_message([bypass])) from e
+                raise bypass from e
 
         return direct
 
@@ -223,7 +223,7 @@ class ContextParallelRuntime:
             if ok and plan.chained:
                 step.cache.end_chain()  # the last layer's states to the next rank
             if ok:  # after the chain's sends complete (the next rank receives them in this forward), before any output
-                self._check_attended(step)
+                check_attended(self.model, step, self.attention_layers if self.contract.attention_name else 0)
             if ok and started is not None:
                 self._measure(plan, started)
             if ok and plan.chained:
@@ -269,32 +269,6 @@ class ContextParallelRuntime:
             bytes_received=-self._attention.bytes_received,
             approximate=approximate,  # None: the exact result
         )
-
-    def _check_attended(self, step: Step):
-        """Every attention layer went through the library's attention once in this forward (the adapter
-        counts them, `Step.attended`), and every cache layer whose K/V this forward updated was attended
-        through it: a layer patched to call SDPA (or anything else) itself would attend to this rank's shard
-        alone. Raised before any output leaves the forward; the same code runs on every rank, so every rank
-        raises alike. Costs two set sizes per forward."""
-        expected = self.attention_layers if self.contract.attention_name is not None else 0
-        missed = (
-            []
-            if step.cache is None
-            else [
-                i
-                for i, layer in enumerate(step.cache.layers)
-                if getattr(layer, "handed", False) and i not in step.sources
-            ]
-        )
-        if len(step.attended) == expected and not missed:
-            return
-        names = [
-            f"{name} ({type(m).__name__}, layer {m.layer_idx})"
-            for name, m in self.model.named_modules()
-            if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) not in step.attended | {None}
-        ]
-        prefix = f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention; "
-        raise UnsupportedModelError(prefix + _bypass_message(names or [f"cache layer(s) {missed}"]))
 
     @property
     def _attention(self):
@@ -392,26 +366,3 @@ class ContextParallelRuntime:
             # drops the other rows before its KV-shared layers, by each rank's own token count)
             x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
             kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
-
-
-def _bypass_message(where: list) -> str:
-    return (
-        f"not through it in this forward: {', '.join(where)}. A layer whose forward calls an attention function "
-        "itself (SDPA, a KV-compression or research patch of the attention forward) attends to this rank's shard of "
-        "the sequence alone, so its output would be wrong. Attention must go through transformers' "
-        "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run the "
-        "model on one process."
-    )
-
-
-def _other_attention(tb) -> str | None:
-    """The attention module that ran one of transformers' own attention functions (sdpa_attention_forward, a
-    model's eager_attention_forward, ...) in a failed forward of a patched model, where only the library's may
-    run; None if none did."""
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name.endswith("attention_forward") and f"{os.sep}transformers{os.sep}" in code.co_filename:
-            module = tb.tb_frame.f_locals.get("module")
-            return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}), which ran {code.co_name}"
-        tb = tb.tb_next
-    return None

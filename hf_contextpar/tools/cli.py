@@ -9,8 +9,8 @@ built-in needle) hidden at `--depth` % of `--prompt-tokens` tokens of English te
 Python, and a question about it at the end. Rank 0 prints the needle, the question, the model's
 answer and whether it is right, the time to first token, decode tokens/s and every rank's
 KV-cache size, then the unpatched model's run on one process (rank 0 alone, before the
-context-parallel run; `--no-baseline` skips it) and whether the tokens are identical.
-`--prompt-file` generates a plain continuation of a text file instead.
+context-parallel run; `--no-baseline` skips it) and whether the tokens are identical (`--csa`: the
+approximate mode, compared, never called identical). `--prompt-file` continues a text file instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ import torch.distributed as dist
 
 from ..api import DECODES, STRATEGIES
 from ..cache.sharded import returned_cache
-from ..cliargs import exits_cleanly, fractions, nonnegative_int, percent, positive_int, positive_ints, writable_file
+from ..cliargs import (
+    add_csa_arguments,
+    csa_setting,
+    exits_cleanly,
+    fractions,
+    nonnegative_int,
+    percent,
+    positive_int,
+    positive_ints,
+    writable_file,
+)
 from ..mesh import dcp_of
 from ..models import DEFAULT_MODEL, DTYPES, load, max_positions
 
@@ -130,7 +140,7 @@ def cmd_generate(args):
         decode=args.decode,
         timeout=args.timeout,
         kvr_partitions=args.kvr_partitions,
-        sparse=sparse_setting(args),
+        sparse=csa_setting(args),
         **(dict(group=cp_group) if tp_group is not None else {}),
     )
     runtime = hf_contextpar.get_runtime(model)
@@ -184,8 +194,7 @@ def cmd_generate(args):
             where = f" (cp {r // args.tp}, tp {r % args.tp})" if tp_group is not None else ""
             held = f", weights {weights[0] / 2**20:.2f} MiB" if weights else ""
             print(f"  rank {r}{where}: KV cache {tokens} tokens/layer, {nbytes / 2**20:.2f} MiB{held}")
-        approximate = runtime is not None and runtime.approximate
-        if approximate:  # never "identical": it is not meant to be
+        if approximate := runtime is not None and runtime.approximate:  # never "identical": it is not meant to be
             print(f"approximate ({', '.join(runtime.approximate)}): CSA drops distant tokens, not the exact result")
         if baseline is not None:
             same = torch.equal(baseline[0].cpu(), out.sequences.cpu())
@@ -198,20 +207,6 @@ def cmd_generate(args):
     if dist.is_initialized():
         dist.barrier()  # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
-
-
-def sparse_setting(args):
-    """The approximate mode --csa asks for (None: exact); a bad setting exits with its message."""
-    if getattr(args, "csa", None) is None:
-        if getattr(args, "topology", None):
-            raise SystemExit("error: --topology is a setting of --csa (the approximate mode); add --csa KEEP.")
-        return None
-    from ..sparse import CSA
-
-    try:
-        return CSA.parse(args.csa, args.topology, args.observe)
-    except (ValueError, KeyError) as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def _setup(args):
@@ -326,15 +321,7 @@ def main(argv=None):
         help="KV-Runahead partition table from `kvr-table`, 'balanced' (equal work per rank, as measured) or 'even'; "
         "default: balanced on a model with recurrent layers, else even (each rank keeps 1/N of the KV either way)",
     )
-    g.add_argument(
-        "--csa",
-        metavar="KEEP",
-        help="APPROXIMATE: CSPS's sparse attention, keeping this fraction of the tokens of other ranks on the node "
-        "(level 2; each farther level half as many), one fraction per level (comma-separated), or the settings "
-        "file `python -m hf_contextpar.eval csa-config` wrote (default: exact)",
-    )
-    g.add_argument("--topology", help="with --csa: AxB (A nodes of B ranks; default: from the launcher)")
-    g.add_argument("--observe", type=positive_int, default=64, help="with --csa: query rows that rank the keys")
+    add_csa_arguments(g)
     g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     g.add_argument("--timeout", type=float, default=None, help="seconds to wait for a peer before failing")
     g.add_argument(

@@ -1,0 +1,66 @@
+"""Every attention layer of a patched model goes through the library's attention, checked per forward.
+
+A layer whose forward calls an attention function itself (SDPA, a KV-compression or research patch of the
+attention forward) attends to this rank's shard of the sequence alone: its output would be wrong. The
+adapter records the layers it ran (`Step.attended`) and the cache layers they attended (`Step.sources`);
+the runtime's forward hook calls `check_attended` before any output leaves the forward, and turns a failure
+inside transformers' own attention functions into the same error (`bypass_error`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import UnsupportedModelError
+
+
+def check_attended(model, step, expected: int) -> None:
+    """Every attention layer went through the library's attention once in this forward, and every cache layer
+    whose K/V this forward updated was attended through it. The same code runs on every rank, so every rank
+    raises alike. Costs two set sizes per forward."""
+    missed = (
+        []
+        if step.cache is None
+        else [
+            i for i, layer in enumerate(step.cache.layers) if getattr(layer, "handed", False) and i not in step.sources
+        ]
+    )
+    if len(step.attended) == expected and not missed:
+        return
+    names = [
+        f"{name} ({type(m).__name__}, layer {m.layer_idx})"
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", None) not in step.attended | {None}
+    ]
+    prefix = f"{len(step.attended)} of this model's {expected} attention layers ran hf-contextpar's attention; "
+    raise UnsupportedModelError(prefix + _bypass_message(names or [f"cache layer(s) {missed}"]))
+
+
+def bypass_error(tb) -> UnsupportedModelError | None:
+    """The error for a forward that failed inside one of transformers' own attention functions (a layer that
+    bypassed the library and met this rank's shard), or None if none ran."""
+    where = _other_attention(tb)
+    return None if where is None else UnsupportedModelError(_bypass_message([where]))
+
+
+def _bypass_message(where: list) -> str:
+    return (
+        f"not through it in this forward: {', '.join(where)}. A layer whose forward calls an attention function "
+        "itself (SDPA, a KV-compression or research patch of the attention forward) attends to this rank's shard of "
+        "the sequence alone, so its output would be wrong. Attention must go through transformers' "
+        "ALL_ATTENTION_FUNCTIONS[config._attn_implementation]: undo the patch of that layer's forward, or run the "
+        "model on one process."
+    )
+
+
+def _other_attention(tb) -> str | None:
+    """The attention module that ran one of transformers' own attention functions (sdpa_attention_forward, a
+    model's eager_attention_forward, ...) in a failed forward of a patched model, where only the library's may
+    run; None if none did."""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name.endswith("attention_forward") and f"{os.sep}transformers{os.sep}" in code.co_filename:
+            module = tb.tb_frame.f_locals.get("module")
+            return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}), which ran {code.co_name}"
+        tb = tb.tb_next
+    return None
