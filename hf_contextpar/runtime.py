@@ -27,7 +27,13 @@ from .attention.step import Step
 from .cache.recurrent import share_final_states
 from .comm.agreement import RankCheck
 from .comm.collectives import Comm
-from .errors import HeadsNotDivisibleError, PatchStateError, UnsupportedInputError, UnsupportedModelError
+from .errors import (
+    ContextParallelError,
+    HeadsNotDivisibleError,
+    PatchStateError,
+    UnsupportedInputError,
+    UnsupportedModelError,
+)
 from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
 from .model.contract import (
     InputContract,
@@ -145,8 +151,11 @@ class ContextParallelRuntime:
             self._entered = False  # the pre-hook just ran: this is the module call's own forward
             try:
                 return forward(*args, **kwargs)
-            except Exception as e:  # a layer that ran transformers' own attention failed on this rank's shard
-                bypass = bypass_error(e.__traceback__)
+            except ContextParallelError:
+                raise
+            except Exception as e:  # a layer that bypassed the library's attention failed on this rank's shard
+                step = current_step.get()
+                bypass = bypass_error(e.__traceback__, step.attended if step is not None else ())
                 if bypass is None:
                     raise
                 raise bypass from e

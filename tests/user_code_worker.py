@@ -130,6 +130,33 @@ def bypass(family):
     return dict(ok=ok, forward=one, generate=gen, padded=padded, diff_after=diff)
 
 
+def bypass_direct():
+    """An attention forward rewritten to call torch's SDPA itself (no transformers function on the way), on a
+    padded batch: its shard meets the whole sequence's mask and torch fails; refused naming the layer."""
+    model = model_of("llama")
+    layer = _attention_modules(model)[-1]
+
+    def direct_sdpa(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        q, k, v = (
+            p(hidden_states).view(b, t, -1, layer.head_dim).transpose(1, 2)
+            for p in (layer.q_proj, layer.k_proj, layer.v_proj)
+        )
+        mask = attention_mask[:, None, None, :].bool() if attention_mask is not None else None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return layer.o_proj(out.transpose(1, 2).reshape(b, t, -1)), None
+
+    layer.forward = direct_sdpa
+    hf_contextpar.apply_context_parallel(model, timeout=60)
+    ids = ids_of(6 * dist.get_world_size() + 3)
+    batch, mask = torch.cat([ids, ids.flip(1)]), torch.ones(2, ids.shape[1], dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        padded = refused(lambda: model(batch, attention_mask=mask), hf_contextpar.UnsupportedModelError)
+    named = f"layer {layer.layer_idx}" in padded["message"] and "before reaching it" in padded["message"]
+    return dict(ok=padded["ok"] and named and same_everywhere(padded["message"]), padded=padded)
+
+
 # -- 3: caches that copy --------------------------------------------------------------------------------
 def cache_copy(family):
     """Prefill a document once, then per question a deep copy (and a pickle and a torch.save round trip) of
@@ -253,6 +280,7 @@ def dropped_models(family):
 def cases(n):
     out = [(f"custom_attention-{f}", lambda f=f: custom_attention(f)) for f in FAMILIES]
     out += [(f"bypass-{f}", lambda f=f: bypass(f)) for f in FAMILIES]
+    out += [("bypass_direct-llama", bypass_direct)]
     out += [(f"cache_copy-{f}", lambda f=f: cache_copy(f)) for f in COPIED]
     out += [(f"forward_and_inner-{f}", lambda f=f: forward_and_inner(f)) for f in ("llama", "qwen3_next")]
     out += [("training-llama", lambda: training("llama")), ("peft_lora-llama", lambda: peft_lora("llama"))]

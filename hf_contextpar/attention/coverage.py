@@ -36,11 +36,29 @@ def check_attended(model, step, expected: int) -> None:
     raise UnsupportedModelError(prefix + _bypass_message(names or [f"cache layer(s) {missed}"]))
 
 
-def bypass_error(tb) -> UnsupportedModelError | None:
-    """The error for a forward that failed inside one of transformers' own attention functions (a layer that
-    bypassed the library and met this rank's shard), or None if none ran."""
-    where = _other_attention(tb)
+def bypass_error(tb, attended=frozenset()) -> UnsupportedModelError | None:
+    """The error for a forward that failed in an attention layer that bypassed the library and met this rank's
+    shard: inside one of transformers' own attention functions, or in the forward of an attention module that had
+    not reached the library's attention in this forward (`attended`: the layers that had; a forward patched to
+    call torch's SDPA itself). None where neither: the failure is not a bypass."""
+    where = _other_attention(tb) or _unreached_layer(tb, attended)
     return None if where is None else UnsupportedModelError(_bypass_message([where]))
+
+
+def _unreached_layer(tb, attended) -> str | None:
+    """The innermost attention module (a module named *Attention with a layer_idx) whose forward the failure
+    passed through, if the library's attention was not on the way and that layer had not run it yet."""
+    found = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "context_parallel_attention":
+            return None
+        owner = frame.f_locals.get("self")
+        idx = getattr(owner, "layer_idx", None)
+        if type(owner).__name__.endswith("Attention") and idx is not None and idx not in attended:
+            found = f"{type(owner).__name__} (layer {idx}), which failed before reaching it"
+        tb = tb.tb_next
+    return found
 
 
 def _bypass_message(where: list) -> str:
