@@ -96,7 +96,7 @@ def test_cli_exits_zero_every_time():
 
 
 ORDERS = ("group", "model", "library")
-RUNS = 6  # the race this catches failed 12 of 12 runs before its fix
+RUNS = 4  # the race this catches failed 12 of 12 runs before its fix
 
 
 def _launch_many(n_runs: int, args: list[str], at_once: int = 4):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from hf_contextpar.eval import logits_diff
 from launch import write_records
+from shared_reference import OnRankZero
 
 import hf_contextpar
 from hf_contextpar.cache.sharded import returned_cache
@@ -58,7 +59,7 @@ def load(family: str, overrides: dict, dtype=torch.float64, tp: int = TP):
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(where[0], ignore_errors=True)
-    return model, cp, ref
+    return model, cp, OnRankZero(ref)  # the single-process reference, run once on rank 0 (shared_reference.py)
 
 
 def batch(seed: int, b: int = 2, t: int = 29):

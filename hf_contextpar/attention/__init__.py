@@ -52,7 +52,7 @@ def context_parallel_attention(
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
     step.attended.add(module.layer_idx)
-    step.sources.add(source)
+    step.sources.add(source % len(step.cache.layers) if step.cache is not None else source)  # Zamba2's: -1
     chunk = chunk_size(module)
     kv_local = _local_block(step, module.layer_idx, source, cached_k, cached_v, chunk, sliding_window)
     step.kv_shapes[module.layer_idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
