@@ -78,7 +78,7 @@ SPLITS = ("evaluation", "calibration")
 
 def split(data: nb.NeedleData, part: str) -> nb.NeedleData:
     """The needles of one split: evaluation takes the even-numbered ones, calibration (csa-config) the odd, so
-    the settings the configurator picks never saw an evaluation needle."""
+    the settings the configurator picks never saw an evaluation needle (BookCorpus windows alternate the same way)."""
     return replace(data, needles=data.needles[SPLITS.index(part) :: 2])
 
 
@@ -104,7 +104,7 @@ def needle_cases(args, tok, part: str = "evaluation") -> list:
     ]
     if args.num_windows > 0:
         bos = bc.uses_bos(tok)
-        need = args.num_windows * (args.window - (bos is not None))
+        need = 2 * args.num_windows * (args.window - (bos is not None))  # both splits' windows, alternating
         ids, _, _ = bc.load_token_stream(
             tok,
             need,
@@ -115,7 +115,7 @@ def needle_cases(args, tok, part: str = "evaluation") -> list:
             column="text",
             builtin_model=is_builtin(args.model),
         )
-        wins = bc.windows(ids, args.window, args.num_windows, bos)
+        wins = bc.windows(ids, args.window, 2 * args.num_windows, bos)[SPLITS.index(part) :: 2]
         out += [dict(kind="window", key=f"window/{i}", ids=w) for i, w in enumerate(wins)]
     return out
 

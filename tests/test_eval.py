@@ -405,10 +405,13 @@ def test_csa_config_writes_settings_the_mode_loads(tmp_path):
 
     out = tmp_path / "cfg"
     args = ["-m", "hf_contextpar.eval", "csa-config", "--lengths", "512", "--depths", "50", "--grid", "1.0,0.5"]
-    procs = launch(2, [*args, "--tasks", "single_retrieval", "--max-new-tokens", "8", "--out", str(out)])
+    extra = ["--tasks", "single_retrieval", "--max-new-tokens", "8", "--window", "512", "--out", str(out)]
+    procs = launch(2, [*args, *extra])
     _check(procs, 0)
     saved = json.load(open(out / "csa_settings.json"))
+    assert all(p["ppl_increase_pct"] is not None for p in saved["curve"]) and saved["max_ppl_increase"] == 1.0
+    assert all(p["ppl_increase_pct"] <= 1.0 for p in saved["curve"] if p["keep"] >= saved["keep"])
     assert [p["keep"] for p in saved["curve"]][:1] == [1.0] and saved["keep"] in (1.0, 0.5)
     assert all(p["drop"] <= 0 for p in saved["curve"] if p["keep"] >= saved["keep"])
     assert CSA.load(str(out / "csa_settings.json")).keep == saved["keep"]
-    assert "keep (level 2) | score | drop" in procs[0][1]
+    assert "keep (level 2) | score | drop | ppl +%" in procs[0][1]
