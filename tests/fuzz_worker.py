@@ -94,6 +94,7 @@ from hybrids import (
     hybrid_config,  # noqa: E402
 )
 from hybrids import FAMILIES as HYBRIDS  # noqa: E402
+from user_patches import call_sdpa_itself  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import cache_aliases, cache_argument  # noqa: E402
@@ -377,7 +378,7 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
         AttentionInterface.register("fuzz_logn", _logn_attention)
         model.set_attn_implementation("fuzz_logn")
     if case.get("user_code") == "bypass":
-        _call_sdpa_itself(model)
+        call_sdpa_itself(model)
     return model
 
 
@@ -387,26 +388,6 @@ def _logn_attention(module, query, key, value, attention_mask, scaling=None, **k
 
     scale = torch.log(torch.tensor(float(key.shape[-2] + 1), dtype=query.dtype)).clamp(min=1.0)
     return sdpa_attention_forward(module, query * scale, key, value, attention_mask, scaling=scaling, **kw)
-
-
-def _call_sdpa_itself(model) -> bool:
-    """Patch the last attention module's forward to call SDPA itself (what KV-compression patches do): its own
-    code, with ALL_ATTENTION_FUNCTIONS' SDPA in place of the configured attention. False: no attention module."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-    if not layers or not hasattr(layers[-1], "config"):
-        return False
-    layer, forward = layers[-1], layers[-1].forward
-
-    def sdpa_itself(*args, **kwargs):
-        config, saved = layer.config, layer.config._attn_implementation
-        config._attn_implementation = "sdpa"
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            config._attn_implementation = saved
-
-    layer.forward = sdpa_itself
-    return True
 
 
 def copied(cache, how: str | None):

@@ -25,6 +25,7 @@ from hf_contextpar.patches import REGISTRY  # noqa: E402
 from hybrids import FAMILIES as HYBRIDS  # noqa: E402
 from hybrids import hybrid_model  # noqa: E402
 from launch import run_cases, tolerance  # noqa: E402
+from user_patches import attention_modules, call_sdpa_itself
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
@@ -92,26 +93,11 @@ def custom_attention(family):
     return dict(ok=ok and unpatched and same_everywhere(named["message"]), named=named, over=over)
 
 
-def _attention_modules(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-
-
 def bypass(family):
     """The last attention layer's forward patched to call SDPA itself (as KV-compression patches do): the
     forward and generate() refused on every rank, naming the layer; unpatched again, the model is exact."""
     ref, model = model_of(family), model_of(family)
-    layer = _attention_modules(model)[-1]
-    forward = layer.forward
-
-    def sdpa_itself(*args, **kwargs):  # the layer's own code, with ALL_ATTENTION_FUNCTIONS' SDPA called directly
-        config, saved = layer.config, layer.config._attn_implementation
-        config._attn_implementation = "sdpa"
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            config._attn_implementation = saved
-
-    layer.forward = sdpa_itself
+    layer = call_sdpa_itself(model)  # the layer's own code, with ALL_ATTENTION_FUNCTIONS' SDPA called directly
     hf_contextpar.apply_context_parallel(model, timeout=60)
     ids = ids_of(6 * dist.get_world_size() + 3)
     with torch.no_grad(), Fp64Internals():
@@ -134,7 +120,7 @@ def bypass_direct():
     """An attention forward rewritten to call torch's SDPA itself (no transformers function on the way), on a
     padded batch: its shard meets the whole sequence's mask and torch fails; refused naming the layer."""
     model = model_of("llama")
-    layer = _attention_modules(model)[-1]
+    layer = attention_modules(model)[-1]
 
     def direct_sdpa(hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         b, t, _ = hidden_states.shape

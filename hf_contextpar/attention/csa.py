@@ -44,6 +44,16 @@ def _prefix(block: torch.Tensor, slots: int) -> torch.Tensor:
     return block if block.shape[3] == slots else block[:, :, :, :slots].contiguous()
 
 
+def _own_block(step, kv_local, order, exact: bool):
+    """This rank's block as it leaves for the next rank: whole at an exact layer, else only the keys that rank's
+    level keeps, gathered in importance order (nothing more is copied)."""
+    slots = _kept(step, step.comm.rank, step.comm.rank + 1, exact)[0]
+    if exact:
+        return _prefix(kv_local, slots)
+    kept = order[..., :slots]  # (B, Hkv, slots)
+    return kv_local.gather(3, kept[None, ..., None].expand(kv_local.shape[0], -1, -1, -1, kv_local.shape[4]))
+
+
 def csa(step, q, kv_local, *, scale, window=None, softcap=None):
     if step.sinks is not None or not isinstance(window, (int, type(None))):
         raise UnsupportedModelError("sparse=CSA(...) prunes full causal attention layers: no chunks or sinks.")
@@ -61,8 +71,7 @@ def csa(step, q, kv_local, *, scale, window=None, softcap=None):
         )
         for src in sources
     ]
-    mine = kv_local if exact else kv_local.gather(3, order[None, ..., None].expand(two, -1, -1, -1, dim))
-    sends = [] if rank == world - 1 else [comm.send_next(_prefix(mine, _kept(step, rank, rank + 1, exact)[0]))]
+    sends = [] if rank == world - 1 else [comm.send_next(_own_block(step, kv_local, order, exact))]
     acc = Accumulator(q.shape[2])
     k, v = step.unpack(kv_local, rank)
     attend(
