@@ -20,10 +20,11 @@ path. Outputs are in the accumulation dtype (fp32, or fp64 for fp64 models).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .masks import Chunked, classify, key_segments, runs, span, visible
+from .masks import classify, key_segments, runs, span, visible, within
 from .merge import Accumulator
 
 _MAX_RUNS = 4  # split a block into contiguous sub-blocks when each side has at most this many runs
@@ -181,31 +182,56 @@ def _bias(vis, dtype):
     return bias.masked_fill_(~vis, -math.inf)
 
 
-def _block(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, *, tile=False, kind=None):
+@dataclass(frozen=True)
+class Rule:
+    """How one layer scores its keys: the softmax scale, the soft-cap (Gemma2) and the window
+    (None, a sliding window's width, or `masks.Chunked`), the same for every block of the layer."""
+
+    scale: float
+    window: object = None
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class Keys:
+    """One block of keys: k, v (B, Hkv, Tk, D), their global columns (Tk,) and which are real (B, Tk) or None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cols: torch.Tensor
+    valid: torch.Tensor | None = None
+
+    def part(self, a: int, b: int) -> Keys:
+        """Keys a..b of the block."""
+        valid = self.valid[:, a:b] if self.valid is not None else None
+        return Keys(self.k[:, :, a:b], self.v[:, :, a:b], self.cols[a:b], valid)
+
+
+def _block(acc, r0, q, q_cols, keys: Keys, rule: Rule, *, tile=False, kind=None):
     """One block with an arbitrary mask, its (out, lse) merged into acc's rows from r0 (nothing if no key is visible).
 
     A trivially masked block goes to the fused kernel in one call. Any other is done in row tiles
     (`_tiled`), or, when it already is one tile (`tile=True`), under its explicit (rows, keys) mask.
     kind: the block's `masks.classify`, where the caller has it already.
     """
-    kind = kind or classify(q_cols, k_cols, window)
+    kind = kind or classify(q_cols, keys.cols, rule.window)
     if kind == "none":
         return
-    if key_valid is not None and bool(key_valid.all()):
-        key_valid = None
-    if softcap is None and key_valid is None and kind in ("all", "causal"):
-        res = _fused(q, k, v, None, kind == "causal", scale)
+    if keys.valid is not None and bool(keys.valid.all()):
+        keys = Keys(keys.k, keys.v, keys.cols)
+    if rule.softcap is None and keys.valid is None and kind in ("all", "causal"):
+        res = _fused(q, keys.k, keys.v, None, kind == "causal", rule.scale)
         if res is not None:
             t = acc_dtype(q.dtype)
             acc.add(res[0].to(t), res[1].to(t), r0)
             return
     if not tile:
-        _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _tiled(acc, r0, q, q_cols, keys, rule)
         return
-    vis = visible(q_cols, k_cols, window, q.device)[:, None]  # (1 or B, 1, rows, keys)
-    if key_valid is not None:
-        vis = vis & key_valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
-    acc.add(*_masked(q, k, v, vis, scale, softcap), r0)
+    vis = visible(q_cols, keys.cols, rule.window, q.device)[:, None]  # (1 or B, 1, rows, keys)
+    if keys.valid is not None:
+        vis = vis & keys.valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
+    acc.add(*_masked(q, keys.k, keys.v, vis, rule.scale, rule.softcap), r0)
 
 
 def _rows_per_tile(q, n_keys, window, softcap):
@@ -223,12 +249,12 @@ def _rows_per_tile(q, n_keys, window, softcap):
     return rows
 
 
-def _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
+def _tiled(acc, r0, q, q_cols, keys: Keys, rule: Rule):
     """An irregular block in tiles of query rows (cut at breaks in q_cols, so a tile's columns are
     usually contiguous), each against only the keys it can see, segment by segment
     (`masks.key_segments`): the segments every row sees and the square diagonal run fused and
     unmasked; the rest gets a mask of one tile's size. Partials merge into acc by LSE, as ring blocks do."""
-    rows = _rows_per_tile(q, k_cols.numel(), window, softcap)
+    rows = _rows_per_tile(q, keys.cols.numel(), rule.window, rule.softcap)
     spans = runs(q_cols)
     if len(spans) > _MAX_RUNS:  # scattered rows: tiles need not be contiguous, only small
         spans = [(0, q.shape[2])]
@@ -236,22 +262,8 @@ def _tiled(acc, r0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
         for t0 in range(qa, qb, rows):
             t1 = min(t0 + rows, qb)
             qt, qc = q[:, :, t0:t1], q_cols[t0:t1]
-            for ka, kb in key_segments(qc, k_cols, window):
-                valid = key_valid[:, ka:kb] if key_valid is not None else None
-                _block(
-                    acc,
-                    r0 + t0,
-                    qt,
-                    k[:, :, ka:kb],
-                    v[:, :, ka:kb],
-                    qc,
-                    k_cols[ka:kb],
-                    valid,
-                    window,
-                    scale,
-                    softcap,
-                    tile=True,
-                )
+            for ka, kb in key_segments(qc, keys.cols, rule.window):
+                _block(acc, r0 + t0, qt, qc, keys.part(ka, kb), rule, tile=True)
 
 
 def _masked(q, k, v, vis, scale, softcap):
@@ -265,22 +277,17 @@ def _masked(q, k, v, vis, scale, softcap):
     return _math(q, k, v, vis, scale, softcap)
 
 
-def _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
-    """Keys whose columns differ per sequence: k_cols (B, Tk), -1 marking an empty slot. In row tiles."""
-    rows = _rows_per_tile(q, k_cols.shape[1], None, softcap)
-    kc = k_cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
+def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
+    """Keys whose columns differ per sequence: keys.cols (B, Tk), -1 marking an empty slot. In row tiles."""
+    rows = _rows_per_tile(q, keys.cols.shape[1], None, rule.softcap)
+    kc = keys.cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
     for r0 in range(0, q.shape[2], rows):
         qt = q[:, :, r0 : r0 + rows]
-        qc = q_cols[r0 : r0 + rows].to(q.device).view(1, -1, 1)
-        vis = (kc >= 0) & (kc <= qc)
-        if isinstance(window, Chunked):
-            vis = vis & (kc >= window.lo(q_cols[r0 : r0 + rows].to(q.device).view(-1, 1)))
-        elif window is not None:
-            vis &= kc > qc - window
-        if key_valid is not None:
-            vis &= key_valid.unsqueeze(1)
+        vis = (kc >= 0) & within(q_cols[r0 : r0 + rows].to(q.device).view(-1, 1), kc, rule.window)  # (B, rows, Tk)
+        if keys.valid is not None:
+            vis &= keys.valid.unsqueeze(1)
         if bool(vis.any()):
-            acc.add(*_masked(qt, k, v, vis.unsqueeze(1), scale, softcap), r0)
+            acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule.scale, rule.softcap), r0)
 
 
 def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, into=None):
@@ -295,36 +302,23 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
     """
     acc = into if into is not None else Accumulator(q.shape[2])
     if q.shape[2] > 0 and k.shape[2] > 0:
-        _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _attend(acc, q, q_cols, Keys(k, v, k_cols, key_valid), Rule(scale, window, softcap))
     return acc.result() if into is None else None
 
 
-def _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):
-    if k_cols.dim() == 2:
-        _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+def _attend(acc, q, q_cols, keys: Keys, rule: Rule):
+    if keys.cols.dim() == 2:
+        _attend_rows(acc, q, q_cols, keys, rule)
         return
-    kind = classify(q_cols, k_cols, window)
+    kind = classify(q_cols, keys.cols, rule.window)
     if kind != "mask":
-        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, kind=kind)
+        _block(acc, 0, q, q_cols, keys, rule, kind=kind)
         return
-    q_runs, k_runs = runs(q_cols), runs(k_cols)
+    q_runs, k_runs = runs(q_cols), runs(keys.cols)
     if len(q_runs) > _MAX_RUNS or len(k_runs) > _MAX_RUNS or len(q_runs) * len(k_runs) == 1:
-        _block(acc, 0, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
+        _block(acc, 0, q, q_cols, keys, rule)
         return
     # Split into contiguous sub-blocks: with head-tail shards most are trivially masked.
     for qa, qb in q_runs:
         for ka, kb in k_runs:
-            kv_valid = key_valid[:, ka:kb] if key_valid is not None else None
-            _block(
-                acc,
-                qa,
-                q[:, :, qa:qb],
-                k[:, :, ka:kb],
-                v[:, :, ka:kb],
-                q_cols[qa:qb],
-                k_cols[ka:kb],
-                kv_valid,
-                window,
-                scale,
-                softcap,
-            )
+            _block(acc, qa, q[:, :, qa:qb], q_cols[qa:qb], keys.part(ka, kb), rule)

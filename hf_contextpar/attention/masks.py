@@ -63,17 +63,22 @@ def runs(cols: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def within(qc, kc, window):
+    """The visibility rule itself, lo(q) <= c <= q, on broadcastable columns: qc (Tq, 1), kc (1, Tk) or
+    (B, 1, Tk). Returns (Tq, Tk), or (B, Tq, Tk) where kc or chunks counted per sequence give a batch."""
+    vis = kc <= qc
+    if isinstance(window, Chunked):
+        return vis & (kc >= window.lo(qc))
+    if window is not None:
+        return vis & (kc > qc - window)
+    return vis
+
+
 def visible(q_cols, k_cols, window, device):
     """(1, Tq, Tk) bool for one tile, (B, Tq, Tk) for chunks counted per sequence. Only comparisons of
     column vectors: no (Tq, Tk) integer temporary."""
-    qc = q_cols.to(device).unsqueeze(-1)
-    kc = k_cols.to(device).unsqueeze(0)
-    vis = (kc <= qc).unsqueeze(0)
-    if isinstance(window, Chunked):
-        vis = vis & (kc >= window.lo(qc))
-    elif window is not None:
-        vis &= kc > qc - window
-    return vis
+    vis = within(q_cols.to(device).unsqueeze(-1), k_cols.to(device).unsqueeze(0), window)
+    return vis if vis.dim() == 3 else vis.unsqueeze(0)
 
 
 def classify(q_cols, k_cols, window):
