@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,27 +15,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(n: int, rank: int, port: int, env: dict | None = None) -> dict:
+    """The environment torchrun gives rank `rank` of n (one thread, offline), plus env."""
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(n),
+        LOCAL_WORLD_SIZE=str(n),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        **(env or {}),
+    )
+
+
 def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = None):
-    """Run `python args...` as n ranks; returns a list of CompletedProcess-like (returncode, stdout, stderr)."""
+    """Run `python args...` as n ranks; returns a list of (returncode, stdout, stderr), one per rank.
+
+    Ranks are forked from the session's fork servers (tests/forkserver.py: torch, transformers and
+    hf_contextpar already imported) where the launch allows it, else started as new interpreters;
+    HF_CONTEXTPAR_TEST_FORK=0 starts every rank as a new interpreter."""
     port = free_port()
-    procs = []
-    for rank in range(n):
-        e = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(n),
-            LOCAL_WORLD_SIZE=str(n),
-            OMP_NUM_THREADS="1",
-            TOKENIZERS_PARALLELISM="false",
-            HF_HUB_OFFLINE="1",
-            **(env or {}),
-        )
-        procs.append(
-            subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
+    envs = [rank_env(n, rank, port, env) for rank in range(n)]
+    forked = _fork_launch(args, envs, timeout)
+    return forked if forked is not None else _spawn_launch(args, envs, timeout)
+
+
+def _spawn_launch(args, envs, timeout):
+    procs = [
+        subprocess.Popen([sys.executable, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for e in envs
+    ]
     results = []
     for p in procs:
         try:
@@ -45,6 +59,103 @@ def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = Non
             out, err = p.communicate()
             err += f"\n[launcher] killed after {timeout}s"
         results.append((p.returncode, out, err))
+    return results
+
+
+class _Server:
+    """One fork server (tests/forkserver.py), started once per session, with its own hash seed."""
+
+    def __init__(self, env: dict, where: str):
+        self.path = os.path.join(where, "sock")
+        server = os.path.join(os.path.dirname(__file__), "forkserver.py")
+        self.proc = subprocess.Popen([sys.executable, server, self.path], env=env, stdout=subprocess.PIPE, text=True)
+        self.env = env
+        self.ready = self.proc.stdout.readline().strip() == "ready"
+
+
+_servers: list | None = None
+
+
+def _fork_servers(env: dict) -> list | None:
+    """The session's two fork servers (ranks alternate between them), or None where they cannot serve."""
+    global _servers
+    if _servers is None:
+        import atexit
+        import tempfile
+
+        from forkserver import startup_env
+
+        base = {k: v for k, v in env.items() if k not in ("PYTHONHASHSEED",)}
+        _servers = [_Server(base, tempfile.mkdtemp(prefix="hfcp-fork")) for _ in range(2)]
+        atexit.register(lambda: [s.proc.kill() for s in _servers])
+        if not all(s.ready for s in _servers):
+            print("tests/launch.py: a fork server did not start; ranks start as new interpreters", file=sys.stderr)
+            _servers = []
+        for s in _servers:
+            s.startup = startup_env(s.env)
+    return _servers or None
+
+
+class _Lines:
+    """JSON lines from a fork server's connection (the pid, then the exit code), with a timeout."""
+
+    def __init__(self, conn):
+        self.conn, self.buf = conn, b""
+
+    def next(self, timeout: float) -> dict:
+        import json
+
+        self.conn.settimeout(timeout)
+        while b"\n" not in self.buf:
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise ConnectionError("the fork server closed the connection")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+
+def _fork_launch(args, envs, timeout):
+    """Every rank forked from a fork server, or None where the launch must start new interpreters."""
+    import json
+    import signal
+    import tempfile
+    import time
+
+    from forkserver import startup_env
+
+    if os.environ.get("HF_CONTEXTPAR_TEST_FORK", "1") == "0" or (args[0].startswith("-") and args[0] != "-m"):
+        return None
+    servers = _fork_servers(envs[0])
+    if servers is None or any(startup_env(e) != servers[r % 2].startup for r, e in enumerate(envs)):
+        return None
+    where = tempfile.mkdtemp(prefix="hfcp-ranks")
+    ranks = []
+    for rank, e in enumerate(envs):
+        out, err = (os.path.join(where, f"rank{rank}.{s}") for s in ("out", "err"))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(servers[rank % 2].path)
+        conn.sendall(json.dumps(dict(argv=list(args), env=e, cwd=os.getcwd(), stdout=out, stderr=err)).encode() + b"\n")
+        lines = _Lines(conn)
+        ranks.append((lines.next(60)["pid"], lines, out, err))
+    deadline, killed, codes = time.monotonic() + timeout, None, []
+    for pid, lines, _, _ in ranks:
+        try:
+            codes.append(lines.next(max(0.1, deadline - time.monotonic()) if killed is None else 30)["rc"])
+        except TimeoutError:
+            killed = pid
+            for other, *_ in ranks:
+                try:
+                    os.kill(other, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            codes.append(lines.next(30)["rc"])
+    results = []
+    for (pid, lines, out, err), rc in zip(ranks, codes):
+        lines.conn.close()
+        text_err = open(err).read() + (f"\n[launcher] killed after {timeout}s" if pid == killed else "")
+        results.append((rc, open(out).read(), text_err))
+    shutil.rmtree(where, ignore_errors=True)
     return results
 
 
