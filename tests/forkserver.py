@@ -30,7 +30,7 @@ import sys
 
 # environment variables read when an interpreter or these libraries start: a launch may only be forked
 # from a server whose values equal its own
-_STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "HF_HUB", "HF_HOME", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_")
+_STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "HF_HUB", "HF_HOME", "TRANSFORMERS_", "CUDA_")
 
 
 def startup_env(env: dict) -> dict:

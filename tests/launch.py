@@ -17,31 +17,46 @@ def free_port() -> int:
 
 def rank_env(n: int, rank: int, port: int, env: dict | None = None) -> dict:
     """The environment torchrun gives rank `rank` of n (one thread, offline), plus env."""
-    return dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(n),
-        LOCAL_WORLD_SIZE=str(n),
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
+    return {
+        **os.environ,
+        **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank)),
+        **dict(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)),
+        **dict(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"),
         **(env or {}),
-    )
+    }
 
 
-def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = None):
+def launch(n: int, args: list[str], timeout: float = 600, env: dict | None = None, fresh: bool = False):
     """Run `python args...` as n ranks; returns a list of (returncode, stdout, stderr), one per rank.
 
     Ranks are forked from the session's fork servers (tests/forkserver.py: torch, transformers and
-    hf_contextpar already imported) where the launch allows it, else started as new interpreters;
-    HF_CONTEXTPAR_TEST_FORK=0 starts every rank as a new interpreter."""
+    hf_contextpar already imported) where the launch allows it, else started as new interpreters:
+    always with `fresh` (a test of what a script's own start or import order does), or everywhere with
+    HF_CONTEXTPAR_TEST_FORK=0."""
     port = free_port()
     envs = [rank_env(n, rank, port, env) for rank in range(n)]
-    forked = _fork_launch(args, envs, timeout)
+    forked = None if fresh else _fork_launch(args, envs, timeout, os.getcwd())
     return forked if forked is not None else _spawn_launch(args, envs, timeout)
+
+
+def python(args: list[str], *, env: dict | None = None, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
+    """`python args...` as one process (no torchrun environment), forked where it can be, as `launch`'s ranks."""
+    env = dict(os.environ if env is None else env)
+    forked = _fork_launch(args, [env], timeout, str(cwd or os.getcwd()))
+    if forked is None:
+        return subprocess.run(
+            [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
+    return subprocess.CompletedProcess(args, *forked[0])
+
+
+def torchrun(n: int, args: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node n args...` as one result: the ranks' stdout and stderr joined in rank
+    order, the first non-zero exit status (else 0). For tests of what the ranks do, not of torchrun's
+    own start and teardown (tests/test_cli.py and tests/test_exit.py launch the real torchrun)."""
+    results = launch(n, args, timeout=timeout, env=env)
+    rc = next((r for r, _, _ in results if r != 0), 0)
+    return subprocess.CompletedProcess(args, rc, "".join(o for _, o, _ in results), "".join(e for _, _, e in results))
 
 
 def _spawn_launch(args, envs, timeout):
@@ -76,7 +91,7 @@ class _Server:
 _servers: list | None = None
 
 
-def _fork_servers(env: dict) -> list | None:
+def _fork_servers() -> list | None:
     """The session's two fork servers (ranks alternate between them), or None where they cannot serve."""
     global _servers
     if _servers is None:
@@ -85,7 +100,8 @@ def _fork_servers(env: dict) -> list | None:
 
         from forkserver import startup_env
 
-        base = {k: v for k, v in env.items() if k not in ("PYTHONHASHSEED",)}
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        base.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")  # as rank_env
         _servers = [_Server(base, tempfile.mkdtemp(prefix="hfcp-fork")) for _ in range(2)]
         atexit.register(lambda: [s.proc.kill() for s in _servers])
         if not all(s.ready for s in _servers):
@@ -115,7 +131,7 @@ class _Lines:
         return json.loads(line)
 
 
-def _fork_launch(args, envs, timeout):
+def _fork_launch(args, envs, timeout, cwd):
     """Every rank forked from a fork server, or None where the launch must start new interpreters."""
     import json
     import signal
@@ -126,7 +142,7 @@ def _fork_launch(args, envs, timeout):
 
     if os.environ.get("HF_CONTEXTPAR_TEST_FORK", "1") == "0" or (args[0].startswith("-") and args[0] != "-m"):
         return None
-    servers = _fork_servers(envs[0])
+    servers = _fork_servers()
     if servers is None or any(startup_env(e) != servers[r % 2].startup for r, e in enumerate(envs)):
         return None
     where = tempfile.mkdtemp(prefix="hfcp-ranks")
@@ -135,7 +151,7 @@ def _fork_launch(args, envs, timeout):
         out, err = (os.path.join(where, f"rank{rank}.{s}") for s in ("out", "err"))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(servers[rank % 2].path)
-        conn.sendall(json.dumps(dict(argv=list(args), env=e, cwd=os.getcwd(), stdout=out, stderr=err)).encode() + b"\n")
+        conn.sendall(json.dumps(dict(argv=list(args), env=e, cwd=cwd, stdout=out, stderr=err)).encode() + b"\n")
         lines = _Lines(conn)
         ranks.append((lines.next(60)["pid"], lines, out, err))
     deadline, killed, codes = time.monotonic() + timeout, None, []

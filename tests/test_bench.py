@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import launch  # noqa: E402
+from launch import launch, python  # noqa: E402
 
 from hf_contextpar.plan import costmodel  # noqa: E402
 
@@ -81,7 +80,7 @@ def _bench(tmp_path, n, extra=()):
     ]
     if n == 1:
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        res = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+        res = python(args, env=env, timeout=300)
         results = [(res.returncode, res.stdout, res.stderr)]
     else:
         results = launch(n, args, timeout=300)

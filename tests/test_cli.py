@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import free_port  # noqa: E402
+from launch import free_port, python  # noqa: E402
 
 
 def test_cli_generate_under_torchrun():
@@ -98,13 +98,7 @@ def test_eval_gate_does_not_pass_on_an_earlier_report(tmp_path):
         (tmp_path / kind / "report.json").write_text('{"summary": {"verdict": "equivalent"}}')
     gate = os.path.join(os.path.dirname(__file__), "..", "examples", "eval_gate.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    res = subprocess.run(
-        [sys.executable, gate, "--lengths", "512,x", "--dtype", "int8", "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = python([gate, "--lengths", "512,x", "--dtype", "int8", "--out", str(tmp_path)], env=env, timeout=300)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "needlebench: could not run" in res.stdout and "bookcorpus: could not run" in res.stdout, res.stdout
 
@@ -112,7 +106,7 @@ def test_eval_gate_does_not_pass_on_an_earlier_report(tmp_path):
 def test_eval_drops_an_earlier_report_before_anything_can_fail(tmp_path):
     (tmp_path / "report.json").write_text('{"summary": {"verdict": "equivalent"}}')
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "hf_contextpar.eval", "needlebench", "--lengths", "512,x", "--out", str(tmp_path)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = ["-m", "hf_contextpar.eval", "needlebench", "--lengths", "512,x", "--out", str(tmp_path)]
+    res = python(cmd, env=env, timeout=300)
     assert res.returncode == 2 and "--lengths takes comma-separated integers" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "report.json").exists()

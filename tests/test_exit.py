@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_user_script_without_cleanup_exits_cleanly():
     """Patch, generate with every strategy, return: exit 0, every async work waited, no gloo thread
     alive once the interpreter starts finalizing."""
-    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_worker.py")], timeout=300)
+    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_worker.py")], timeout=300, fresh=True)
     for rank, (rc, out, err) in enumerate(results):
         why = f"rank {rank} rc {rc}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
         assert rc == 0 and "generated" in out, why
@@ -53,7 +53,7 @@ def test_tools_leave_no_gloo_thread_to_finalization(tool, tmp_path):
     args = [args[1], *args[2:]] if args[0] == "-m" else [os.path.join(ROOT, args[0]), *args[1:]]
     if tool in ("bench", "eval"):
         args += ["--out", str(tmp_path)]
-    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_check.py"), *args], timeout=300)
+    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_check.py"), *args], timeout=300, fresh=True)
     for rank, (rc, out, err) in enumerate(results):
         why = f"{tool}: rank {rank} rc {rc}\nstdout:\n{out[-1500:]}\nstderr:\n{err[-3000:]}"
         assert rc == 0, why
@@ -106,7 +106,7 @@ def _launch_many(n_runs: int, args: list[str], at_once: int = 4):
 
     worker = [os.path.join(os.path.dirname(__file__), args[0]), *args[1:]]
     with ThreadPoolExecutor(at_once) as pool:
-        return list(pool.map(lambda _: launch(2, worker, timeout=600), range(n_runs)))
+        return list(pool.map(lambda _: launch(2, worker, timeout=600, fresh=True), range(n_runs)))
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -126,7 +126,9 @@ def test_every_script_order_exits_cleanly(order):
 def test_the_users_call_is_needed():
     """Without the README's call the script's own group outlives every hook: its gloo threads are alive at
     finalization (what hf-contextpar cannot end for a group it did not create), so the check above can fail."""
-    results = launch(2, [os.path.join(os.path.dirname(__file__), "exit_order_worker.py"), "group", "keep"], timeout=300)
+    results = launch(
+        2, [os.path.join(os.path.dirname(__file__), "exit_order_worker.py"), "group", "keep"], timeout=300, fresh=True
+    )
     for rank, (rc, out, err) in enumerate(results):
         assert "generated" in out and "gloo threads at exit: [" in out, (
             f"rank {rank} rc {rc}\n{out[-1500:]}\n{err[-3000:]}"

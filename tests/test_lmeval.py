@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_contextpar.eval.oracle import logit_tolerance  # noqa: E402
-from launch import free_port  # noqa: E402
+from launch import free_port, torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_DIR = os.path.join(ROOT, "tests", "lmeval_task")
@@ -117,8 +117,7 @@ def assert_same_evaluation(got, want):
 
 def test_three_processes_under_torchrun(reference, tmp_path):
     """The README's command on 3 processes: one results file and one table, the reference's evaluation."""
-    cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "3", f"--master_port={free_port()}"]
-    done = run([*cmd, "-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path)])
+    done = torchrun(3, ["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path)], timeout=900, env=ENV)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("|Version|Filter|") == 1, done.stdout[-3000:]
     got = written(tmp_path)
@@ -159,10 +158,9 @@ def test_other_models_are_refused(tmp_path):
 def test_tensor_parallel_inside_context_parallel(reference, tmp_path):
     """`tp=2` on 4 processes: TP 2 x CP 2 through mesh.py's loader (weights read sharded), the
     reference's evaluation (TP's all-reduces only reorder fp32 sums: within the same bounds)."""
-    cmd = ["-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
     args = lm_eval_args("hf-cp", tmp_path)
     args[args.index("--model_args") + 1] += ",tp=2"
-    done = run([*cmd, "-m", "hf_contextpar", "lm_eval", *args])
+    done = torchrun(4, ["-m", "hf_contextpar", "lm_eval", *args], timeout=900, env=ENV)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("|Version|Filter|") == 1, done.stdout[-3000:]
     got = written(tmp_path)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import free_port  # noqa: E402
+import launch  # noqa: E402
 
 from hf_contextpar.api import DECODES, STRATEGIES  # noqa: E402
 from hf_contextpar.tools.cli import main  # noqa: E402
@@ -21,22 +21,15 @@ from hf_contextpar.tools.selftest import spec  # noqa: E402
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
-def torchrun(n, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), f"--master_port={free_port()}"]
-    res = subprocess.run(
-        [*cmd, "-m", "hf_contextpar", "selftest", "--cpu", *args],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def selftest(n, *args, timeout=300):
+    res = launch.torchrun(n, ["-m", "hf_contextpar", "selftest", "--cpu", *args], timeout=timeout, env=ENV)
     return res, f"rc {res.returncode}\nstdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-3000:]}"
 
 
 def test_selftest_under_torchrun_on_cpu(tmp_path):
     """The README's command on 2 CPU processes: every case passes, the report says what ran."""
     report = tmp_path / "report.json"
-    res, why = torchrun(2, "--json", str(report), "--bench-length", "512", "--bench-repeats", "1")
+    res, why = selftest(2, "--json", str(report), "--bench-length", "512", "--bench-repeats", "1")
     assert res.returncode == 0, why
     verdicts = re.findall(
         r"^selftest: (PASS|FAIL) (\d+)/(\d+) cases, N=2, cpu/gloo\+shm, tiny-llama, fp32,bf16,fp16", res.stdout, re.M
@@ -68,7 +61,7 @@ def test_a_broken_case_turns_the_verdict_to_fail(tmp_path):
     """--inject-fault perturbs one case's results inside the checker: FAIL, exit != 0, the case listed."""
     report = tmp_path / "report.json"
     case = "float32/greedy/ring_pass_q"
-    res, why = torchrun(2, "--dtypes", "fp32", "--no-bench", "--inject-fault", case, "--json", str(report))
+    res, why = selftest(2, "--dtypes", "fp32", "--no-bench", "--inject-fault", case, "--json", str(report))
     assert res.returncode != 0, why
     assert re.search(r"^selftest: FAIL 11/12 cases, N=2, cpu/gloo\+shm", res.stdout, re.M), why
     assert re.search(rf"FAILED {case}: rank 0: prompt logits differ by 1 > 0.0001; tokens differ", res.stdout), why

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-from launch import free_port, launch, matrix, tolerance  # noqa: E402
+from launch import launch, matrix, tolerance, torchrun  # noqa: E402
 from tp_worker import DCP, FAMILIES  # noqa: E402
 
 from hf_contextpar.cache.sharded import ShardLayout  # noqa: E402
@@ -168,10 +167,7 @@ def test_dcp_slot_split():
 def test_main_job_tp2_cp2():
     """`torchrun --nproc_per_node 4 -m hf_contextpar generate --tp 2`: the needle's answer, the tokens of
     the unpatched model on one process, each rank's KV and weights about half of CP alone's."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
-    cmd += ["-m", "hf_contextpar", "generate", "--tp", "2", "--prompt-tokens", "1024"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    res = torchrun(4, ["-m", "hf_contextpar", "generate", "--tp", "2", "--prompt-tokens", "1024"], timeout=400)
     why = f"rc {res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert res.returncode == 0, why
     assert "expected: '7341' -> correct" in res.stdout and "tokens identical: True" in res.stdout, why
@@ -193,11 +189,8 @@ def test_bench_layouts(tmp_path, kv_heads):
     traffic without CP. With 2 KV heads TP 4 is DCP 2: the same KV per rank, its own DCP traffic, and each
     rank holds its KV head's k/v projections whole (half of theirs instead of a quarter)."""
     out = tmp_path / "layouts.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
-    cmd += ["-m", "hf_contextpar.tools.bench.layouts", "--length", "256", "--new-tokens", "4", "--repeats", "1"]
-    cmd += ["--kv-heads", str(kv_heads)]
-    res = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=400)
+    cmd = ["-m", "hf_contextpar.tools.bench.layouts", "--length", "256", "--new-tokens", "4", "--repeats", "1"]
+    res = torchrun(4, [*cmd, "--kv-heads", str(kv_heads), "--out", str(out)], timeout=400)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     rows = {r["tp"]: r for r in json.load(open(out))["rows"]}
     assert sorted(rows) == [1, 2, 4] and all(r["tokens_identical"] for r in rows.values()), rows
@@ -218,10 +211,7 @@ def test_main_job_tp4_dcp():
     """`torchrun --nproc_per_node 4 -m hf_contextpar generate --tp 4`: needle-lm has 2 KV heads, so two TP
     ranks share each (DCP 2): the needle's answer, the unpatched model's tokens, each rank's cache half the
     tokens (cp 1 x dcp 2) within one per layer, and about a quarter of the weights."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", f"--master_port={free_port()}"]
-    cmd += ["-m", "hf_contextpar", "generate", "--tp", "4", "--prompt-tokens", "512"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    res = torchrun(4, ["-m", "hf_contextpar", "generate", "--tp", "4", "--prompt-tokens", "512"], timeout=400)
     why = f"rc {res.returncode}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert res.returncode == 0, why
     assert "expected: '7341' -> correct" in res.stdout and "tokens identical: True" in res.stdout, why
