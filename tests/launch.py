@@ -85,7 +85,13 @@ class _Server:
         server = os.path.join(os.path.dirname(__file__), "forkserver.py")
         self.proc = subprocess.Popen([sys.executable, server, self.path], env=env, stdout=subprocess.PIPE, text=True)
         self.env = env
-        self.ready = self.proc.stdout.readline().strip() == "ready"
+
+    @property
+    def ready(self) -> bool:
+        """Waits for the server's imports (the servers start them side by side)."""
+        if not hasattr(self, "_ready"):
+            self._ready = self.proc.stdout.readline().strip() == "ready"
+        return self._ready
 
 
 _servers: list | None = None
