@@ -146,6 +146,13 @@ class ForwardPlan:
         """Each rank runs one contiguous partition of the new tokens, in rank order (a chain, KV-Runahead)."""
         return self.shards.token_rows is not None and (self.chained or STRATEGIES[self.algorithm].contiguous)
 
+    @property
+    def sized(self) -> bool:
+        """Contiguous partitions the policy's sizes may cut unevenly (a chain, or a strategy whose K/V levels:
+        KV-Runahead): the prefills whose busy times balanced partitions learn from (runtime._measure). CSA's
+        stay even, so it sends no measurement."""
+        return self.contiguous and (self.chained or STRATEGIES[self.algorithm].levels is not None)
+
 
 @dataclass(frozen=True)
 class _Before:
