@@ -1,6 +1,7 @@
 """Where a decode step's host time goes under context parallelism (issue #44: TTIT at short contexts).
 
     torchrun --nproc_per_node 2 dev/profile_decode.py --model tiny-llama_gqa8 --length 4096 --steps 200
+    python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
 `--length` tokens, one thread a rank; during the patched steps it times each piece of the library's
@@ -88,14 +89,43 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     return dict(TIMES)
 
 
+def plan_only(length: int, steps: int, world: int = 2):
+    """`build_plan` of replicated decode steps after a prefill of `length` tokens, in one process (no model,
+    no collective): the pure part of the pre-hook, timed without the load a second rank adds."""
+    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.plan.layout import ShardLayout
+
+    layout, policy, times = ShardLayout(0, world), Policy(world), []
+
+    def plan(n):
+        past = layout.seq_length
+        pos = torch.arange(past, past + n).expand(1, -1)
+        return build_plan(policy, layout, batch=1, num_new=n, position_ids=pos, padding=None, logits_to_keep=1)
+
+    layout.commit(plan(length).storage)
+    for _ in range(steps):
+        start = time.perf_counter()
+        p = plan(1)
+        times.append(time.perf_counter() - start)
+        layout.commit(p.storage)
+    times.sort()
+    print(
+        f"build_plan, decode after {length} tokens, N = {world}: min {times[0] * 1e6:.1f} us, "
+        f"median {times[len(times) // 2] * 1e6:.1f} us ({steps} steps)"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny-llama_gqa8", help="a built-in tiny-<family> model")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--strategy", default="ring_pass_kv")
+    p.add_argument("--plan-only", action="store_true", help="time the decode plan alone, in one process")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.plan_only:
+        return plan_only(args.length, args.steps)
     instrument()
     family = args.model.removeprefix("tiny-")
     ref = tiny_model(family)
