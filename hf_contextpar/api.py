@@ -61,7 +61,7 @@ def apply_context_parallel(
         table (PartitionTable, dict or JSON path from `python -m hf_contextpar kvr-table`) to interpolate
         partitions from (KVR-P); "balanced": partitions of equal work (later ranks, whose queries see more
         keys, take fewer tokens), from the cost model scaled to the ranks' measured compute in earlier
-        prefills; "even" (KVR-E). None: balanced on a model with recurrent layers, else even. Every rank
+        prefills (the default, None); "even" (KVR-E), only when asked. Every rank
         keeps 1/N of the KV cache whatever the partitions (the received K/V levels it).
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "cost" (the lower predicted time from

@@ -83,10 +83,7 @@ class ContextParallelRuntime:
         self.num_layers = self.contract.num_layers
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
-        # "balanced" (a chain's default): partitions of equal work (partitions.balanced), measured as prefills run
-        # (MeasuredWork); a table (KVR-P); "even" (plain KV-Runahead's default)
-        self.balanced = settings.partitions == "balanced" or (settings.partitions is None and self.chain)
-        self.work = MeasuredWork()
+        self.work = MeasuredWork()  # balanced partitions' two terms as measured (`balanced`)
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         if self.chain and (decode == "ring_pass_q" or dcp is not None):
             what = (
@@ -109,6 +106,15 @@ class ContextParallelRuntime:
         self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
         self._forward = None
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
+
+    @property
+    def balanced(self) -> bool:
+        """KV-Runahead's and a chain's partitions by default ("balanced" or None): of equal work
+        (partitions.balanced), measured as prefills run (MeasuredWork), because causal attention gives the
+        last of even partitions the most work and the others wait for it in the output gather. "even"
+        (KVR-E) and a table (KVR-P) only when asked. Read from the settings at each forward, so the
+        search's tables (`kvr_prefill_seconds`, which swaps them in) win."""
+        return self.settings.partitions in (None, "balanced")
 
     def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
         raise PatchStateError(
@@ -215,7 +221,7 @@ class ContextParallelRuntime:
         torch.set_grad_enabled(False)
         # balanced partitions learn from measured compute (MeasuredWork); not under TP, whose peers of one CP rank
         # must cut the same partitions and would each measure their own times
-        measure = self.balanced and plan.contiguous and self.tp == 1
+        measure = self.balanced and plan.sized and self.tp == 1
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         self._entered = True

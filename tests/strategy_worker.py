@@ -91,7 +91,9 @@ def traffic(n, rec):
     for strategy in ("ring_pass_kv", "ring_pass_q", "allgather_kv", "kv_runahead", "ulysses"):
         if strategy == "ulysses" and cfg.num_key_value_heads % n:
             continue
-        cp = hf_contextpar.apply_context_parallel(tiny_model("phi3"), strategy=strategy, timeout=120)
+        # KV-Runahead on even partitions (KVR-E): the papers' closed forms hold there (Eq. 7)
+        extra = dict(kvr_partitions="even") if strategy == "kv_runahead" else {}
+        cp = hf_contextpar.apply_context_parallel(tiny_model("phi3"), strategy=strategy, timeout=120, **extra)
         rt = hf_contextpar.get_runtime(cp)
         for length in (64, 101):
             cp(prompt(length, seed=length), use_cache=True)

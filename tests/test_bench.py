@@ -235,8 +235,9 @@ def test_costmodel_hand_computed():
     assert costmodel.predict_ttft("ring_pass_q", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.78 + 0.256 + 2.1 + 1.0)
     # all-gather KV: 0.5 + 1*4*2*1*4*4/100 = 1.78, then the whole share 0.512
     assert costmodel.predict_ttft("allgather_kv", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 1.78 + 0.512 + 1.0)
-    # KV-Runahead, last rank: 4*2*4*4*(8-2)/1000 = 0.768, one hop of 4 tokens' KV: 0.5 + 2*4*1*4*4/100 = 1.78
-    assert costmodel.predict_ttft("kv_runahead", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 0.768 + 1.78 + 1.0)
+    # KV-Runahead on balanced partitions: every rank the even share a/N = 0.512, one hop of 4 tokens' KV:
+    # 0.5 + 2*4*1*4*4/100 = 1.78
+    assert costmodel.predict_ttft("kv_runahead", 8, 2, SHAPE, MACHINE) == pytest.approx(8 + 0.512 + 1.78 + 1.0)
     # Ulysses moves whole heads: not with 1 KV head on 2 ranks; with 2: QKV in 1/2*4*(2+2*2)*4*4/100 = 1.92,
     # O out 1/2*4*2*4*4/100 = 0.64, two latencies
     assert costmodel.predict_ttft("ulysses", 8, 2, SHAPE, MACHINE) is None

@@ -1,7 +1,7 @@
 """KV-Runahead (Apple, arXiv 2405.05329, 4.1-4.3).
 
 The prompt is cut into contiguous, possibly uneven partitions c_0..c_{N-1} (`sharding.
-contiguous_plan`). Rank i needs the K/V of every earlier token, so the K/V travels one way down a
+contiguous_plan`; by default balanced by measured work, `partitions.balanced`). Rank i needs the K/V of every earlier token, so the K/V travels one way down a
 chain: rank i attends its queries to its own block (causal) while the prefix from rank i-1 is
 still arriving, then to each prefix block as it lands, and forwards its own block and every
 block it receives to rank i+1. Only point-to-point messages, no collective; total traffic is

@@ -14,8 +14,8 @@ BW: ring bandwidth, e: bytes per element, Hkv: KV heads, H: query heads):
                    + alpha_a2a + (N-1) (T/N) H (d+1) e_p / BW_a2a                  (Alg. 3 + All2All home;
                                                                                     e_p: the partials' bytes, fp32 here)
     allgather_kv   alpha + (N-1) ((T+P)/N) 2 Hkv d e / BW + A                        (gather, then attend)
-    kv_runahead    the last rank of an even contiguous split: attention over all T keys for its T/N
-                   queries, 4 H d (T/N)(T - T/(2N)), plus (N-1) hops of the growing prefix chain
+    kv_runahead    balanced partitions (the default): every rank the same work, so A, plus the
+                   (N-1) hops of the growing prefix chain
     ulysses        2 alpha + ((N-1)/N) (T/N) (H + 2 Hkv) d e / BW + A                 (two All2All, QKV in, O out;
                    N must divide H and Hkv)
                    + ((N-1)/N) (T/N) H d e / BW

@@ -42,6 +42,7 @@ from .sharding import (
     decode_owners,
     head_tail_plan,
     rank_counts,
+    rank_tokens,
     sequence_counts,
     window_drops,
 )
@@ -145,6 +146,13 @@ class ForwardPlan:
     def contiguous(self) -> bool:
         """Each rank runs one contiguous partition of the new tokens, in rank order (a chain, KV-Runahead)."""
         return self.shards.token_rows is not None and (self.chained or STRATEGIES[self.algorithm].contiguous)
+
+    @property
+    def sized(self) -> bool:
+        """Contiguous partitions the policy's sizes may cut unevenly (a chain, or a strategy whose K/V levels:
+        KV-Runahead): the prefills whose busy times balanced partitions learn from (runtime._measure). CSA's
+        stay even, so it sends no measurement."""
+        return self.contiguous and (self.chained or STRATEGIES[self.algorithm].levels is not None)
 
 
 @dataclass(frozen=True)
@@ -263,7 +271,7 @@ def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offse
 def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
     continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
-    owned, run = decode_owners(new_cols.numel(), sequence_counts(before.cols, batch), policy.interleave, continuing)
+    owned, run = decode_owners(new_cols.numel(), rank_tokens(before.cols, batch), policy.interleave, continuing)
     kv_cols = _append(before.cols, [new_cols[o] for o in owned])
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
@@ -307,9 +315,10 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
 
 
 def _append(cols, new_cols):
-    """Every sequence appends the same columns (new_cols[r] on rank r)."""
+    """Every sequence appends the same columns (new_cols[r] on rank r). A rank that stores none keeps its
+    tensor (layouts are never written in place): in replicated decode all but one rank, every step."""
     return [
-        torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
+        c if n.numel() == 0 else torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
         for c, n in zip(cols, new_cols)
     ]
 

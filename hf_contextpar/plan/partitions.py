@@ -1,4 +1,6 @@
-"""KV-Runahead's context partitions (KVR paper 4.2): even (KVR-E), searched (KVR-S), predicted (KVR-P).
+"""KV-Runahead's context partitions (KVR paper 4.2): even (KVR-E), searched (KVR-S), predicted (KVR-P),
+and balanced by measured work (`balanced` + `MeasuredWork`: the default for KV-Runahead and for every
+chain, since even partitions leave the last rank the most attention and the others waiting for it).
 
 In the KV-Runahead chain a later rank attends to a longer prefix and waits longer for it, so
 TTFT is lowest when earlier ranks take more tokens. `search` finds the partition by the paper's
@@ -26,7 +28,7 @@ def even(num_tokens: int, world: int) -> list[int]:
 
 
 def balanced(num_tokens: int, world: int, past: int, per_token: float, per_pair: float) -> list[int]:
-    """Contiguous partitions of equal predicted work for a chain (hybrids' default): a token costs `per_token`
+    """Contiguous partitions of equal predicted work (KV-Runahead's and a chain's default): a token costs `per_token`
     (its linear layers) plus `per_pair` per key it attends to (past + its index + 1), so later partitions,
     whose queries see more keys, take fewer tokens. The work up to token t is a t + b (P t + t (t + 1) / 2);
     each boundary is where it reaches k / N of the whole. Even partitions where that leaves one under 2 tokens."""

@@ -67,7 +67,10 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
     """
     # plain Python over the distinct rows (one while every sequence holds the same columns): this runs
     # before every decode step, where a dozen small tensor ops cost more than the arithmetic
-    rows = [list(r) for r in {tuple(r) for r in torch.atleast_2d(torch.as_tensor(counts)).tolist()}]
+    if isinstance(counts, list) and all(isinstance(c, int) for c in counts):  # `rank_tokens`'s: no tensor
+        rows = [list(counts)]
+    else:
+        rows = [list(r) for r in {tuple(r) for r in torch.atleast_2d(torch.as_tensor(counts)).tolist()}]
     world = len(rows[0])
     owned: list[list[int]] = [[] for _ in range(world)]
     for t in range(num_tokens):
@@ -140,6 +143,15 @@ def droppable(cols: torch.Tensor, line: int) -> int:
 def rank_counts(cols) -> list[int]:
     """Tokens per rank (the most any one sequence holds there)."""
     return [int((c >= 0).sum(-1).max()) if c.dim() == 2 else c.numel() for c in cols]
+
+
+def rank_tokens(cols, batch: int):
+    """`decode_owners`' counts: tokens per rank as plain ints while every rank's columns are 1D (every
+    sequence alike: replicated decode, before every step, where building a tensor only to read it back
+    costs more than the count), else `sequence_counts`."""
+    if all(c.dim() == 1 for c in cols):
+        return [c.numel() for c in cols]
+    return sequence_counts(cols, batch)
 
 
 def sequence_counts(cols, batch: int) -> torch.Tensor:

@@ -80,10 +80,12 @@ def _ring_q_time(c) -> float:
 
 
 def _runahead_time(c) -> float | None:
-    """The last rank of an even contiguous split: its queries over every earlier key, and the N-1 hops of
-    the growing prefix chain."""
+    """Balanced partitions (the default, `partitions.balanced`): every rank does an equal share of the work,
+    its tokens' linear layers (counted as T/N tokens beside this) plus its queries' keys, so the last rank
+    attends the even share of the layer's attention; plus the N-1 hops of the growing prefix chain, sized
+    as even partitions' (balanced ones send a little more: their earlier partitions are larger)."""
     chunk = c.T / c.N
-    return c.attend(chunk, c.T - chunk) + sum(c.message(i * chunk * c.kv_token) for i in range(1, c.N))
+    return c.attention + sum(c.message(i * chunk * c.kv_token) for i in range(1, c.N))
 
 
 def _ulysses_time(c) -> float:

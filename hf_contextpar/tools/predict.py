@@ -60,19 +60,30 @@ TABLE4 = (
     (115200, 11136.40, 11571.62),
     (128000, 11462.15, 12360.57),
 )
+# Table 7: the same 128K prefill (405B, FP8, TP8, CP4 over RDMA) measured on its own at 10.95 s.
+TABLE7_128K = 10.95
+# Table 4's runs hold a fixed cost per request that Table 7's do not: its 100% row is the very prefill
+# Table 7 measures, 0.51 s slower, and below a 10% miss rate both strategies sit 0.4-0.65 s above
+# what the hardware and Table 5's per-step times explain. Sized from those two measurements alone (not
+# fitted to the other rows), so Table 4's 100% row is its source and no longer a check.
+TABLE4_REQUEST_COST = TABLE4[-1][1] / 1e3 - TABLE7_128K
 
 
 def table4_rows(partial_bytes: int = 2, context: int = 128000) -> list[dict]:
-    """The cost model against Table 4 with nothing taken from Table 4: the 405B geometry under TP8,
-    FP8 weights, the h100-rdma preset (Table 5's ring and All2All rates), N = 4. partial_bytes: 2
-    for Meta's implementation (16-bit partials: what Table 5's All2All sizes at the NIC's rate
-    imply), 4 for ours (fp32)."""
+    """The cost model against Table 4: the 405B geometry under TP8, FP8 weights, the h100-rdma preset
+    (Table 5's ring and All2All rates), N = 4, plus Table 4's fixed per-request cost
+    (`TABLE4_REQUEST_COST`, from its 100% row against Table 7: that row's pass-KV cell is marked
+    `source`, not a check). partial_bytes: 2 for Meta's implementation (16-bit partials: what Table 5's All2All sizes
+    at the NIC's rate imply), 4 for ours (fp32). The fixed cost is the same for both strategies, so it
+    moves no tipping point."""
     shape = replace(shape_of_dtype("llama-3.1-405b", "float8", 8), partial_bytes=partial_bytes)
     m, rows = PRESETS["h100-rdma"], []
     for T, kv, q in TABLE4:
         P = context - T
-        pkv, pq = (predict_ttft(s, T, 4, shape, m, P) * 1e3 for s in ("ring_pass_kv", "ring_pass_q"))
-        rows.append(dict(T=T, miss=T / context, paper_kv=kv, paper_q=q, kv=pkv, q=pq))
+        pkv, pq = (
+            (predict_ttft(s, T, 4, shape, m, P) + TABLE4_REQUEST_COST) * 1e3 for s in ("ring_pass_kv", "ring_pass_q")
+        )
+        rows.append(dict(T=T, miss=T / context, paper_kv=kv, paper_q=q, kv=pkv, q=pq, source=T == context))
     return rows
 
 
@@ -84,13 +95,22 @@ def table4_report(partial_bytes: int = 2) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        kv_err, q_err = f"{r['kv'] / r['paper_kv'] - 1:+.0%}", f"{r['q'] / r['paper_q'] - 1:+.0%}"
+        if r["source"]:  # pass-KV's 100% row sized the fixed cost; pass-Q's is still a check
+            kv_err = f"{kv_err} (source)"
         lines.append(
-            f"| {r['miss']:.2%} | {r['T']} | {r['paper_kv']:,.0f} ms | {r['kv']:,.0f} ms | {r['kv'] / r['paper_kv'] - 1:+.0%} "
-            f"| {r['paper_q']:,.0f} ms | {r['q']:,.0f} ms | {r['q'] / r['paper_q'] - 1:+.0%} |"
+            f"| {r['miss']:.2%} | {r['T']} | {r['paper_kv']:,.0f} ms | {r['kv']:,.0f} ms | {kv_err} "
+            f"| {r['paper_q']:,.0f} ms | {r['q']:,.0f} ms | {q_err} |"
         )
     shape = replace(shape_of_dtype("llama-3.1-405b", "float8", 8), partial_bytes=partial_bytes)
     tip = pass_q_threshold(128000, 4, shape, PRESETS["h100-rdma"])
-    lines += ["", f"pass-Q overtakes pass-KV below a miss rate of {tip:.2%} (paper: between 2.5% and 10%, 5%)"]
+    lines += [
+        "",
+        f"Every prediction includes a fixed per-request cost of {TABLE4_REQUEST_COST * 1e3:,.0f} ms that Table 4's runs "
+        f"hold: its 100% row ({TABLE4[-1][1]:,.0f} ms) less Table 7's identical prefill ({TABLE7_128K * 1e3:,.0f} ms). "
+        "That cell (source) is therefore no check; every other is.",
+        f"pass-Q overtakes pass-KV below a miss rate of {tip:.2%} (paper: between 2.5% and 10%, 5%)",
+    ]
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from .torch_ring import PEERS, TorchRing
 
 DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
-KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to even partitions
+KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to its default (balanced)
 PEER_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}  # PyTorch's ring merges in fp32 (convert_to_f32)
 PEER_TOLERANCE_HALF = 1e-2
 

@@ -1,0 +1,152 @@
+"""Where a decode step's host time goes under context parallelism (issue #44: TTIT at short contexts).
+
+    torchrun --nproc_per_node 2 dev/profile_decode.py --model tiny-llama_gqa8 --length 4096 --steps 200
+    python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
+
+Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
+`--length` tokens, one thread a rank; during the patched steps it times each piece of the library's
+work with perf_counter: the forward pre-hook (input contract, plan, rank check, input split, cache
+begin), the attention adapter per layer (its kernel, the partial's packing, the all-gather, the
+merge) and the forward hook (cache end). It prints the minimum and the median over steps: on a
+shared machine the minimum is the host work, the median adds the load (waits and preemption), so
+compare figures from one run only. The pieces are wrapped from outside (no code of the library
+changes), so the times include one Python call each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+import torch.distributed as dist
+
+import hf_contextpar
+from hf_contextpar import runtime as rt
+from hf_contextpar.attention import decode
+from hf_contextpar.cache import sharded
+from hf_contextpar.comm import agreement, collectives
+from hf_contextpar.model import contract
+from hf_contextpar.models import tiny_model
+
+TIMES = collections.defaultdict(list)
+ORDER = (
+    "pre-hook (all)",
+    "  input contract",
+    "  build_plan",
+    "  rank check",
+    "  input split",
+    "  attention kernel",
+    "  pack partial",
+    "  all-gather",
+    "  merge",
+    "post-hook (all)",
+    "  cache end",
+)
+
+
+def timed(name: str, f):
+    """f, recording each call's seconds under `name`."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            TIMES[name].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def instrument():
+    """Wrap the pieces of a decode step (before apply, so the hooks installed are the wrapped ones)."""
+    R = rt.ContextParallelRuntime
+    R._pre_forward = timed("pre-hook (all)", R._pre_forward)
+    R._post_forward = timed("post-hook (all)", R._post_forward)
+    rt.build_plan = timed("  build_plan", rt.build_plan)
+    agreement.RankCheck.inputs = timed("  rank check", agreement.RankCheck.inputs)
+    contract.InputContract.read = timed("  input contract", contract.InputContract.read)
+    R._shard_inputs = timed("  input split", R._shard_inputs)
+    sharded.ShardedCache.end = timed("  cache end", sharded.ShardedCache.end)
+    decode.attend = timed("  attention kernel", decode.attend)
+    decode.pack_partial = timed("  pack partial", decode.pack_partial)
+    decode.merge_packed_out = timed("  merge", decode.merge_packed_out)
+    collectives.Comm.all_gather = timed("  all-gather", collectives.Comm.all_gather)
+
+
+@torch.no_grad()
+def decode_steps(model, ids, steps: int, name: str) -> list:
+    """Seconds of each of `steps` greedy decode forwards after a prefill of ids."""
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    TIMES.clear()
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        TIMES[name].append(time.perf_counter() - start)
+    return dict(TIMES)
+
+
+def plan_only(length: int, steps: int, world: int = 2):
+    """`build_plan` of replicated decode steps after a prefill of `length` tokens, in one process (no model,
+    no collective): the pure part of the pre-hook, timed without the load a second rank adds."""
+    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.plan.layout import ShardLayout
+
+    layout, policy, times = ShardLayout(0, world), Policy(world), []
+
+    def plan(n):
+        past = layout.seq_length
+        pos = torch.arange(past, past + n).expand(1, -1)
+        return build_plan(policy, layout, batch=1, num_new=n, position_ids=pos, padding=None, logits_to_keep=1)
+
+    layout.commit(plan(length).storage)
+    for _ in range(steps):
+        start = time.perf_counter()
+        p = plan(1)
+        times.append(time.perf_counter() - start)
+        layout.commit(p.storage)
+    times.sort()
+    print(
+        f"build_plan, decode after {length} tokens, N = {world}: min {times[0] * 1e6:.1f} us, "
+        f"median {times[len(times) // 2] * 1e6:.1f} us ({steps} steps)"
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny-llama_gqa8", help="a built-in tiny-<family> model")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--strategy", default="ring_pass_kv")
+    p.add_argument("--plan-only", action="store_true", help="time the decode plan alone, in one process")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.plan_only:
+        return plan_only(args.length, args.steps)
+    instrument()
+    family = args.model.removeprefix("tiny-")
+    ref = tiny_model(family)
+    cp = hf_contextpar.apply_context_parallel(tiny_model(family), strategy=args.strategy, timeout=600)
+    ids = torch.randint(0, ref.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
+    dist.barrier()
+    one = decode_steps(ref, ids, args.steps, "step") if dist.get_rank() == 0 else None
+    dist.barrier()
+    two = decode_steps(cp, ids, args.steps, "step")
+    if dist.get_rank() == 0:
+
+        def show(v):
+            v = sorted(v)
+            return f"min {v[0] * 1e3:7.3f} ms  median {v[len(v) // 2] * 1e3:7.3f} ms  ({len(v)} calls)"
+
+        print(f"{args.model}, {args.length} tokens, N = {dist.get_world_size()}, one thread a rank")
+        print(f"unpatched step        {show(one['step'])}")
+        for name in ("step", *(k for k in ORDER if k in two)):
+            print(f"patched {name:22s}{show(two[name])}")
+    hf_contextpar.remove_context_parallel(cp)
+
+
+if __name__ == "__main__":
+    main()
