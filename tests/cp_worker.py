@@ -97,6 +97,7 @@ def run_family(family, n, records):
                 diverge=first_divergence(out.sequences, out_ref),
                 ranks_agree=gathered_equal(out.sequences),
                 cache_tokens=local_tokens(out.past_key_values),
+                index_tokens=getattr(out.past_key_values, "index_length", 0),
                 cache_bound=math.ceil(total / n) + 1,
             )
         # left-padded batch of 3 prompts of different lengths

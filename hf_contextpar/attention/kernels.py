@@ -283,20 +283,40 @@ def _attend_rows(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap
             acc.add(*_masked(qt, k, v, vis.unsqueeze(1), scale, softcap), r0)
 
 
-def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, into=None):
+def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, select=None, into=None):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
     holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
-    pass-Q decode. Returns (out, lse) with out (B, H, Tq, D) and lse (B, H, Tq) in the
+    pass-Q decode. select: optional (B, Tq, T) bool over global key columns, True where a query keeps the
+    key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. Returns (out, lse)
+    with out (B, H, Tq, D) and lse (B, H, Tq) in the
     accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
     nothing is returned: how a ring accumulates its blocks without merging empty partials.
     """
     acc = into if into is not None else Accumulator(q.shape[2])
-    if q.shape[2] > 0 and k.shape[2] > 0:
+    if q.shape[2] > 0 and k.shape[2] > 0 and select is not None:
+        _attend_selected(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, select)
+    elif q.shape[2] > 0 and k.shape[2] > 0:
         _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap)
     return acc.result() if into is None else None
+
+
+def _attend_selected(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap, select):
+    """Indexed attention: each row sees only the keys its indexer kept, so no block is trivially masked; in
+    row tiles, each under its explicit (rows, keys) mask: visibility, padding and the selection's columns."""
+    if k_cols.dim() != 1:
+        raise ValueError("indexed attention takes one column order for every sequence (no batched pass-Q decode)")
+    rows = _rows_per_tile(q, k_cols.numel(), None, softcap)
+    keys = k_cols.to(select.device)
+    for r0 in range(0, q.shape[2], rows):
+        r1 = min(r0 + rows, q.shape[2])
+        vis = visible(q_cols[r0:r1], k_cols, window, q.device) & select[:, r0:r1][:, :, keys].to(q.device)
+        if key_valid is not None:
+            vis = vis & key_valid[:, None, :]
+        if bool(vis.any()):
+            acc.add(*_masked(q[:, :, r0:r1], k, v, vis[:, None], scale, softcap), r0)
 
 
 def _attend(acc, q, k, v, q_cols, k_cols, key_valid, window, scale, softcap):

@@ -38,8 +38,8 @@ _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"
 _STATELESS_LAYER_TYPES = {"moe", "mlp"}  # a block with neither K/V nor a state (Nemotron-H's)
 _WHY = {  # why a layer kind is refused (transformers' layer_types names)
     "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
-    "scores over all earlier tokens; exact under context parallelism that is a top-k over every rank's keys "
-    "per query and layer, which hf-contextpar does not run.",
+    "scores over all earlier tokens; hf-contextpar runs it exactly (every rank's indexer scores every column) "
+    "for the families registered with an indexer it verified (patches/, `indexed=True`), not this one.",
     "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
     "sequence; hf-contextpar passes it between ranks only for mixers that read and write it through "
     "transformers' cache state API and continue a multi-token forward from it, as verified per family.",
@@ -52,7 +52,7 @@ def attention_layers(config) -> int:
     types = getattr(text, "layer_types", None)
     if not types:
         return text.num_hidden_layers
-    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding") for t in types)
+    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding", "indexed_attention") for t in types)
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -73,6 +73,8 @@ def check_model(model, sparse: bool = False):
     family = REGISTRY.get(config.model_type)
     if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
         kinds -= chained
+    if family is not None and family.indexed:  # its indexer scores every rank's index keys (attention/indexed.py)
+        kinds -= {"indexed_attention"}
     if kinds:
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
