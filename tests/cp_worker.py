@@ -69,6 +69,18 @@ def left_padded(lengths, seed, pad_id=258):
     return ids, mask
 
 
+def _tied_prefill(family) -> float:
+    """Indexed attention (DSA) with every visible key's score tied at 0 (the indexer's head weights zeroed): each
+    row's top-k is then torch.topk's pick among equal scores, which every rank must make as one process does."""
+    ref, cp = pair(family, torch.float64)
+    for model in (ref.model if hasattr(ref, "model") else ref, cp):
+        for module in model.modules():
+            if hasattr(module, "weights_proj") and hasattr(module, "index_topk"):
+                module.weights_proj.weight.data.zero_()
+    ids, mask = left_padded([97, 80], seed=97)
+    return logits_diff(cp(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask)
+
+
 @torch.no_grad()
 def run_family(family, n, records):
     def rec(case, **kw):
@@ -157,6 +169,8 @@ def run_family(family, n, records):
                 ranks_agree=gathered_equal(out.sequences),
                 spread=per_sequence_spread(out.past_key_values, len(lengths)),
             )
+        if dtype == torch.float64 and REGISTRY[family].indexed:
+            rec("prefill_logits", dtype=dname, length=97, tied=True, max_diff=_tied_prefill(family))
         if dtype == torch.float64:
             # beam search reorders the sharded cache; hidden states come back gathered in order
             ids = prompt(41, seed=41, batch=2)
