@@ -44,6 +44,7 @@ __all__ = [
     "cache_argument",
     "cache_recurrence",
     "cache_windows",
+    "is_empty_cache",
     "returned_cache",
 ]
 
@@ -75,6 +76,15 @@ def returned_cache(output):
     `output.past_key_values` (read without the deprecation warning 5.24's alias logs)."""
     name = "cache" if "cache" in getattr(output, "__dataclass_fields__", {}) else "past_key_values"
     return getattr(output, name, None)
+
+
+def is_empty_cache(cache) -> bool:
+    """No layer holds a token or a state (`get_seq_length` asks an attention layer, which Mamba2's cache lacks)."""
+    return not any(
+        (is_recurrent(layer) and any(layer.has_previous_state.values()))
+        or (isinstance(layer, CacheLayerMixin) and layer.get_seq_length() > 0)
+        for layer in cache.layers
+    )
 
 
 def cache_windows(cache: Cache) -> list:
