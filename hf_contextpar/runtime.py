@@ -245,9 +245,7 @@ class ContextParallelRuntime:
                 self._measure(plan, started)
             if ok and scratch:
                 output[self.contract.cache_arg] = None  # what the caller gets without use_cache
-            elif (
-                ok and plan.chained
-            ):  # decode runs every recurrent layer on every rank, from the last partition's states
+            elif ok and plan.chained:  # decode runs every recurrent layer on every rank, from the last states
                 share_final_states(step.cache, self.comm, root=self.world - 1)
             if ok:
                 self.comm.settle()  # a forward with no attention collective (none ran) still checks

@@ -105,9 +105,8 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "or set the config's attention_dropout to 0."
         )
     ours = step.indexed and attention_mask is step.state.get("indexer_mask")  # indexed attention's, for its indexer
-    if (attention_mask is not None and attention_mask.dim() != 2 and not ours) or kwargs.get(
-        "position_bias"
-    ) is not None:
+    foreign = attention_mask is not None and attention_mask.dim() != 2 and not ours
+    if foreign or kwargs.get("position_bias") is not None:
         # context_parallel_mask hands over None or the 2D padding mask: anything else is the model's own mask or
         # score bias (Doge's learned per-key bias), which the algorithms' global-column masks would drop
         raise UnsupportedModelError(
