@@ -23,6 +23,8 @@ import torch
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
+from .attention.indexed import check_indexed
+from .attention.indexed import gather_keys as gather_index_keys
 from .attention.step import Step
 from .cache.recurrent import share_final_states
 from .comm.agreement import RankCheck
@@ -93,6 +95,8 @@ class ContextParallelRuntime:
                 f"{what} is not supported on a model with recurrent layers: their states are whole on every rank "
                 "and pass down the ranks in prefill. Use decode='auto' or 'replicated', and TP up to the KV heads."
             )
+        # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
+        self.indexed = check_indexed(model.config, settings, dcp is not None)
         if settings.sparse is not None and dcp is not None:
             raise UnsupportedModelError(
                 "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
@@ -196,7 +200,8 @@ class ContextParallelRuntime:
             kwargs["return_dict"] = True
         self._shard_inputs(kwargs, plan, inputs)
         cache = inputs.cache
-        scratch = cache is None and plan.chained  # no cache asked for: the states still need one to pass through
+        # no cache asked for: the states, or the index keys every rank's indexer scores, still need one to pass through
+        scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
         if scratch:
             cache = self.contract.new_cache()
         if cache is not None:
@@ -213,6 +218,9 @@ class ContextParallelRuntime:
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(plan, self.comm, cache, self.num_layers, kv_shapes=self.kv_shapes, dcp=self.dcp, sparse=self.sparse)
+        step.indexed = self.indexed
+        if cache is not None and self.indexed:
+            cache.index_exchange = functools.partial(gather_index_keys, step)
         self._record(plan, inputs)
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep
@@ -241,11 +249,10 @@ class ContextParallelRuntime:
                 check_attended(self.model, step, self.attention_layers if self.contract.attention_name else 0)
             if ok and started is not None:
                 self._measure(plan, started)
-            if ok and plan.chained:
-                if scratch:
-                    output[self.contract.cache_arg] = None  # what the caller gets without use_cache
-                else:  # decode runs every recurrent layer on every rank, from the last partition's states
-                    share_final_states(step.cache, self.comm, root=self.world - 1)
+            if ok and scratch:
+                output[self.contract.cache_arg] = None  # what the caller gets without use_cache
+            elif ok and plan.chained:  # decode runs every recurrent layer on every rank, from the last states
+                share_final_states(step.cache, self.comm, root=self.world - 1)
             if ok:
                 self.comm.settle()  # a forward with no attention collective (none ran) still checks
             self.last_forward["bytes_sent"] += self._attention.bytes_sent
@@ -293,8 +300,9 @@ class ContextParallelRuntime:
         table, s = self.settings.partition_table, self.settings
         sizes = (lambda t, p: table.sizes(t, self.world)) if table is not None else None
         sizes = self._balanced if self.balanced else sizes
+        decode = "replicated" if self.indexed else s.decode  # batched pass-Q decode moves queries (refused at apply)
         return Policy(
-            self.world, s.decode, self._choose, sizes, s.kv_interleave, chain=self.chain, level=self.dcp is None
+            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, level=self.dcp is None
         )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
@@ -327,6 +335,8 @@ class ContextParallelRuntime:
             return self.settings.strategy
         if self.chain:  # one way down the ranks, as the states go (plan/forward.py: ring pass-KV over a cache)
             return "kv_runahead"
+        if self.indexed:  # of pass-KV and pass-Q, the one that keeps each query (and its top-k) on its rank
+            return "ring_pass_kv"
         s = self.settings
         return choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule).strategy
 
@@ -336,7 +346,7 @@ class ContextParallelRuntime:
         strategy, or on a model with recurrent layers): the pure choice the plan made, derived again here, so
         the plan never writes back into the runtime."""
         s = self.settings
-        if self._last_prefill is None or s.strategy != "auto" or self.chain:
+        if self._last_prefill is None or s.strategy != "auto" or self.chain or self.indexed:
             return None
         if self.sparse is not None and self._last_prefill[1] == 0:  # it ran CSA, asked for
             return None

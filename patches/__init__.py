@@ -44,6 +44,9 @@ class FamilyPatch:
     # the model multiplies its hidden states by the 2D attention_mask as given (Mamba1's models): the mask must
     # have one column per input token (one process fails on any other width), and a chained rank gets its own
     raw_mask: bool = False
+    # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
+    # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
+    indexed: bool = False
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -95,6 +98,35 @@ SHARED_KV_GEMMA = dict(
     vocab_size_per_layer_input=384,
     hidden_size_per_layer_input=16,
 )
+
+DSA_TINY = dict(
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    first_k_dense_replace=2,
+    mlp_layer_types=["dense", "dense"],  # dense MLPs: the MoE router runs in fp32 even in an fp64 model
+    initializer_range=0.05,
+    index_topk=16,
+    index_n_heads=1,
+    index_head_dim=128,
+)
+DSA_FAMILIES = [
+    FamilyPatch(
+        "deepseek_v32",
+        "DeepSeek-V3.2: MLA with DeepSeek Sparse Attention (a lightning indexer's top-k)",
+        indexed=True,
+        tiny=DSA_TINY,
+    ),
+    FamilyPatch(  # its second layer reuses the first one's top-k ("shared")
+        "glm_moe_dsa",
+        "GLM-5: MLA with DSA, interleaved RoPE in the indexer, layers sharing an earlier layer's top-k",
+        indexed=True,
+        tiny=dict(DSA_TINY, indexer_types=["full", "shared"]),
+    ),
+    # the exactness matrix runs the two above (its time is capped); A.X K2's indexer is DeepSeek-V3.2's, run by the
+    # census and its sweeps at N = 2, 3, 4 (its MoE router's fp32: the census's bound)
+    FamilyPatch("axk2", "A.X K2: MLA with DSA, gated queries", indexed=True, fp64_tolerance=1e-5),
+]
 
 for _patch in [
     FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
@@ -181,6 +213,12 @@ for _patch in [
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
     # kernel alone moves fp32 logits by 1e-3; at 0.05, 4e-6
+    # DeepSeek Sparse Attention (DSA) on DeepSeek-V3's tiny MLA geometry (the config's latent ranks), with the
+    # checkpoints' indexer head (128 numbers, RoPE on 64) and half as many indexer heads as attention heads (64 of
+    # 128 in DeepSeek-V3.2, 32 of 64 in GLM-5): one, whose ReLU'd scores tie at 0 wherever its dot product is
+    # negative, so the top-k's order among equal scores is exercised. Top-16: the matrix's 97- and 301-token
+    # prompts select, its 1- to 9-token ones have k above the context
+    *DSA_FAMILIES,
     FamilyPatch(
         "deepseek_v3",
         "DeepSeek-V3 / R1, Kimi-K2: multi-head latent attention (the cache holds the latent, never per-head K/V)",

@@ -69,6 +69,18 @@ def left_padded(lengths, seed, pad_id=258):
     return ids, mask
 
 
+def _tied_prefill(family) -> float:
+    """Indexed attention (DSA) with every visible key's score tied at 0 (the indexer's head weights zeroed): each
+    row's top-k is then torch.topk's pick among equal scores, which every rank must make as one process does."""
+    ref, cp = pair(family, torch.float64)
+    for model in (ref.model if hasattr(ref, "model") else ref, cp):
+        for module in model.modules():
+            if hasattr(module, "weights_proj") and hasattr(module, "index_topk"):
+                module.weights_proj.weight.data.zero_()
+    ids, mask = left_padded([97, 80], seed=97)
+    return logits_diff(cp(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask)
+
+
 @torch.no_grad()
 def run_family(family, n, records):
     def rec(case, **kw):
@@ -97,6 +109,7 @@ def run_family(family, n, records):
                 diverge=first_divergence(out.sequences, out_ref),
                 ranks_agree=gathered_equal(out.sequences),
                 cache_tokens=local_tokens(out.past_key_values),
+                index_tokens=getattr(out.past_key_values, "index_length", 0),
                 cache_bound=math.ceil(total / n) + 1,
             )
         # left-padded batch of 3 prompts of different lengths
@@ -156,6 +169,8 @@ def run_family(family, n, records):
                 ranks_agree=gathered_equal(out.sequences),
                 spread=per_sequence_spread(out.past_key_values, len(lengths)),
             )
+        if dtype == torch.float64 and REGISTRY[family].indexed:
+            rec("prefill_logits", dtype=dname, length=97, tied=True, max_diff=_tied_prefill(family))
         if dtype == torch.float64:
             # beam search reorders the sharded cache; hidden states come back gathered in order
             ids = prompt(41, seed=41, batch=2)
@@ -203,10 +218,12 @@ def run_family(family, n, records):
     ref, cp = pair(family, torch.bfloat16)
     ids = prompt(301, seed=301)
     r = ref(ids).logits
-    if impl_for(family) == "sdpa":
+    # indexed attention (DSA): bf16 rounding moves the indexer's scores, and a top-k flips where two are that close,
+    # which a kernel swap does in later layers only: the bound is bf16's own rounding, as for one kernel
+    if impl_for(family) == "sdpa" and not REGISTRY[family].indexed:
         alt = OnRankZero(tiny_model(family, dtype=torch.bfloat16, attn_implementation="eager"))
         kernel_swap = logits_diff(alt(ids).logits, r)
-    else:  # only one kernel exists (Gemma2 eager): use bf16's own rounding, bf16 vs the fp32 model
+    else:  # only one kernel exists (Gemma2 eager), or DSA: use bf16's own rounding, bf16 vs the fp32 model
         fp32 = OnRankZero(tiny_model(family, dtype=torch.float32, attn_implementation="eager"))
         kernel_swap = logits_diff(fp32(ids).logits, r)
     rec("bf16_prefill", dtype="bfloat16", max_diff=logits_diff(cp(ids).logits, r), kernel_swap=kernel_swap)

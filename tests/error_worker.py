@@ -40,6 +40,9 @@ REGISTERED = {
 }
 
 
+DSA_REFUSED = {"dsa_pass_q": dict(strategy="ring_pass_q"), "dsa_decode_pass_q": dict(decode="ring_pass_q")}
+
+
 def registered(scenario):
     """A tiny model of a family registered by hand, as a user would opt in."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,6 +89,13 @@ def run(scenario: str, batched: bool):
     finally:
         if scenario in REGISTERED and dist.is_initialized() and not batched:
             dist.destroy_process_group()
+    if scenario in DSA_REFUSED:  # indexed attention: what would move a query away from its indexer's selection
+        try:
+            hf_contextpar.apply_context_parallel(tiny_model("deepseek_v32"), timeout=timeout, **DSA_REFUSED[scenario])
+            print("RESULT no error", flush=True)
+        except hf_contextpar.ContextParallelError as e:
+            print(f"RESULT {type(e).__name__} {e}", flush=True)
+        return
     check = not scenario.endswith("_unchecked")  # the refusals that hold without the input check too
     model = hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=timeout, check_inputs=check)
     try:

@@ -305,7 +305,14 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # call SDPA itself, register() of a family the library lists) or run exactly (re-registering an opted-in one)
     case["copy_cache"] = r.choice([None, None, None, "deepcopy", "pickle", "torch_save"])
     case["user_code"] = r.choice([None] * 21 + ["custom_attention", "bypass", "reregister"])
+    if case["user_code"] == "bypass" and indexed(case):  # its SDPA branch scatters the global top-k into a local
+        case["user_code"] = None  # mask and fails in torch (IndexError) before the coverage check could refuse it
     return case
+
+
+def indexed(case: dict) -> bool:
+    """A family with indexed attention (DSA): its queries stay with their indexer's selection."""
+    return case["family"] in REGISTRY and REGISTRY[case["family"]].indexed
 
 
 def describe(case: dict) -> str:
@@ -684,6 +691,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     hybrid = case["family"] in HYBRIDS
     if isinstance(exc, hf_contextpar.UnsupportedModelError) and hybrid:  # batched pass-Q would move states
         return case["decode"] == "ring_pass_q"
+    if isinstance(exc, hf_contextpar.UnsupportedModelError) and indexed(case):  # at apply: a query would leave the
+        return case["decode"] == "ring_pass_q" or case["strategy"] == "ring_pass_q"  # rank its top-k was chosen on
     if (
         type(exc) is hf_contextpar.UnsupportedInputError
         and hybrid

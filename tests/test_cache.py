@@ -6,10 +6,15 @@ selection, reset, early initialisation, the length and mask-size queries) its ke
 must equal DynamicCache's exactly. Multi-rank behaviour of the same methods is covered by the
 multi-process tests (assisted decoding, prompt lookup, beams, the caller-kept cache)."""
 
+import functools
+import types
+
 import pytest
 import torch
 from transformers import DynamicCache
 
+import hf_contextpar
+from hf_contextpar.attention.indexed import gather_keys
 from hf_contextpar.cache.sharded import ShardedCache
 from hf_contextpar.plan.forward import Policy, build_plan
 
@@ -321,3 +326,48 @@ def test_recurrent_and_hybrid_layers_keep_transformers_semantics():
             cache.crop(0)
         cache.reset()
         assert not cache.has_previous_state(0) and cache.get_conv_state(2) is None
+
+
+# -- indexed attention (DSA): the index keys' bookkeeping, as DynamicIndexedLayer's -----------------------------
+class _OneRank:
+    """The Comm of a world of one: every block broadcast is this rank's own."""
+
+    rank, world = 0, 1
+
+    def broadcast_blocks(self, mine, shapes):
+        return [types.SimpleNamespace(wait=lambda: mine)]
+
+
+def indexed_forward(cache: ShardedCache, ref: list, num_new: int, seed: int, ok: bool = True):
+    """One forward's index keys through `update_indexer` (layer 0) and its K/V; ref: one process's index keys."""
+    past = cache.layout.seq_length
+    plan = build_plan(
+        Policy(1), cache.layout, batch=B, num_new=num_new, position_ids=torch.arange(past, past + num_new), padding=None
+    )
+    cache.begin(plan.storage)
+    cache.index_exchange = functools.partial(gather_keys, types.SimpleNamespace(plan=plan, comm=_OneRank()))
+    new = torch.randn(B, num_new, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    full = cache.update_indexer(new, 0)
+    assert torch.equal(full, torch.cat([*ref, new], dim=1))  # every column, in order
+    for layer in range(LAYERS):
+        cache.update(*torch.randn(2, B, H, num_new, D, dtype=torch.float64), layer)
+    cache.end(plan.storage, ok)
+    if ok:
+        ref.append(new)
+
+
+def test_index_keys_follow_the_cache_through_beams_crop_and_failure():
+    cache, ref = ShardedCache(LAYERS, 0, 1), []
+    indexed_forward(cache, ref, 6, 0)
+    indexed_forward(cache, ref, 3, 1, ok=False)  # rolled back: the keys as they were
+    assert cache.index_length == 6 and torch.equal(cache.index_keys[0], torch.cat(ref, 1))
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    ref[:] = [r[[2, 0, 0]] for r in ref]
+    cache.crop(-2)
+    ref[:] = [torch.cat(ref, 1)[:, :4]]
+    indexed_forward(cache, ref, 1, 2)  # and it keeps working afterwards
+    assert cache.index_length == 5 and cache.index_exchange is None  # none outside a forward
+    with pytest.raises(hf_contextpar.errors.PatchStateError, match="works only with the patched model"):
+        cache.update_indexer(ref[0], 0)
+    cache.reset()
+    assert cache.index_keys == {}

@@ -88,6 +88,8 @@ def _scenario_lines(scenario: str, request) -> tuple[list, list]:
         ("registered_jetmoe", "UnsupportedModelError", "other keys or values than a cache layer returned"),
         ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
         ("registered_doge", "UnsupportedModelError", "score bias or mask of its own"),
+        ("dsa_pass_q", "UnsupportedModelError", "strategy='ring_pass_q' (it moves queries between ranks)"),
+        ("dsa_decode_pass_q", "UnsupportedModelError", "decode='ring_pass_q' (batched pass-Q decode moves"),
     ],
 )
 def test_bad_input_is_rejected_on_every_rank(scenario, error, needle, request):
@@ -191,3 +193,31 @@ def test_single_process_is_a_faithful_no_op():
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "strategy,decode,dcp,sparse,needle",
+    [
+        ("ring_pass_q", "auto", False, None, "strategy='ring_pass_q'"),
+        ("ulysses", "auto", False, None, "strategy='ulysses'"),
+        ("auto", "ring_pass_q", False, None, "decode='ring_pass_q'"),
+        ("ring_pass_kv", "auto", True, None, "DCP"),
+        ("auto", "replicated", False, "csa", "sparse=CSA"),
+    ],
+)
+def test_indexed_attention_refuses_what_moves_a_query_from_its_top_k(strategy, decode, dcp, sparse, needle):
+    """DSA: each query's top-k is chosen on the rank that runs it; what would attend it elsewhere is refused at
+    apply, by name (the rest runs: ring pass-KV, all-gather KV, KV-Runahead, replicated decode)."""
+    from types import SimpleNamespace
+
+    from hf_contextpar.attention.indexed import check_indexed
+    from hf_contextpar.models import tiny_config as tiny
+
+    config = tiny("deepseek_v32")
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match=needle.replace("(", r"\(")):
+        check_indexed(config, SimpleNamespace(strategy=strategy, decode=decode, sparse=sparse), dcp)
+    for ok in ("auto", "ring_pass_kv", "allgather_kv", "kv_runahead"):
+        assert check_indexed(config, SimpleNamespace(strategy=ok, decode="replicated", sparse=None), False)
+    assert not check_indexed(
+        tiny("deepseek_v3"), SimpleNamespace(strategy="ring_pass_q", decode="auto", sparse=None), False
+    )

@@ -241,3 +241,31 @@ def test_measured_work_fits_the_ranks_busy_times():
     assert all(abs(got - want) < 1e-9 for got, want in zip(work.scales(), (3.0, 0.5)))
     work.add([(4.0, 2.0, 12.0), (2.0, 1.0, 6.0), (6.0, 3.0, 18.0), (8.0, 4.0, 24.0)])  # keeps the last 4: collinear
     assert work.scales() == (2.0, 2.0)
+
+
+@pytest.mark.parametrize("window,padded", [(None, False), (None, True), (4, True)])
+def test_attend_with_a_selection_over_key_blocks_is_the_masked_whole(window, padded):
+    """Indexed attention (DSA): each query's kept keys, as global columns, restrict every block it attends; the
+    blocks' partials merge into the attention of the whole row under visibility & selection."""
+    torch.manual_seed(1)
+    b, total = 2, 20
+    qc = torch.cat([torch.arange(3, 6), torch.arange(14, 20)])  # a head-tail shard's queries
+    q = torch.randn(b, 4, len(qc), 8, dtype=torch.float64)
+    k, v = torch.randn(b, 2, total, 8, dtype=torch.float64), torch.randn(b, 2, total, 8, dtype=torch.float64)
+    valid = torch.rand(b, total) > 0.2 if padded else None
+    select = torch.rand(b, len(qc), total) > 0.5
+    blocks = [torch.arange(0, 7), torch.arange(7, 13), torch.arange(13, 20)]
+    acc = Accumulator(len(qc))
+    for kc in blocks:
+        part = valid[:, kc] if valid is not None else None
+        attend(q, k[:, :, kc], v[:, :, kc], qc, kc, scale=0.3, key_valid=part, window=window, select=select, into=acc)
+    vis = select[:, None] & (torch.arange(total) <= qc[:, None])
+    if window is not None:
+        vis &= torch.arange(total) > qc[:, None] - window
+    if valid is not None:
+        vis &= valid[:, None, None, :]
+    out, lse = _math(q, k, v, vis, 0.3, None)
+    got = acc.result()
+    seen = ~torch.isneginf(lse)
+    assert torch.equal(torch.isneginf(got[1]), ~seen) and (got[0][~seen] == 0).all()
+    assert (got[0] - out)[seen].abs().max() < 1e-12 and (got[1] - lse)[seen].abs().max() < 1e-12

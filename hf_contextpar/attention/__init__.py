@@ -19,7 +19,7 @@ import torch
 from ..cache.blocks import pack_kv
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
-from . import latent
+from . import indexed, latent
 from .kernels import acc_dtype
 from .masks import Chunked
 from .merge import merge_packed, pack_partial, with_sink
@@ -46,6 +46,7 @@ def context_parallel_attention(
     K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
     _refuse(step, module, attention_mask, dropout, kwargs)
+    select = _selection(step, module, kwargs.get("indices"))
     expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
     if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
         expanded = None
@@ -70,6 +71,7 @@ def context_parallel_attention(
         scale=scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
         window=Chunked(chunk, step.left_padding) if chunk is not None else sliding_window,
         softcap=softcap,
+        **({"select": select} if select is not None else {}),
     )
     if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
         heads, sinks, step.sinks = q.shape[1], step.sinks, None
@@ -102,7 +104,9 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
-    if (attention_mask is not None and attention_mask.dim() != 2) or kwargs.get("position_bias") is not None:
+    ours = step.indexed and attention_mask is step.state.get("indexer_mask")  # indexed attention's, for its indexer
+    foreign = attention_mask is not None and attention_mask.dim() != 2 and not ours
+    if foreign or kwargs.get("position_bias") is not None:
         # context_parallel_mask hands over None or the 2D padding mask: anything else is the model's own mask or
         # score bias (Doge's learned per-key bias), which the algorithms' global-column masks would drop
         raise UnsupportedModelError(
@@ -110,6 +114,29 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "attention (masks built from each block's global columns) cannot take: this model cannot run exactly "
             "under context parallelism."
         )
+
+
+def _selection(step, module, indices):
+    """Indexed attention (attention/indexed.py): the (B, Tq, T) keys the layer's indexer kept for this rank's
+    queries, for an algorithm that keeps the queries on their rank; anything else is refused, never approximated."""
+    if not step.indexed:
+        if indices is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares no "
+                "indexed_attention layers: this model cannot run exactly under context parallelism."
+            )
+        return None
+    if indices is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {module.layer_idx}) is an indexed-attention layer that gave its attention "
+            "no top-k selection (indices=): hf-contextpar would attend to every key instead of the selected ones."
+        )
+    if STRATEGIES[step.algorithm].moves_queries:
+        raise UnsupportedModelError(
+            f"the {step.algorithm!r} algorithm moves queries between ranks, where their indexer's selection is not: "
+            "indexed attention (DSA) runs ring pass-KV, all-gather KV or KV-Runahead, and replicated decode."
+        )
+    return indexed.selection(step, indices)
 
 
 def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
@@ -213,7 +240,12 @@ def context_parallel_mask(
     attention_mask=None,
     **kwargs,
 ):
-    """Pass the 2D padding mask (B, global length) through; None when nothing is padded."""
+    """Pass the 2D padding mask (B, global length) through; None when nothing is padded. A model with indexed
+    attention gets its indexer's 4D mask instead (attention/indexed.py), which its attention hands back untouched."""
+    step = current_step.get()
+    if step is not None and step.indexed:
+        step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
+        return step.state["indexer_mask"]
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask

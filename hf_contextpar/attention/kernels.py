@@ -290,20 +290,41 @@ def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
             acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule.scale, rule.softcap), r0)
 
 
-def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, into=None):
+def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, select=None, into=None):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
     holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
-    pass-Q decode. Returns (out, lse) with out (B, H, Tq, D) and lse (B, H, Tq) in the
-    accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
+    pass-Q decode. select: optional (B, Tq, T) bool over global key columns, True where a query keeps the
+    key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. Returns (out, lse)
+    with out (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
     nothing is returned: how a ring accumulates its blocks without merging empty partials.
     """
     acc = into if into is not None else Accumulator(q.shape[2])
     if q.shape[2] > 0 and k.shape[2] > 0:
-        _attend(acc, q, q_cols, Keys(k, v, k_cols, key_valid), Rule(scale, window, softcap))
+        keys, rule = Keys(k, v, k_cols, key_valid), Rule(scale, window, softcap)
+        if select is not None:
+            _attend_selected(acc, q, q_cols, keys, rule, select)
+        else:
+            _attend(acc, q, q_cols, keys, rule)
     return acc.result() if into is None else None
+
+
+def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
+    """Indexed attention: each row sees only the keys its indexer kept, so no block is trivially masked; in
+    row tiles, each under its explicit (rows, keys) mask: visibility, padding and the selection's columns."""
+    if keys.cols.dim() != 1:
+        raise ValueError("indexed attention takes one column order for every sequence (no batched pass-Q decode)")
+    rows = _rows_per_tile(q, keys.cols.numel(), None, rule.softcap)
+    cols = keys.cols.to(select.device)
+    for r0 in range(0, q.shape[2], rows):
+        r1 = min(r0 + rows, q.shape[2])
+        vis = visible(q_cols[r0:r1], keys.cols, rule.window, q.device) & select[:, r0:r1][:, :, cols].to(q.device)
+        if keys.valid is not None:
+            vis = vis & keys.valid[:, None, :]
+        if bool(vis.any()):
+            acc.add(*_masked(q[:, :, r0:r1], keys.k, keys.v, vis[:, None], rule.scale, rule.softcap), r0)
 
 
 def _attend(acc, q, q_cols, keys: Keys, rule: Rule):

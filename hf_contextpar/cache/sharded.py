@@ -31,7 +31,7 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
-from ..errors import CacheMismatchError
+from ..errors import CacheMismatchError, PatchStateError
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
 from .layers import ShardedHybridLayer, ShardedLayer
@@ -44,6 +44,7 @@ __all__ = [
     "cache_argument",
     "cache_recurrence",
     "cache_windows",
+    "is_empty_cache",
     "returned_cache",
 ]
 
@@ -75,6 +76,15 @@ def returned_cache(output):
     `output.past_key_values` (read without the deprecation warning 5.24's alias logs)."""
     name = "cache" if "cache" in getattr(output, "__dataclass_fields__", {}) else "past_key_values"
     return getattr(output, name, None)
+
+
+def is_empty_cache(cache) -> bool:
+    """No layer holds a token or a state (`get_seq_length` asks an attention layer, which Mamba2's cache lacks)."""
+    return not any(
+        (is_recurrent(layer) and any(layer.has_previous_state.values()))
+        or (isinstance(layer, CacheLayerMixin) and layer.get_seq_length() > 0)
+        for layer in cache.layers
+    )
 
 
 def cache_windows(cache: Cache) -> list:
@@ -119,6 +129,12 @@ class ShardedCache(ChainedStates, Cache):
                 layers.append(LinearAttentionLayer(number_of_states=r[0]))
         super().__init__(layers=layers)
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+        # indexed attention (DSA, attention/indexed.py): per layer, the index keys (B, held, D) of the columns this
+        # rank holds (its layout's, in order); `index_exchange(keys, layer)`, set by the runtime for each forward,
+        # gathers them whole for the indexer and keeps this rank's share
+        self.index_keys: dict = {}
+        self.index_exchange = None
+        self._index_before: dict = {}
 
     @property
     def windows(self) -> tuple:
@@ -155,12 +171,26 @@ class ShardedCache(ChainedStates, Cache):
         for layer in self.kv_layers:
             layer.handed, layer.stashed = False, []
         self._sizes = [layer.live for layer in self.kv_layers]
+        self._index_before = dict(self.index_keys)
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """A DSA indexer's new keys (B, T_new, D) in; every column's (B, T, D) out, in global order, so its
+        top-k is the one-process top-k (attention/indexed.py). Only inside a patched forward."""
+        if self.index_exchange is None or self.layout.store is None:
+            raise PatchStateError(
+                "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
+                "patched model; after remove_context_parallel, start again without it (or with a new cache)."
+            )
+        return self.index_exchange(self, keys, layer_idx)
 
     def end(self, storage, ok: bool = True):
         """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
         failed, forget what it stored."""
         level = self.layout.store.level if self.layout.store is not None else None
-        self.layout.store = None
+        self.layout.store, self.index_exchange = None, None
+        if not ok:  # the index keys as they were before the forward
+            self.index_keys = self._index_before
+        self._index_before = {}
         if ok:
             before = [layer.held_dropped() for layer in self.kv_layers]
             self.layout.commit(storage)
@@ -183,7 +213,16 @@ class ShardedCache(ChainedStates, Cache):
         return self.layout.held_count()
 
     def local_nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.kv_layers if layer.kv is not None)
+        kv = sum(layer.nbytes() for layer in self.kv_layers if layer.kv is not None)
+        return kv + sum(k.numel() * k.element_size() for k in self.index_keys.values())
+
+    @property
+    def index_length(self) -> int:
+        """Index keys (DSA) stored on this rank per indexer layer: the most any layer holds, 0 for none."""
+        return max((k.shape[1] for k in self.index_keys.values()), default=0)
+
+    def _map_index_keys(self, fn):
+        self.index_keys = {layer: fn(k) for layer, k in self.index_keys.items()}
 
     def sizing(self) -> list:
         """What sets this cache's message sizes besides the layout's columns: the sliding windows,
@@ -194,14 +233,17 @@ class ShardedCache(ChainedStates, Cache):
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         self.layout.map_rows(lambda c: c.index_select(0, beam_idx.cpu()))
+        self._map_index_keys(lambda k: k.index_select(0, beam_idx.to(k.device)))
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         self.layout.map_rows(lambda c: c.repeat_interleave(repeats, dim=0))
+        self._map_index_keys(lambda k: k.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
         self.layout.map_rows(lambda c: c[indices.cpu()] if isinstance(indices, torch.Tensor) else c[indices])
+        self._map_index_keys(lambda k: k[indices.to(k.device)] if isinstance(indices, torch.Tensor) else k[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest `-tokens_to_remove` tokens, as DynamicCache does (0 removes nothing;
@@ -232,6 +274,7 @@ class ShardedCache(ChainedStates, Cache):
                     "tokens to be cropped are added, as transformers' assisted decoding does."
                 )
         layout.cols, layout.seq_length = cols, keep
+        self._map_index_keys(lambda k: k[:, : cols[layout.rank].shape[-1]])  # ascending columns: a prefix survives
         layout.run = None  # the cropped tokens may have been the open run's: the next decode starts a new one
         for layer in self.kv_layers:
             layer._keep(layer.first + layout.held(layout.slots(layout.rank)) - layer.held_dropped())
@@ -242,6 +285,7 @@ class ShardedCache(ChainedStates, Cache):
     def reset(self):
         """Empty the cache, keeping the object (DynamicCache.reset)."""
         super().reset()
+        self.index_keys = {}
         dcp = self.layout.dcp_index, self.layout.dcp_size
         self.layout.__init__(self.layout.rank, self.layout.world, self.windows)
         self.layout.dcp_index, self.layout.dcp_size = dcp

@@ -14,10 +14,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
-from ..cache.recurrent import is_recurrent
-from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows
+from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
 from ..config import config_value
 from ..errors import (
     CacheMismatchError,
@@ -38,8 +37,8 @@ _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"
 _STATELESS_LAYER_TYPES = {"moe", "mlp"}  # a block with neither K/V nor a state (Nemotron-H's)
 _WHY = {  # why a layer kind is refused (transformers' layer_types names)
     "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
-    "scores over all earlier tokens; exact under context parallelism that is a top-k over every rank's keys "
-    "per query and layer, which hf-contextpar does not run.",
+    "scores over all earlier tokens; hf-contextpar runs it exactly (every rank's indexer scores every column) "
+    "for the families registered with an indexer it verified (patches/, `indexed=True`), not this one.",
     "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
     "sequence; hf-contextpar passes it between ranks only for mixers that read and write it through "
     "transformers' cache state API and continue a multi-token forward from it, as verified per family.",
@@ -52,7 +51,7 @@ def attention_layers(config) -> int:
     types = getattr(text, "layer_types", None)
     if not types:
         return text.num_hidden_layers
-    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding") for t in types)
+    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding", "indexed_attention") for t in types)
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -73,6 +72,8 @@ def check_model(model, sparse: bool = False):
     family = REGISTRY.get(config.model_type)
     if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
         kinds -= chained
+    if family is not None and family.indexed:  # its indexer scores every rank's index keys (attention/indexed.py)
+        kinds -= {"indexed_attention"}
     if kinds:
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
@@ -178,6 +179,7 @@ class InputContract:
         template = DynamicCache(config=model.config)
         self.windows = cache_windows(template)
         self.recurrence = cache_recurrence(template)  # per layer: its conv / recurrent states, None for K/V alone
+        self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
         if all(r is not None and not r[1] for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
@@ -295,17 +297,20 @@ class InputContract:
                 f"{type(self.model).__name__} takes no DynamicCache (transformers gives it a cache class of its own): "
                 "pass no cache, then pass back the cache the patched model returned."
             )
-        if type(cache) is DynamicCache and _is_empty(cache):
+        if type(cache) is DynamicCache and is_empty_cache(cache):
             if getattr(cache, "offloading", False):
                 raise CacheMismatchError(
                     "an offloaded cache (cache_implementation='offloaded') is not supported under context "
                     "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
                     "Drop cache_implementation."
                 )
-            if any(self.recurrence) and cache_recurrence(cache) != self.recurrence:
-                raise CacheMismatchError(  # one process fails inside the model (no layer to hold the states)
-                    "this model has recurrent layers, and the DynamicCache passed has not the model's layers: pass "
-                    "DynamicCache(config=model.config), or no cache."
+            indexers = [hasattr(layer, "update_indexer") for layer in cache.layers]
+            if (any(self.recurrence) and cache_recurrence(cache) != self.recurrence) or (
+                any(self.indexers) and indexers != self.indexers
+            ):  # one process fails inside the model (no layer to hold the states, or the index keys)
+                raise CacheMismatchError(
+                    "this model has recurrent or indexed-attention (DSA) layers, and the DynamicCache passed has not "
+                    "the model's layers: pass DynamicCache(config=model.config), or no cache."
                 )
             # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
             # the object itself becomes the sharded cache, so the caller's reference carries the state
@@ -320,15 +325,6 @@ class InputContract:
                 "filled without context parallelism."
             )
         raise CacheMismatchError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
-
-
-def _is_empty(cache) -> bool:
-    """No layer holds a token or a state (`get_seq_length` asks an attention layer, which Mamba2's cache lacks)."""
-    return not any(
-        (is_recurrent(layer) and any(layer.has_previous_state.values()))
-        or (isinstance(layer, CacheLayerMixin) and layer.get_seq_length() > 0)
-        for layer in cache.layers
-    )
 
 
 def _is_packed(position_ids: torch.Tensor) -> bool:

@@ -61,6 +61,9 @@ class Strategy:
     returns_lse: bool = True  # False: its output is final (nothing merges it after)
     posts_ahead: bool = False  # posts the next layer's receives during this one (tests run two layers)
     approximate: bool = False  # not the exact result: run only where asked (sparse=), never a value of strategy=
+    # queries leave the rank that ran them (pass-Q, Ulysses): a per-query selection made there (indexed attention's
+    # top-k) does not go with them, so a model with indexed attention refuses it
+    moves_queries: bool = False
     time: Callable | None = None  # (LayerCost) -> one layer's attention seconds with its messages, or None
     traffic: Callable | None = None  # (Rows) -> bytes (sent, received) of one layer on that rank
     algorithm: str = ""  # "module:function" (a module relative to hf_contextpar.attention); "": ".{name}:{name}"
@@ -158,6 +161,7 @@ for _s in (
         "ring_pass_q",
         "Meta Alg. 3: query blocks travel the ring; partial outputs go home by All2All",
         stays_local=True,
+        moves_queries=True,
         time=_ring_q_time,
         traffic=_ring_q_traffic,
     ),
@@ -185,6 +189,7 @@ for _s in (
         over_tables="allgather_kv",
         modelled_over_cache=False,
         whole_heads=True,
+        moves_queries=True,
         returns_lse=False,
         time=_ulysses_time,
         traffic=_ulysses_traffic,
@@ -193,6 +198,7 @@ for _s in (
         "csa",
         "CSPS CSA (approximate, sparse=CSA(...)): contiguous partitions, K/V pruned by level down a chain",
         approximate=True,
+        moves_queries=True,  # its own pruning, not an indexer's selection
         contiguous=True,
         fresh_only=True,
         over_cache="ring_pass_kv",
@@ -210,6 +216,7 @@ for _s in (
         "ring_pass_q_decode",
         "Meta Alg. 4: batched decode, each rank runs B/N sequences, queries travel the ring",
         prefill=False,
+        moves_queries=True,
         stays_local=True,
         traffic=_ring_q_decode_traffic,
     ),

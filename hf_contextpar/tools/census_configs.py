@@ -24,6 +24,8 @@ GENERIC = dict(
 GENERIC.update(**MOE, **MOE_SIZES, **MLA_SIZES)
 # multi-head latent attention (a config with kv_lora_rank): these keys take the value of those
 MLA = dict(head_dim="qk_rope_head_dim", num_key_value_heads="num_attention_heads")
+# DSA's indexer (index_head_dim at least the RoPE part's 8), keeping 16 keys of the 61-token prompt: the selection bites
+DSA = dict(index_n_heads=2, index_head_dim=16, index_topk=16)
 QSA = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32, indexer_compress_ratio=4)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=32)
 ROPE = dict(rope_type="default", rope_theta=1e4)
@@ -43,6 +45,7 @@ MAX_PARAMS = 20e6  # a "tiny" config above this needs an override (two fp64 copi
 # keys are not config: "_reference", the unpatched attention implementation exactness is measured against
 # (soft-capping runs in eager only), and "_fp64_tolerance", that reference's fp64 limit (eager's fp32 softmax)
 OVERRIDES: dict[str, dict] = {
+    "axk2": DSA,
     "bailing_hybrid": dict(num_experts=4, num_expert_group=1, num_experts_per_token=2, linear_num_heads=4),
     "bamba": dict(attn_layer_indices=[1], **MAMBA),
     "blt": dict(encoder_hash_byte_group_vocab=256),
@@ -50,6 +53,7 @@ OVERRIDES: dict[str, dict] = {
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
     "dots3_note_text": dict(index_n_heads=4, index_head_dim=16, index_topk=32, shared_experts_intermediate_size=32),
+    "deepseek_v32": DSA,
     "gemma3n_text": dict(
         **SHARED_KV,
         intermediate_size=64,
@@ -59,6 +63,7 @@ OVERRIDES: dict[str, dict] = {
     ),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "gemma4_text": dict(**SHARED_KV, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
+    "glm_moe_dsa": DSA,
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gptj": dict(rotary_dim=8),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], **MAMBA),
