@@ -128,9 +128,19 @@ def _causal(q_cols, k_cols, valid, window=None):
     return vis & valid[:, None, :] if valid is not None else vis
 
 
+ROWS = 1024  # query rows per step of `_attend`: its scores are (rows x keys) per head, 1 GiB at 16K x 16K in fp32
+
+
 def _attend(q, k, v, vis, scale, softcap):
     """(B, rows, H, D) softmax attention under vis (B or 1, Hkv or 1, rows, keys), in the accumulation dtype;
-    a row that sees no key gives zeros (the library's output for one)."""
+    a row that sees no key gives zeros (the library's output for one). Rows go ROWS at a time: each row's
+    softmax is its own, so the steps change nothing but the memory (a 16K prompt's scores on 4 processes at
+    once would not fit a small machine)."""
+    if q.shape[2] > ROWS:
+        steps = range(0, q.shape[2], ROWS)
+        return torch.cat(
+            [_attend(q[:, :, i : i + ROWS], k, v, vis[..., i : i + ROWS, :], scale, softcap) for i in steps], 1
+        )
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, t, d = q.shape
     hkv = k.shape[1]

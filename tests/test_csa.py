@@ -74,8 +74,12 @@ def test_sparse_is_never_a_strategy_and_must_be_a_csa():
         hf_contextpar.apply_context_parallel(tiny_model("llama"), sparse=0.5)
 
 
-def test_the_reference_on_one_partition_is_the_model():
-    """world = 1: one partition, every key level 1: the reference is the unpatched model."""
+def test_the_reference_on_one_partition_is_the_model(monkeypatch):
+    """world = 1: one partition, every key level 1: the reference is the unpatched model (its rows taken a few
+    at a time, as a long prompt's are)."""
+    from hf_contextpar.eval import csa_reference as module
+
+    monkeypatch.setattr(module, "ROWS", 4)
     model = tiny_model("llama", dtype=torch.float64, num_hidden_layers=4)
     ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
