@@ -96,7 +96,8 @@ def _sparse(ref: _Reference, layer: int, query, key, value, valid, scale, softca
     exact = ref.orders is None or layer in ref.run.exact
     outs, orders = [], []
     for d, rows in enumerate(parts):
-        vis = _causal(rows, torch.arange(tq), valid).unsqueeze(1).repeat(1, key.shape[1], 1, 1)  # (B, Hkv, rows, keys)
+        # (B, Hkv, rows, keys): per sequence even without a padding mask, since each sequence keeps its own keys
+        vis = _causal(rows, torch.arange(tq), valid).unsqueeze(1).expand(query.shape[0], key.shape[1], -1, -1).clone()
         for s in range(0 if exact else d):  # an earlier partition: the keys its level keeps (all in the past)
             kept = _kept_mask(ref.orders[s], valid, parts[s], csa.fraction(csa.levels(s, d)))
             vis[..., parts[s]] = kept.expand(-1, -1, len(rows), -1)
