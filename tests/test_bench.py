@@ -23,6 +23,7 @@ ROW_FIELDS = [
     "length",
     "threads_per_rank",
     "ttft_s",
+    "ttft_s_per_rank",
     "ttft_all_s",
     "ttit_s",
     "ttit_all_s",
