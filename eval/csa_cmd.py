@@ -34,6 +34,7 @@ from . import needlebench as nb
 from .common import EXIT_NOT_EQUIVALENT, ints, setup
 from .compare import window_metrics
 from .csa_reference import csa_reference
+from .csa_strategies import CSA_RUN, exact_strategies, strategy_lines, strategy_summary, time_strategies
 from .harness import on_rank0
 from .needlebench_cmd import greedy
 
@@ -46,11 +47,18 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--window", type=int, default=2048, help="BookCorpus tokens per window (default 2048)")
     p.add_argument("--num-windows", type=int, default=2, help="BookCorpus windows (0: none; default 2)")
+    p.add_argument(
+        "--exact-strategies",
+        default="none",
+        help="also time these exact prefill strategies on the same prompts beside CSA, per rank, and name the "
+        "fastest: 'all' (each that applies), a comma-separated list, or none (default: the exact run alone)",
+    )
 
 
 def cmd_csa(args) -> int:
     started = time.perf_counter()
     csa = csa_setting(args)
+    names = exact_strategies(args.exact_strategies)
     args.reference = args.save_reference = None  # this command computes its references itself
     d, model, tok = setup(args)
     try:  # this model under CSA: refused now, with the library's message, rather than half-way
@@ -65,8 +73,14 @@ def cmd_csa(args) -> int:
     # the same placement keeping every token: what CSA's bytes and time would be without the dropping
     every = CSA(keep=(1.0,) * 3, topology=csa.topology, observe=csa.observe)
     kept = distributed_runs(d, model, tok, cases, args, dict(sparse=every), results=False)
+    timed, skipped = time_strategies(
+        d, names, lambda how: distributed_runs(d, model, tok, cases, args, how, results=False)
+    )
     records = [_record(c, o, e, s, k, tok) for c, o, e, s, k in zip(cases, one, exact, sparse, kept)]
     summary = _summary(records, csa.resolved(d.world).describe(), args, d.world, time.perf_counter() - started)
+    if names:
+        runs = {**timed, f"exact run ({args.strategy})": exact, CSA_RUN: sparse}
+        summary["strategies"] = strategy_summary(cases, runs, f"exact run ({args.strategy})", skipped)
     if d.rank == 0:
         _write(args.out, summary, records)
     d.close()
@@ -268,6 +282,8 @@ def _write(out: str, summary: dict, records: list) -> None:
             f"| {r['key']} | {vals[0]} | {vals[1]} | {vals[2]} | {r['exact_identical']} | {r['csa_matches_reference']} "
             f"| {sum(r['exact_bytes'])} | {sum(r['csa_bytes'])} | {max(r['exact_ttft_s']):.3f} | {max(r['csa_ttft_s']):.3f} |"
         )
+    if summary.get("strategies"):
+        lines += strategy_lines(summary["strategies"])
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)
@@ -290,5 +306,9 @@ def _write(out: str, summary: dict, records: list) -> None:
         "wall_seconds",
     ):
         print(f"  {k}: {summary[k]}")
+    if summary.get("strategies"):
+        st = summary["strategies"]
+        print(f"  prefill_s_slowest: {st['prefill_s_slowest']}")
+        print(f"  fastest_exact: {st['fastest_exact']}  csa_over_fastest_exact: {st['csa_over_fastest_exact']}")
     print(f"  wrote {os.path.join(out, 'report.json')}, {os.path.join(out, 'report.md')}")
     sys.stdout.flush()

@@ -96,7 +96,8 @@ def _sparse(ref: _Reference, layer: int, query, key, value, valid, scale, softca
     exact = ref.orders is None or layer in ref.run.exact
     outs, orders = [], []
     for d, rows in enumerate(parts):
-        vis = _causal(rows, torch.arange(tq), valid).unsqueeze(1).repeat(1, key.shape[1], 1, 1)  # (B, Hkv, rows, keys)
+        # (B, Hkv, rows, keys): per sequence even without a padding mask, since each sequence keeps its own keys
+        vis = _causal(rows, torch.arange(tq), valid).unsqueeze(1).expand(query.shape[0], key.shape[1], -1, -1).clone()
         for s in range(0 if exact else d):  # an earlier partition: the keys its level keeps (all in the past)
             kept = _kept_mask(ref.orders[s], valid, parts[s], csa.fraction(csa.levels(s, d)))
             vis[..., parts[s]] = kept.expand(-1, -1, len(rows), -1)
@@ -128,9 +129,19 @@ def _causal(q_cols, k_cols, valid, window=None):
     return vis & valid[:, None, :] if valid is not None else vis
 
 
+ROWS = 1024  # query rows per step of `_attend`: its scores are (rows x keys) per head, 1 GiB at 16K x 16K in fp32
+
+
 def _attend(q, k, v, vis, scale, softcap):
     """(B, rows, H, D) softmax attention under vis (B or 1, Hkv or 1, rows, keys), in the accumulation dtype;
-    a row that sees no key gives zeros (the library's output for one)."""
+    a row that sees no key gives zeros (the library's output for one). Rows go ROWS at a time: each row's
+    softmax is its own, so the steps change nothing but the memory (a 16K prompt's scores on 4 processes at
+    once would not fit a small machine)."""
+    if q.shape[2] > ROWS:
+        steps = range(0, q.shape[2], ROWS)
+        return torch.cat(
+            [_attend(q[:, :, i : i + ROWS], k, v, vis[..., i : i + ROWS, :], scale, softcap) for i in steps], 1
+        )
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, t, d = q.shape
     hkv = k.shape[1]

@@ -16,6 +16,11 @@ single-process reference: nothing distributed touches it) and broadcasts its res
 rank then runs the patched model and compares each turn (logits within tolerance, tokens
 identical), and digests of every rank's outputs are compared (identical on every rank).
 
+One case in five runs the approximate mode, `sparse=CSA(...)` (issue 41, `draw_csa`): keep-all is compared
+with the unpatched model; a pruning one with CSA's one-process reference (eval/csa_reference.py: rank 0 runs
+the unpatched model inside it), fp64, within CSA_TOL. A layer kind CSA does not define, or a topology that
+does not hold N ranks, must be refused at apply (UnsupportedModelError, ValueError).
+
 Keeping the ranks in step: rank 0 alone decides whether another case starts (the time budget)
 and broadcasts it; every case runs on a fresh process group (`apply_context_parallel(...,
 timeout=60)` makes one), so a rank that raised mid-collective leaves its peers a 60 s timeout
@@ -67,6 +72,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import io
 import json
 import math
@@ -86,6 +92,7 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from geometries import GEOMETRIES, geometry_config  # noqa: E402
+from hf_contextpar.eval.csa_reference import csa_reference  # noqa: E402
 from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
 from hf_contextpar.eval.oracle import logit_tolerance, near_tie, top2_margin  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
@@ -100,6 +107,8 @@ import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import cache_aliases, cache_argument  # noqa: E402
 from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 from hf_contextpar.plan.strategies import prefill_names  # noqa: E402
+from hf_contextpar.sparse import CSA  # noqa: E402
+from hf_contextpar.sparse.csa import refuse_layers as refuse_csa_layers  # noqa: E402
 from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
@@ -138,6 +147,22 @@ ROPES = ["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 PADDINGS = ["none", "left", "right", "holes", "all_pad_row", "packed"]
 PAD_ID = 258
 CASE_TIMEOUT_S = 60  # the per-case process group's timeout: a peer that raised costs this much
+# CSA (issue 41, the one approximate mode): a share of the cases run `sparse=CSA(...)` instead, drawn from a
+# stream of their own, so the other draws of a seed stay as they were. Topologies that hold N ranks (None: the
+# launcher's LOCAL_WORLD_SIZE, one node here), and one that does not (refused: ValueError at apply, which says
+# A x B = N). A pruned run is compared with its one-process reference within CSA_TOL (fp64); keep-all (every
+# used level 1.0) with the unpatched model, within the oracle's fp64 tolerance.
+CSA_SHARE = 0.2
+CSA_TOPOLOGIES = {
+    2: ["2x1", "2x1", "1x2", "2", "1x1x2", None],
+    3: ["3x1", "3x1", "1x3", "3", None],
+    4: ["2x2", "2x2", "2x2", "4x1", "1x4", "2x1x2", "1x2x2", None],
+}
+CSA_OBSERVE = [1, 3, 8, 64]
+# hybrids whose layer layout is a property of the layer count, not a list `deepened` can repeat: kept at their
+# depth (one full-attention layer: CSA keeps every token there, so they test the chain's plumbing only)
+CSA_SHALLOW = {"bamba", "falcon_h1", "jamba", "zamba2"}
+CSA_TOL = 1e-10
 
 
 def _rope_factors(n: int):
@@ -307,7 +332,88 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     case["user_code"] = r.choice([None] * 21 + ["custom_attention", "bypass", "reregister"])
     if case["user_code"] == "bypass" and indexed(case):  # its SDPA branch scatters the global top-k into a local
         case["user_code"] = None  # mask and fails in torch (IndexError) before the coverage check could refuse it
+    case["csa"] = draw_csa(seed, n, index)
+    if case["csa"] is not None:
+        _within_csa(case, random.Random(f"{seed}/{n}/{index}/csa/case"))
     return case
+
+
+def draw_csa(seed: int, n: int, index: int) -> dict | None:
+    """The approximate mode's settings for a CSA case (None: an exact case), from a stream of its own: keep-all
+    (1.0 on every level), 1.0 alone (the farther levels keep half), one random fraction or one per level; a
+    topology for N (one in twenty that does not hold N ranks: refused); the observed query rows."""
+    r = random.Random(f"{seed}/{n}/{index}/csa")
+    if r.random() >= CSA_SHARE:
+        return None
+    u = r.random()
+    if u < 0.2:
+        keep = [1.0, 1.0, 1.0]  # keep-all: the exact result, compared with the unpatched model
+    elif u < 0.35:
+        keep = 1.0
+    elif u < 0.7:
+        keep = round(r.uniform(0.05, 1.0), 2)
+    else:
+        keep = sorted((round(r.uniform(0.05, 1.0), 2) for _ in range(2)), reverse=True)
+    topology = r.choice(CSA_TOPOLOGIES[n]) if r.random() >= 0.05 else f"{n + 1}x1"
+    return dict(keep=keep, topology=topology, observe=r.choice(CSA_OBSERVE))
+
+
+def _within_csa(case: dict, r: random.Random) -> None:
+    """What a CSA case keeps of the exact draw. A family CSA runs, four times in five: most families refuse it
+    (every layer sliding, recurrent only, MLA, sinks, chunks, shared K/V), and a refusal at apply tests one
+    line. fp64 (its reference is checked to 1e-10). No user attention code: the reference replaces the model's
+    attention function for the block, so a user's would not run on one process. No packed sequences: refused
+    before CSA is reached, so they test nothing of it (an unpadded prompt instead). The rest (padding, lengths,
+    turns, strategies for the later turns, decode) stays as drawn."""
+    if csa_refuses(case) and r.random() < 0.8:
+        case["family"], case["rope"] = r.choice(csa_families()), "default"
+    # 3 full-attention layers, so the middle one prunes (else CSA keeps all); a family CSA refuses stays as it is
+    case["csa_deep"] = r.random() < 0.85 and case["family"] in csa_families()
+    case["dtype"] = "float64"
+    if case.get("user_code") in ("custom_attention", "bypass"):
+        case["user_code"] = None
+    if case["padding"] == "packed":
+        case["padding"] = "none"
+
+
+def csa_of(case: dict) -> CSA | None:
+    """The case's CSA settings (lists in the JSON case, tuples in CSA), or None."""
+    spec = case.get("csa")
+    if not spec:
+        return None
+    keep = tuple(spec["keep"]) if isinstance(spec["keep"], list) else spec["keep"]
+    return CSA(keep=keep, topology=spec["topology"], observe=spec["observe"])
+
+
+def csa_fits(case: dict) -> bool:
+    """The topology holds the case's N ranks (else apply refuses it, with a ValueError that says A x B = N)."""
+    try:
+        csa_of(case).resolved(case["n"])
+    except ValueError:
+        return False
+    return True
+
+
+def csa_keeps_all(case: dict) -> bool:
+    """Every level this topology uses keeps every token: the exact result, compared with the unpatched model."""
+    return csa_fits(case) and csa_of(case).resolved(case["n"]).exact
+
+
+@functools.cache
+def csa_families() -> tuple:
+    """The fuzz's families CSA runs (a full-attention layer, no layer kind it refuses), in a fixed order."""
+    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *sorted(GEOMETRIES)]
+    return tuple(f for f in every if not csa_refuses(dict(family=f, rope="default")))
+
+
+def csa_refuses(case: dict) -> bool:
+    """The family has a layer kind CSA does not define (chunked attention, sinks, MLA, shared K/V, no full
+    attention): refused at apply with an UnsupportedModelError."""
+    try:
+        refuse_csa_layers(build_config(case["family"], case["rope"], case.get("window")))
+    except hf_contextpar.UnsupportedModelError:
+        return True
+    return False
 
 
 def indexed(case: dict) -> bool:
@@ -334,6 +440,7 @@ def describe(case: dict) -> str:
         f"cache_name={case.get('cache_name', 'past_key_values')} return_dict={case.get('return_dict', True)} "
         f"logits_to_keep={case.get('logits_to_keep', 0)} hidden_states={case.get('hidden_states', False)} "
         f"return_dict_via={case.get('return_dict_via', 'argument')} embeds={case.get('embeds', False)}{'+ids' if case.get('embeds_with_ids') else ''}{' empty_turn' if case.get('empty_turn') else ''} copy_cache={case.get('copy_cache')} user_code={case.get('user_code')} turns=[{turns}]"
+        + (f" csa={case['csa']}{' deep' if case.get('csa_deep') else ''}" if case.get("csa") else "")
     )
 
 
@@ -345,16 +452,33 @@ def reproduce_command(case: dict) -> str:
 
 
 # -- models and inputs ------------------------------------------------------------------------
-def build_config(family: str, rope: str = "default", window: int | None = None):
+def build_config(family: str, rope: str = "default", window: int | None = None, deep: bool = False):
     """The config of a drawn family with the drawn RoPE type and, for a family with sliding layers
-    (not the fixed real geometries), the drawn window."""
+    (not the fixed real geometries), the drawn window; `deep`: enough layers for CSA to prune (`deepened`)."""
     if family in GEOMETRIES:
-        return geometry_config(family)
-    if family in HYBRIDS:  # their realistic layer mix (tests/hybrids.py)
-        return hybrid_config(family)
-    config = _family_config(family, rope)
-    if window and getattr(config, "sliding_window", None):
-        config.sliding_window = window
+        config = geometry_config(family)
+    elif family in HYBRIDS:  # their realistic layer mix (tests/hybrids.py)
+        config = hybrid_config(family)
+    else:
+        config = _family_config(family, rope)
+        if window and getattr(config, "sliding_window", None):
+            config.sliding_window = window
+    return deepened(config) if deep and family not in CSA_SHALLOW else config
+
+
+def deepened(config):
+    """The config with its layer pattern repeated until it has 3 full-attention layers: CSA keeps every token
+    in the first and the last, so a tiny model's 1 or 2 would never prune. Every per-layer list (layer types,
+    NoPE layers, ...) is repeated with it."""
+    from hf_contextpar.sparse.csa import full_layers
+
+    text = config.get_text_config(decoder=True)
+    n, full = text.num_hidden_layers, len(full_layers(config))
+    times = -(-3 // full) if full else 1
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == n:
+            setattr(text, key, value * times)
+    text.num_hidden_layers = n * times
     return config
 
 
@@ -373,7 +497,7 @@ def _family_config(family: str, rope: str):
 
 def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     """The case's unpatched model, seeded: the same weights on every rank and for the reference."""
-    config = build_config(case["family"], case["rope"], case.get("window"))
+    config = build_config(case["family"], case["rope"], case.get("window"), case.get("csa_deep", False))
     # the family's reference kernel (HF runs Gemma2's soft-capping and gpt-oss's sinks only in eager)
     impl = REGISTRY[config.model_type].reference_attn if config.model_type in REGISTRY else "sdpa"
     kw = dict(attn_implementation=impl) if getattr(config, "num_attention_heads", None) else {}  # Mamba2: none
@@ -593,6 +717,8 @@ def forward(model, case: dict, inputs: dict, kw: dict, keep, hidden: bool):
 def tolerance(case: dict) -> float:
     """Max |logit diff| against the unpatched single process: the oracle's for the case's dtype and
     model type (Gemma2's fp64 reference computes its softmax in fp32)."""
+    if case.get("csa") and not csa_keeps_all(case):  # against its own fp64 reference: no model's fp32 in between
+        return CSA_TOL
     return logit_tolerance(model_type(case["family"]), case["dtype"])
 
 
@@ -680,6 +806,10 @@ def _logit_diff(ref: dict, mine: dict, steps: int | None) -> float:
 def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: int) -> bool:
     """The documented refusals, told apart by type (hf_contextpar.errors), never by message. `turn`:
     index of the turn that raised."""
+    if case.get("csa") and type(exc) is hf_contextpar.UnsupportedModelError and csa_refuses(case):
+        return True  # at apply: a layer kind CSA does not define
+    if case.get("csa") and type(exc) is ValueError and not csa_fits(case):
+        return True  # at apply: a topology that does not hold N ranks
     if isinstance(exc, hf_contextpar.HeadsNotDivisibleError):  # at apply
         return case["strategy"] == "ulysses" and not ulysses_fits(case)
     user = case.get("user_code")
@@ -799,11 +929,21 @@ def _run_reference(case: dict):
     turns = []
     try:
         ref = build_model(case, dtype)
-        for result in conversation(ref, case, lambda: build_model(case, dtype)):
-            turns.append(result)
+        with reference_mode(case, ref):
+            for result in conversation(ref, case, lambda: build_model(case, dtype)):
+                turns.append(result)
     except Exception as e:
         return turns, f"{type(e).__name__}: {e}"
     return turns, None
+
+
+def reference_mode(case: dict, model):
+    """What the patched model is compared with: the unpatched model, or, for a CSA case that prunes, its
+    one-process reference (the same definition as a mask, eval/csa_reference.py), which also refuses the
+    layer kinds and topologies CSA refuses."""
+    if case.get("csa") and not csa_keeps_all(case):
+        return csa_reference(model, csa_of(case), case["n"])
+    return contextlib.nullcontext()
 
 
 def undefined_result(ref_error: str) -> bool:
@@ -835,6 +975,7 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
             kv_interleave=case.get("kv_interleave", 1),
             kvr_partitions=case.get("partitions"),
             timeout=CASE_TIMEOUT_S,
+            sparse=csa_of(case),
         )
         if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
             hf_contextpar.get_runtime(cp).comm.close_shm()

@@ -22,6 +22,7 @@ ROW_FIELDS = [
     "length",
     "threads_per_rank",
     "ttft_s",
+    "ttft_s_per_rank",
     "ttft_all_s",
     "ttit_s",
     "ttit_all_s",
@@ -91,10 +92,12 @@ def _bench(tmp_path, n, extra=()):
 
 def test_bench_gloo_rows(tmp_path):
     """--gloo-rows: each strategy also runs with shared memory off, in the same rounds, its decode
-    target judged against gloo's floor."""
+    target judged against gloo's floor. --csa (issue 41): the approximate rows of their own kind beside
+    ring_pass_kv in the same rounds, each rank's TTFT and bytes sent, no targets, no '+gloo' twin."""
     from hf_contextpar.tools.bench.report import check_targets
 
-    _, report = _bench(tmp_path, 2, ["--strategies", "ring_pass_kv", "--gloo-rows", "--peers", "none"])
+    extra = ["--strategies", "ring_pass_kv", "--gloo-rows", "--peers", "none", "--csa", "0.5", "--topology", "1x2"]
+    stdout, report = _bench(tmp_path, 2, extra)
     rows = {(r["strategy"], r["length"]): r for r in report["rows"] if r["kind"] == "cp"}
     assert set(rows) == {(s, t) for s in ("ring_pass_kv", "ring_pass_kv+gloo") for t in (64, 128)}
     assert all(r["tokens_match_unpatched"] for r in rows.values())
@@ -102,6 +105,17 @@ def test_bench_gloo_rows(tmp_path):
     floors = {t: f"{LAYERS * run['small_collective_by_transport'][t] * 1e3:.2f} ms" for t in ("shm", "gloo")}
     decode = {t["target"].split()[1]: t["target"] for t in check_targets(report) if t["target"].startswith("decode")}
     assert floors["shm"] in decode["ring_pass_kv"] and floors["gloo"] in decode["ring_pass_kv+gloo"], (floors, decode)
+    csa = {r["length"]: r for r in report["rows"] if r["kind"] == "csa"}
+    assert set(csa) == {64, 128} and run["csa"] == "CSA(topology=1x2, keep L2=0.5, observe=64)"
+    for t, r in csa.items():
+        ring = rows["ring_pass_kv", t]
+        assert r["approximate"] and r["rival"] == "ring_pass_kv" and r["predicted_ttft_s"] is None
+        assert r["rival_ttft_s_per_rank"] == ring["ttft_s_per_rank"] and len(r["ttft_s_per_rank"]) == 2
+        assert r["rival_bytes_sent_per_rank"] == ring["bytes_sent_per_rank"]
+        # the chain: rank 0 sends its block down, rank 1 (the last) sends no K/V; the ring sends both ways
+        assert r["bytes_sent_per_rank"][1] < r["bytes_sent_per_rank"][0] and r["bytes_ratio_vs_rival"] < 1
+    assert not any(t["target"].startswith(("prefill csa", "decode csa")) for t in report["targets"])
+    assert "## CSA (APPROXIMATE) beside exact ring pass-KV" in stdout and "| csa (APPROXIMATE) | 2 |" in stdout
 
 
 def test_bench_end_to_end(tmp_path):

@@ -384,9 +384,13 @@ def test_low_precision_tolerance_is_the_kernel_swap():
 
 def test_csa_report_beside_the_exact_run_n2(tmp_path):
     """`eval csa`: NeedleBench cells and a BookCorpus window under the exact run, CSA and one process; the exact
-    run is the one process's, CSA its reference's, and the dropping saves bytes against keep-all CSA."""
+    run is the one process's, CSA its reference's, and the dropping saves bytes against keep-all CSA. With
+    --exact-strategies all, every exact prefill strategy's prefill per rank beside CSA's, the fastest named."""
+    from hf_contextpar.plan.strategies import prefill_names
+
     out = tmp_path / "csa"
     args = ["-m", "hf_contextpar.eval", "csa", "--csa", "0.5", "--lengths", "768", "--depths", "50"]
+    args += ["--exact-strategies", "all"]
     procs = launch(2, [*args, "--num-windows", "1", "--window", "512", "--max-new-tokens", "8", "--out", str(out)])
     _check(procs, 0)
     rep = json.load(open(out / "report.json"))
@@ -396,6 +400,13 @@ def test_csa_report_beside_the_exact_run_n2(tmp_path):
     assert s["bytes_csa"] < s["bytes_keep_all"] and s["ppl_csa"] is not None
     assert [r["key"] for r in rep["records"]] == ["single_retrieval/768/50", "multi_retrieval/768/50", "window/0"]
     assert "| window/0 |" in (out / "report.md").read_text()
+    st = s["strategies"]
+    ran = set(st["prefill_s_per_rank"])
+    assert ran | set(st["skipped_strategies"]) == {*prefill_names(), "exact run (auto)", "csa"}
+    assert all(len(t) == 2 and all(x > 0 for x in t) for t in st["prefill_s_per_rank"].values())
+    assert st["fastest_exact"] in ran - {"csa"} and st["csa_over_fastest_exact"] > 0
+    assert set(st["prefill_s_slowest_by_length"]) == {"768", "window (512)"}
+    assert "## Prefill per rank: CSA beside every exact strategy" in (out / "report.md").read_text()
 
 
 def test_csa_config_writes_settings_the_mode_loads(tmp_path):

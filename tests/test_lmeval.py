@@ -175,3 +175,28 @@ def test_use_cache_is_refused(tmp_path):
     done = run(["-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path / "out"), "--use_cache", str(cache)])
     assert done.returncode != 0 and "--use_cache" in done.stderr and "skip" in done.stderr, done.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out") and not glob.glob(str(cache) + "*")
+
+
+def test_csa_model_args_parse_on_one_process(tmp_path):
+    """hf-cp's csa / topology / observe (issue 41): parsed before the model loads, as --csa is elsewhere; per-level
+    fractions joined by ':' (lm-eval cuts --model_args at commas); topology alone, or a bad value, is refused."""
+    from hf_contextpar.sparse import CSA
+    from hf_contextpar.tools.lmeval import approximate_note, csa_model_args
+
+    assert csa_model_args() is None and csa_model_args(csa="", topology="") is None
+    assert csa_model_args(csa="0.6", topology="2x2") == CSA(keep=0.6, topology="2x2")
+    assert csa_model_args(csa=0.6, observe="16") == CSA(keep=0.6, observe=16)  # lm-eval may pass numbers
+    assert csa_model_args(csa="0.9:0.5", topology="2x2").keep == (0.9, 0.5)
+    path = CSA(keep=(0.6, 0.3), topology="2x2").save(str(tmp_path / "csa_settings.json"))
+    assert csa_model_args(csa=path) == CSA(keep=(0.6, 0.3), topology="2x2")
+    for kwargs, needle in [
+        (dict(topology="2x2"), "add csa=KEEP"),
+        (dict(csa="most"), "keep fractions"),
+        (dict(csa="0.6", observe="x"), "observe"),
+        (dict(csa="0.6", observe="0"), "observe"),
+        (dict(csa="0.3:0.6"), "not grow"),
+        (dict(csa="0.6", topology="2by2"), "'2x2'"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            csa_model_args(**kwargs)
+    assert "APPROXIMATE" in approximate_note(CSA(keep=0.6, topology="2x2").resolved(4).describe())

@@ -7,7 +7,10 @@
 `apply_context_parallel` applied after loading; its own arguments: `strategy`, `decode`, `timeout`
 (apply_context_parallel's) and `tp`: tensor parallelism inside groups of `tp` ranks, context
 parallelism across them, the weights read already sharded by transformers' TP plan (`mesh.py`, as
-`hf_contextpar generate --tp` loads). lm-eval's `--use_cache` is refused: its request cache is a
+`hf_contextpar generate --tp` loads). `csa=KEEP|FILE`, `topology=AxB`, `observe=ROWS`: the approximate
+mode, as `--csa` / `--topology` / `--observe` take it elsewhere (per-level fractions joined by ':', since
+lm-eval splits --model_args at commas); the run then says, at its start and under its table, that its scores
+are approximate, and its results' config carries the settings. lm-eval's `--use_cache` is refused: its request cache is a
 database per local rank, so a rank that finds a response there would skip a forward its peers run.
 Every rank evaluates every request, one sequence split over all ranks;
 lm-eval would otherwise shard the requests over the processes (data parallelism: with the patched
@@ -46,9 +49,21 @@ class ContextParallelLM(HFLM):
     pretrained: anything `hf` takes, or a built-in model name (needle-lm, or tiny-<family> with tp).
     """
 
-    def __init__(self, pretrained, strategy="auto", decode="auto", timeout=DEFAULT_TIMEOUT_S, tp=1, **kwargs):
+    def __init__(
+        self,
+        pretrained,
+        strategy="auto",
+        decode="auto",
+        timeout=DEFAULT_TIMEOUT_S,
+        tp=1,
+        csa=None,
+        topology=None,
+        observe=64,
+        **kwargs,
+    ):
         import hf_contextpar
 
+        sparse = csa_model_args(csa, topology, observe)  # before the model loads: a bad setting costs nothing
         if kwargs.get("parallelize") or kwargs.get("tp_plan") is not None:
             raise ValueError(
                 f"{MODEL}: parallelize / tp_plan do not combine with context parallelism; leave them out "
@@ -66,10 +81,13 @@ class ContextParallelLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         timeout = None if timeout in (None, "", "none", "None") else float(timeout)
         hf_contextpar.apply_context_parallel(
-            self._model, strategy=strategy, decode=decode, timeout=timeout, group=cp_group
+            self._model, strategy=strategy, decode=decode, timeout=timeout, group=cp_group, sparse=sparse
         )
         runtime = hf_contextpar.get_runtime(self._model)
         self.cp_world = runtime.world if runtime is not None else 1
+        self.approximate = sparse.resolved(self.cp_world).describe() if sparse is not None else None
+        if self.approximate and _global_rank() == 0:
+            print(approximate_note(self.approximate), flush=True)
         # one model for lm-eval: no request sharding, no gathers of results between ranks
         self._rank, self._world_size = 0, 1
         _models.append(self)
@@ -77,7 +95,38 @@ class ContextParallelLM(HFLM):
     def get_model_info(self) -> dict:
         info = super().get_model_info()
         info["context_parallel_processes"] = self.cp_world
+        if self.approximate:  # the results file says what the scores are of
+            info["approximate"] = self.approximate
         return info
+
+
+def csa_model_args(csa=None, topology=None, observe=64):
+    """The CSA settings hf-cp's model_args ask for (None: exact). `csa`: a keep fraction, per-level fractions
+    joined by ':' (lm-eval cuts --model_args at commas), or a csa-config settings file; `topology` and `observe`
+    are settings of `csa` and refused without it. lm-eval hands numbers over as numbers or strings."""
+    from ..sparse import CSA
+
+    if csa in (None, ""):
+        if topology not in (None, ""):
+            raise ValueError(f"{MODEL}: topology is a setting of csa (the approximate mode); add csa=KEEP.")
+        return None
+    try:
+        observe = int(observe)
+    except (TypeError, ValueError):
+        raise ValueError(f"{MODEL}: observe must be a positive number of query rows, got {observe!r}.") from None
+    text = str(csa) if os.path.isfile(str(csa)) else str(csa).replace(":", ",")
+    try:
+        return CSA.parse(text, str(topology) if topology not in (None, "") else None, observe)
+    except ValueError as e:
+        raise ValueError(f"{MODEL}: csa={csa!r}: {e}") from None
+
+
+def approximate_note(describe: str) -> str:
+    """The line an approximate run prints: its scores are CSA's, not the model's."""
+    return (
+        f"{MODEL}: APPROXIMATE run ({describe}): CSA drops distant tokens in prefill; these scores are not the "
+        "model's exact ones (leave csa out for those)."
+    )
 
 
 def _load_tp(name: str, tp: int, dtype, kwargs: dict):
@@ -133,6 +182,9 @@ def main(argv: list[str]) -> None:
     lm_eval.evaluator.simple_evaluate = _results_on_rank_zero(lm_eval.evaluator.simple_evaluate)
     sys.argv = ["lm_eval", *argv]
     cli_evaluate()  # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
+    for note in sorted({lm.approximate for lm in _models if lm.approximate}):
+        if _global_rank() == 0:  # under the table, where a reader looks
+            print(approximate_note(note), flush=True)
     for lm in _models:
         remove_context_parallel(lm.model)
     _models.clear()

@@ -14,7 +14,9 @@ decode floor (one per layer), and C, BW and the collective latency feed the roof
 (`torch.distributed.tensor.experimental`, allgather and alltoall rotation) runs as peer rows in the
 same rounds: prefill only, its logits checked against the unpatched model, ring_pass_kv / peer TTFT.
 Rows for other world sizes already in DIR/bench.json are kept, so an N=1 and an N=2 run fill one
-table and one set of plots.
+table and one set of plots. `--csa KEEP|FILE [--topology AxB]` adds the APPROXIMATE mode (CSPS's CSA,
+docs/csa.md) as rows of their own ('csa', never a target) in the same rounds, beside exact ring pass-KV
+(run too): each rank's TTFT and bytes sent, side by side, and its greedy tokens against the unpatched model.
 
     python -m hf_contextpar.bench --report bench/bench.json     # the markdown report again, no run
     python -m hf_contextpar.bench --report docs/bench.json --template docs/benchmarks.template.md \
@@ -28,7 +30,7 @@ import importlib.util
 
 import torch.distributed as dist
 
-from ...cliargs import nonnegative_int, positive_int, positive_ints, writable_dir
+from ...cliargs import add_csa_arguments, csa_setting, nonnegative_int, positive_int, positive_ints, writable_dir
 from ...models import DTYPES
 from .report import PLOTS_EXTRA, report_markdown
 from .run import DEFAULT_MODEL, KVR_TABLE, run
@@ -71,6 +73,7 @@ def main(argv=None):
         action="store_true",
         help="also run every strategy with shared memory off (rows '<strategy>+gloo'), in the same rounds",
     )
+    add_csa_arguments(p)  # rows of their own beside ring_pass_kv's: the approximate mode, never a strategy
     p.add_argument("--no-plots", action="store_true", help="write no PNGs (needs no matplotlib)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
     p.add_argument(
@@ -94,6 +97,7 @@ def main(argv=None):
         return
     if args.template is not None:
         p.error("--template goes with --report")
+    args.sparse = csa_setting(args)  # a bad --csa / --topology ends here, before a model loads
     if args.out is None:  # made here, not as the default, so that --report makes no folder
         try:
             args.out = writable_dir("bench")

@@ -173,7 +173,7 @@ def format_report(report) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in report["rows"]:
-        name = {"cp": r["strategy"], "peer": f"peer: {r['strategy']}"}.get(
+        name = {"cp": r["strategy"], "peer": f"peer: {r['strategy']}", "csa": "csa (APPROXIMATE)"}.get(
             r["kind"], f"*{r['strategy']}* (run N={r['run_N']})"
         )
         pred = r.get("predicted_ttft_s")
@@ -211,6 +211,7 @@ def format_report(report) -> str:
         "",
     ]
     lines += _peer_table(report["rows"])
+    lines += _csa_table(report)
     lines += [
         "## Targets",
         "",
@@ -257,6 +258,45 @@ def _peer_table(rows) -> list[str]:
     return lines
 
 
+def _csa_table(report) -> list[str]:
+    """--csa: the approximate rows beside exact ring pass-KV of the same run and rounds, per rank: TTFT and the
+    bytes each rank sent in that prefill."""
+    rows = [r for r in report["rows"] if r["kind"] == "csa"]
+    if not rows:
+        return []
+    lines = ["## CSA (APPROXIMATE) beside exact ring pass-KV", ""]
+    for n_key, info in report["runs"].items():
+        if info.get("csa"):
+            lines.append(f"- run N={n_key}: {info['csa']}")
+    lines += [
+        "",
+        "| N | T | TTFT ms per rank: ring_pass_kv | CSA | CSA / ring TTFT | sent KiB per rank: ring_pass_kv | CSA "
+        "| CSA / ring bytes | tokens = unpatched |",
+        "|---:|---:|---|---|---:|---|---|---:|---|",
+    ]
+
+    def per_rank(xs, scale, fmt):
+        return " / ".join(format(x * scale, fmt) for x in xs)
+
+    for r in rows:
+        if r.get("rival_ttft_s_per_rank") is None:
+            continue
+        lines.append(
+            f"| {r['N']} | {r['length']} | {per_rank(r['rival_ttft_s_per_rank'], 1e3, '.1f')} | "
+            f"{per_rank(r['ttft_s_per_rank'], 1e3, '.1f')} | {r['ttft_ratio_vs_rival']:.2f} | "
+            f"{per_rank(r['rival_bytes_sent_per_rank'], 2**-10, '.0f')} | {per_rank(r['bytes_sent_per_rank'], 2**-10, '.0f')} "
+            f"| {r['bytes_ratio_vs_rival']:.2f} | {r.get('tokens_match_unpatched', '-')} |"
+        )
+    lines += [
+        "",
+        "CSA drops distant tokens in prefill: its tokens need not equal the unpatched model's, and it has no targets. "
+        "TTFT per rank: each rank's median prefill; sent: that rank's bytes in the last timed prefill. Ratios: the "
+        "slowest rank's TTFT, and the bytes of all ranks, CSA over ring_pass_kv.",
+        "",
+    ]
+    return lines
+
+
 def plot(report, out_dir) -> list[str]:
     """ttft.png, speedup.png, kv_memory.png in out_dir; returns their file names."""
     try:
@@ -273,7 +313,7 @@ def plot(report, out_dir) -> list[str]:
             if pred(r):
                 label = (
                     f"{r['strategy']} N={r['N']}"
-                    if r["kind"] == "cp"
+                    if r["kind"] in ("cp", "csa")
                     else f"{r['strategy']} ({r['threads_per_rank']} thr)"
                 )
                 groups.setdefault(label, []).append(r)

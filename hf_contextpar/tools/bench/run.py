@@ -22,6 +22,7 @@ from .torch_ring import PEERS, TorchRing
 DEFAULT_MODEL = "needle-lm"
 BASELINES = ("unpatched", "unpatched_all_cores")
 KVR_TABLE = "kv_runahead_table"  # a row of its own: KV-Runahead with --kvr-partitions, next to its default (balanced)
+CSA_ROW = "csa"  # --csa: the approximate mode's row (kind "csa"), beside ring_pass_kv
 PEER_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}  # PyTorch's ring merges in fp32 (convert_to_f32)
 PEER_TOLERANCE_HALF = 1e-2
 
@@ -36,6 +37,21 @@ def _strategies(requested: str | None) -> list[str]:
     if bad:
         raise SystemExit(f"unknown strategies {bad}; this build has {list(STRATEGIES)}")
     return names
+
+
+def _configs(args, world) -> list[str]:
+    """The patched configurations of one run: the strategies, KV-Runahead with --kvr-partitions, the '+gloo'
+    rows, and with --csa the approximate row (CSA_ROW), which needs ring_pass_kv beside it (its rival)."""
+    strategies = _strategies(args.strategies)
+    if getattr(args, "sparse", None) is not None and "ring_pass_kv" not in strategies:
+        strategies.insert(0, "ring_pass_kv")
+    if args.kvr_partitions and "kv_runahead" in strategies:
+        strategies.append(KVR_TABLE)
+    if args.gloo_rows and world > 1:  # the same strategies with decode's gathers over gloo (shared memory off)
+        strategies += [s + GLOO for s in strategies]
+    if getattr(args, "sparse", None) is not None:
+        strategies.append(CSA_ROW)
+    return strategies
 
 
 def _gather(obj, world):
@@ -78,11 +94,7 @@ def run(args) -> dict | None:
     ids = torch.randint(
         0, min(256, model.config.get_text_config(decoder=True).vocab_size), (1, max(lengths)), generator=g
     ).to(device)
-    strategies = _strategies(args.strategies)
-    if args.kvr_partitions and "kv_runahead" in strategies:
-        strategies.append(KVR_TABLE)
-    if args.gloo_rows and world > 1:  # the same strategies with decode's gathers over gloo (shared memory off)
-        strategies += [s + GLOO for s in strategies]
+    strategies = _configs(args, world)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 else (lambda *a: None)
     log(
         f"bench: model {args.model}  N={world}  threads/rank {threads}  cores {cores}  lengths {lengths}  "
@@ -123,6 +135,8 @@ def run(args) -> dict | None:
         strategy = strategy.removesuffix(GLOO)
         if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
             strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
+        if strategy == CSA_ROW:  # fresh prefills run CSA; anything over a cache runs ring pass-KV, exact
+            strategy, extra = "ring_pass_kv", dict(sparse=args.sparse)
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
         try:
             runtime = hf_contextpar.get_runtime(model)
@@ -201,7 +215,8 @@ def run(args) -> dict | None:
             if rank == 0:
                 rows.append(make_row("baseline", kind, 1, length, n_threads, [samples[kind].summary()]))
         for strategy in active:
-            rows.append(make_row("cp", strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
+            kind = "csa" if strategy == CSA_ROW else "cp"  # approximate: a row of its own kind, never a target
+            rows.append(make_row(kind, strategy, world, length, threads, _gather(samples[strategy].summary(), world)))
         for name in length_peers:
             row = make_row("peer", name, world, length, threads, _gather(samples[name].summary(), world))
             row["logits_max_abs_diff"] = peer_diffs[name, length]
@@ -245,6 +260,7 @@ def run(args) -> dict | None:
         skipped=skipped,
         kvr_partitions=args.kvr_partitions,
         windowed=_windowed(model.config),
+        csa=args.sparse.resolved(world).describe() if getattr(args, "sparse", None) is not None else None,
     )
     annotate(rows, run_info, shape, machine)
     report = merge(os.path.join(args.out, "bench.json"), run_info, rows)
