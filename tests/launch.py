@@ -94,28 +94,52 @@ class _Server:
         return self._ready
 
 
-_servers: list | None = None
+_servers: list | None = None  # [] once a server failed to start: every later launch starts new interpreters
 
 
 def _fork_servers() -> list | None:
-    """The session's two fork servers (ranks alternate between them), or None where they cannot serve."""
+    """The session's two fork servers (ranks alternate between them), or None where they cannot serve.
+
+    They start from the session's environment, and start again if a start-up variable of it changes: importing
+    lm_eval in-process sets HF_HUB_ENABLE_HF_TRANSFER, for one, which a new interpreter would start with."""
     global _servers
+    from forkserver import startup_env
+
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    base.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")  # as rank_env
+    if _servers and _servers[0].startup != startup_env(base):
+        _say_once(
+            f"tests/launch.py: fork servers restarted ({sorted(_differences(_servers[0].startup, startup_env(base)))} changed)"
+        )
+        for old in _servers:
+            old.proc.kill()
+        _servers = None
     if _servers is None:
         import atexit
         import tempfile
 
-        from forkserver import startup_env
-
-        base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        base.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")  # as rank_env
         _servers = [_Server(base, tempfile.mkdtemp(prefix="hfcp-fork")) for _ in range(2)]
-        atexit.register(lambda: [s.proc.kill() for s in _servers])
+        atexit.register(lambda servers=_servers: [s.proc.kill() for s in servers])
         if not all(s.ready for s in _servers):
             print("tests/launch.py: a fork server did not start; ranks start as new interpreters", file=sys.stderr)
             _servers = []
         for s in _servers:
             s.startup = startup_env(s.env)
     return _servers or None
+
+
+def _differences(a: dict, b: dict) -> set:
+    return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+_said: set = set()
+
+
+def _say_once(line: str):
+    """A line on the terminal (past pytest's capture), once per session."""
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.__stderr__, flush=True)
 
 
 class _Lines:
@@ -149,7 +173,11 @@ def _fork_launch(args, envs, timeout, cwd):
     if os.environ.get("HF_CONTEXTPAR_TEST_FORK", "1") == "0" or (args[0].startswith("-") and args[0] != "-m"):
         return None
     servers = _fork_servers()
-    if servers is None or any(startup_env(e) != servers[r % 2].startup for r, e in enumerate(envs)):
+    if servers is None:
+        return None
+    differ = sorted({k for r, e in enumerate(envs) for k in _differences(startup_env(e), servers[r % 2].startup)})
+    if differ:
+        _say_once(f"tests/launch.py: new interpreters for a launch whose start-up environment differs ({differ})")
         return None
     where = tempfile.mkdtemp(prefix="hfcp-ranks")
     ranks = []
