@@ -10,11 +10,11 @@ benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
 
 The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
-hybrid and multi-turn matrices, split by family so that every family runs at one of them in every run;
-N = 3 or 4 of the strategy and CSA matrices and of the census's re-run; N = 3 of the geometry, holes, user-code and
-interleave matrices; two of the three script orders of the exit check; lm-eval on 3 processes and lm-eval
-under TP 2 x CP 2) run in one of SLICES slices,
-picked by the day (every slice runs every SLICES days) and printed in the header. Replay one with
+hybrid matrices, split by family in thirds: a family runs at N = 3 one day in three and at N = 4 one day in
+three; N = 3 or 4, on alternate days, of the multi-turn, strategy and CSA matrices and of the census's re-run;
+N = 3 of the geometry, holes, user-code and interleave matrices; two of the three script orders of the exit
+check; lm-eval on 3 processes and lm-eval under TP 2 x CP 2) run in some of SLICES slices, one slice picked
+by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
 """
 
@@ -88,17 +88,24 @@ SLOW_TESTS = {
 }
 
 
-SLICES = 2
+SLICES = 6  # the rotation's period in days: family splits repeat every 3, everything else every 2
 
 
-def _by_name(name: str, n: int) -> int:
-    """A family's slice at N = 3 and 4: opposite ones, so each family runs at one of them in every slice."""
-    return (zlib.crc32(name.encode()) + n) % SLICES
+def _by_name(name: str, n: int) -> set[int]:
+    """A family's slices at N = 3 and 4: one family in three runs at each N on a given day, the N = 3 and 4
+    thirds told apart by the offset n (the matrices are the suite's largest: a third each keeps CI in its time)."""
+    third = (zlib.crc32(name.encode()) + n) % 3
+    return {k for k in range(SLICES) if k % 3 == third}
 
 
-def _by_n(p: dict, key: str = "n") -> int | None:
-    """N = 3 in one slice, N = 4 in the other; N = 2 in every run."""
-    return p[key] % SLICES if p[key] > 2 else None
+def _by_n(p: dict, key: str = "n") -> set[int] | None:
+    """N = 3 on odd days, N = 4 on even days; N = 2 in every run."""
+    return {k for k in range(SLICES) if k % 2 == p[key] % 2} if p[key] > 2 else None
+
+
+def _alternate(parity: int) -> set[int]:
+    """Every other day (the slices of that parity)."""
+    return {k for k in range(SLICES) if k % 2 == parity}
 
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
@@ -112,13 +119,16 @@ ROTATING = {
     ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
     ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _by_n(p, "world"),
-    ("test_geometries.py", "test_geometry_exact"): lambda p: 0 if p["n"] == 3 else None,
-    ("test_holes.py", "test_case"): lambda p: 1 if p["n"] == 3 else None,
-    ("test_interleave.py", "test_case"): lambda p: 0 if p["n"] == 3 else None,
-    ("test_user_code.py", "test_user_code"): lambda p: 1 if p["n"] == 3 else None,
-    ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {"group": 0, "model": 1}.get(p["order"]),
-    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: 0,
-    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: 1,
+    ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else None,
+    ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
+    ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else None,
+    ("test_user_code.py", "test_user_code"): lambda p: _alternate(1) if p["n"] == 3 else None,
+    ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {
+        "group": _alternate(0),
+        "model": _alternate(1),
+    }.get(p["order"]),
+    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _alternate(0),
+    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _alternate(1),
 }
 
 
@@ -155,7 +165,7 @@ def _rotated_out(module: str, name: str, params: dict, k: int | None) -> bool:
     if rule is None or k is None:
         return False
     where = rule(params)
-    return where is not None and where != k
+    return where is not None and k not in where
 
 
 def _is_slow(module: str, name: str, params: dict) -> bool:
