@@ -67,10 +67,8 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
     """
     # plain Python over the distinct rows (one while every sequence holds the same columns): this runs
     # before every decode step, where a dozen small tensor ops cost more than the arithmetic
-    if isinstance(counts, list) and all(isinstance(c, int) for c in counts):  # `rank_tokens`'s: no tensor
-        rows = [list(counts)]
-    else:
-        rows = [list(r) for r in {tuple(r) for r in torch.atleast_2d(torch.as_tensor(counts)).tolist()}]
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    rows = [list(r) for r in {tuple(r) for r in counts}] if isinstance(counts[0], list) else [list(counts)]
     world = len(rows[0])
     owned: list[list[int]] = [[] for _ in range(world)]
     for t in range(num_tokens):
