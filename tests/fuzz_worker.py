@@ -320,10 +320,11 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # a later forward turn that adds no tokens (after a forward turn the input is then empty): one
     # process fails inside the model, the patched one must refuse it on every rank
     case["empty_turn"] = r.random() < 0.05
-    # KV-Runahead's (and a hybrid's chain's) partitions: even, balanced by predicted work (uneven), or a
-    # front-loaded table (halving: each rank keeps an even share of the K/V all the same, plan._levelled)
+    # KV-Runahead's (and a hybrid's chain's) partitions: the default (balanced by measured work, uneven), even
+    # (KVR-E, now only when asked), or a front-loaded table (halving: each rank keeps an even share of the K/V all
+    # the same, plan._levelled)
     front = dict(world=n, entries={"16": [2.0**-i for i in range(n)]})
-    case["partitions"] = r.choice([None, None, "balanced", front])
+    case["partitions"] = r.choice([None, None, "even", front])
     # what users do around the model (issue 42), drawn last: the cache copied after every turn (the prompt-reuse
     # recipe: deep copy, pickle or torch.save round trip, on both sides), and user code the library must refuse
     # on every rank (a custom attention function registered with transformers, an attention forward patched to
