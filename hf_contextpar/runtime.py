@@ -217,16 +217,8 @@ class ContextParallelRuntime:
                 cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
-        step = Step(
-            plan,
-            self.comm,
-            cache,
-            self.num_layers,
-            kv_shapes=self.kv_shapes,
-            dcp=self.dcp,
-            sparse=self.sparse,
-            indexed=self.indexed,
-        )
+        layer_reads = dict(kv_shapes=self.kv_shapes, dcp=self.dcp, sparse=self.sparse, indexed=self.indexed)
+        step = Step(plan, self.comm, cache, self.num_layers, **layer_reads)
         if cache is not None and self.indexed:
             cache.index_exchange = functools.partial(gather_index_keys, step)
         self._record(plan, inputs)
