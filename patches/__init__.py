@@ -10,7 +10,7 @@ reference attention implementation and its fp64 tolerance, so adding a family is
 (plus one file only if it needs a patch of its own). Installed as `hf_contextpar.patches`.
 
 No opt-in for what is verified: `verified.py` is data the model census generates
-(`python -m hf_contextpar.tools.census --from-json docs/census.json --verified patches/verified.py`), the
+(`python -m dev.census --from-json docs/census.json --verified patches/verified.py`), the
 families it found exact at N = 2, 3 and 4 under every prefill strategy, both decode modes and a padded
 batch, each with its fp64 tolerance and reference attention. They enter REGISTRY at import as plain
 entries (`census=True`); an entry written here replaces a verified one, so this file holds only what is
@@ -306,8 +306,8 @@ def resolve(config) -> FamilyPatch:
         why = f"{census} did not verify it ({found})" if found else f"it is not in {census} (a newer model type)"
         raise UnsupportedModelError(
             f"model_type '{mt}' is not supported by hf-contextpar: {why}. A family runs with no opt-in once the "
-            f"census verifies it exact at N = 2, 3, 4. To check it yourself: torchrun --nproc_per_node 2 -m "
-            f"hf_contextpar.tools.census --families {mt} --json census.json, then the same with --sweep at "
+            f"census verifies it exact at N = 2, 3, 4. To check it yourself, in a clone of the hf-contextpar "
+            f"repository (the census is a study, not installed): torchrun --nproc_per_node 2 -m dev.census --families {mt} --json census.json, then the same with --sweep at "
             f"--nproc_per_node 2, 3 and 4; if every run is exact, opt in with "
             f"hf_contextpar.patches.register(FamilyPatch('{mt}', '<description>'))."
         )

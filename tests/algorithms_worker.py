@@ -16,8 +16,8 @@ from launch import write_records  # noqa: E402
 from hf_contextpar.attention import algorithm  # noqa: E402
 from hf_contextpar.attention.step import Step  # noqa: E402
 from hf_contextpar.comm.collectives import Comm  # noqa: E402
+from hf_contextpar.tools.selftest.simulated import run_algorithm, shard_inputs  # noqa: E402
 from hf_contextpar.tools.selftest.spec import CASES, SCALE, layers_for, lengths, prepare, same  # noqa: E402
-from hf_contextpar.tools.simulated import run_algorithm, shard_inputs  # noqa: E402
 
 
 def counts(comm):

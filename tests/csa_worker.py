@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from hf_contextpar.eval.csa_reference import csa_reference
+from hf_contextpar.eval.oracle import Fp64Internals
 from hybrids import hybrid_config
 from launch import run_cases
 from shared_reference import OnRankZero
@@ -18,7 +19,6 @@ from transformers import AutoModelForCausalLM
 import hf_contextpar
 from hf_contextpar.models import tiny_model
 from hf_contextpar.sparse import CSA
-from hf_contextpar.tools.census_sweep import Fp64Internals
 
 FAMILIES = ("llama", "qwen2_sliding", "qwen3_next")
 TOPOLOGIES = {2: "2x1", 3: "3x1", 4: "2x2"}  # every N: two levels above 1 where N allows (2x2: node, world)

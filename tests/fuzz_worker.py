@@ -93,8 +93,13 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from geometries import GEOMETRIES, geometry_config  # noqa: E402
 from hf_contextpar.eval.csa_reference import csa_reference  # noqa: E402
+from hf_contextpar.eval.oracle import (  # noqa: E402
+    Fp64Internals,  # noqa: E402
+    logit_tolerance,
+    near_tie,
+    top2_margin,
+)
 from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
-from hf_contextpar.eval.oracle import logit_tolerance, near_tie, top2_margin  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 from hybrids import (
     BEAMS_REFUSED,  # noqa: E402
@@ -109,7 +114,6 @@ from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 from hf_contextpar.plan.strategies import prefill_names  # noqa: E402
 from hf_contextpar.sparse import CSA  # noqa: E402
 from hf_contextpar.sparse.csa import refuse_layers as refuse_csa_layers  # noqa: E402
-from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
 _BASE = TINY_BASE

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
+from hf_contextpar.eval.oracle import Fp64Internals  # noqa: E402
 from hf_contextpar.patches import REGISTRY  # noqa: E402
 from hybrids import BEAMS_REFUSED, FAMILIES, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
@@ -24,7 +25,6 @@ from shared_reference import OnRankZero
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
 from hf_contextpar.plan.partitions import even  # noqa: E402
-from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 
 def diff(a, b, rows=None) -> float:

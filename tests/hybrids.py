@@ -5,12 +5,15 @@ pattern), small states, and scans chunked inside every partition. fp64 runs use 
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_contextpar.tools.census_configs import _known, tiny_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the census (dev/) is a checkout's, not installed
+from dev.census.configs import _known, tiny_config  # noqa: E402
 
 GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
 SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a forward), chunks of 16

@@ -2,7 +2,7 @@
 
 The specification lives in `hf_contextpar.tools.selftest.spec` (one copy, shared with `python -m
 hf_contextpar selftest --simulated`): whole-sequence Q, K, V are cut the way a plan says, the
-plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.tools.simulated`, one thread per
+plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.tools.selftest.simulated`, one thread per
 rank), and every rank's (out, LSE) must equal plain whole-sequence attention and its traffic the
 analytical bytes. This file runs it as a CPU matrix.
 
@@ -30,6 +30,7 @@ from hf_contextpar.attention import step as step_module
 from hf_contextpar.cache.sharded import ShardLayout
 from hf_contextpar.plan.forward import Policy, build_plan
 from hf_contextpar.plan.sharding import partition_sizes
+from hf_contextpar.tools.selftest.simulated import SimulatedWorld, SimulationError
 from hf_contextpar.tools.selftest.spec import (
     CASES,
     DTYPES,
@@ -42,7 +43,6 @@ from hf_contextpar.tools.selftest.spec import (
     make_padding,
     random_qkv,
 )
-from hf_contextpar.tools.simulated import SimulatedWorld, SimulationError
 
 # the package re-exports the function under the module's name, so fetch the module itself
 ring_pass_kv_module = importlib.import_module("hf_contextpar.attention.ring_pass_kv")

@@ -1,4 +1,4 @@
-"""The model census (hf_contextpar/tools/census.py, docs/census.json): every decoder-only text family of
+"""The model census (dev/census/run.py, docs/census.json): every decoder-only text family of
 the installed transformers is classified, what it generates is what is committed, and a rotating few still
 get their committed classification at N = 2, 3 and 4.
 
@@ -24,10 +24,10 @@ import random
 import pytest
 from launch import launch
 
+from dev.census import report as census_report
+from dev.census.configs import scope
 from hf_contextpar import patches
 from hf_contextpar.errors import UnsupportedModelError
-from hf_contextpar.tools import census_report
-from hf_contextpar.tools.census import scope
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 CENSUS = os.path.join(ROOT, "docs", "census.json")
@@ -52,7 +52,7 @@ def test_every_causal_lm_family_is_classified():
     new, gone = sorted(set(families) - committed), sorted(committed - set(families))
     assert not new, (
         f"transformers maps these model types to AutoModelForCausalLM and the census has not classified them: "
-        f"{new}. Run `torchrun --nproc_per_node 2 -m hf_contextpar.tools.census --families {','.join(new)} "
+        f"{new}. Run `torchrun --nproc_per_node 2 -m dev.census --families {','.join(new)} "
         "--json docs/census.json --resume` (and --sweep at 2, 3 and 4 processes), then regenerate docs/census.md, "
         "patches/verified.py and README's block (`--from-json`, docs/testing.md), and commit them."
     )
@@ -67,7 +67,7 @@ def test_every_causal_lm_family_is_classified():
 
 def test_generated_files_are_the_census():
     report = _committed()
-    fix = "python -m hf_contextpar.tools.census --from-json docs/census.json --markdown docs/census.md --verified patches/verified.py --readme README.md"
+    fix = "python -m dev.census --from-json docs/census.json --markdown docs/census.md --verified patches/verified.py --readme README.md"
     assert _read("patches", "verified.py") == census_report.verified_module(report), f"regenerate: {fix}"
     assert _read("docs", "census.md") == census_report.markdown(report), f"regenerate: {fix}"
     assert census_report.readme_block(report) in _read("README.md"), f"regenerate: {fix}"
@@ -122,7 +122,7 @@ def _draw(report: dict, salt: str = "", k: int = DRAW) -> list[str]:
 
 
 def _run(world: int, args: list[str], out) -> dict:
-    procs = launch(world, ["-m", "hf_contextpar.tools.census", *args, "--json", str(out)], timeout=600)
+    procs = launch(world, ["-m", "dev.census", *args, "--json", str(out)], timeout=600)
     for rank, (rc, _, err) in enumerate(procs):
         assert rc == 0, f"rank {rank} exited {rc}:\n{err[-4000:]}"
     return json.loads(out.read_text())

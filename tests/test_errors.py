@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_contextpar
+from dev.census.configs import tiny_config
 from hf_contextpar.models import tiny_model
-from hf_contextpar.tools.census_configs import tiny_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402

@@ -1,4 +1,5 @@
-"""House rules of the layout: the engine never imports a tool, and no module reaches into another's private names.
+"""House rules of the layout: the engine never imports a tool, the wheel never imports the workshop (dev/),
+and no module reaches into another's private names.
 
 The engine is every module of hf_contextpar/ (api, runtime, plan, attention/, ...) and the family
 patches, apart from hf_contextpar/tools/ (the command line, benchmark, self-test, prediction,
@@ -76,6 +77,20 @@ def engine_violations(root: Path = ROOT) -> list[str]:
             hit = [t for t in targets if any(_within(t, f) for f in FORBIDDEN)]
             if hit:
                 bad.append(f"{path.relative_to(root)}:{line}: the engine imports {hit[0]}")
+    return bad
+
+
+# the workshop (dev/: the census, the benchmarks page) and the tests run from a checkout; the wheel lacks them
+WORKSHOP = ("dev", "tests")
+
+
+def wheel_violations(root: Path = ROOT) -> list[str]:
+    """Imports of the workshop from anything the wheel installs: it would fail on every user's machine."""
+    bad = []
+    for name, init, path in modules(root):
+        for line, module, _ in imports(name, init, ast.parse(path.read_text())):
+            if any(_within(module, w) for w in WORKSHOP):
+                bad.append(f"{path.relative_to(root)}:{line}: the wheel imports {module}, which it does not carry")
     return bad
 
 
@@ -229,6 +244,10 @@ def test_engine_imports_no_tool():
     assert not engine_violations(), "\n".join(engine_violations())
 
 
+def test_the_wheel_imports_no_workshop():
+    assert not wheel_violations(), "\n".join(wheel_violations())
+
+
 def test_no_private_names_across_modules():
     assert not private_violations(), "\n".join(private_violations())
 
@@ -292,6 +311,9 @@ def test_rules_catch_violations(tmp_path):
     )
     assert [b.split(":")[0] for b in long_functions(tmp_path)] == ["hf_contextpar/api.py"], long_functions(tmp_path)
     assert any("patches/__init__.py:1" in b for b in engine), engine
+    assert wheel_violations(tmp_path) == []
+    (tmp_path / "hf_contextpar" / "tools" / "census.py").write_text("from dev.census.configs import scope\n")
+    assert [b.split(":")[0] for b in wheel_violations(tmp_path)] == ["hf_contextpar/tools/census.py"]
     (tmp_path / "hf_contextpar" / "tools" / "cli.py").write_text("from ..eval import compare\n")
     (tmp_path / "eval" / "compare.py").write_text("from hf_contextpar.tools import models\n")
     (tmp_path / "hf_contextpar" / "plan").mkdir()

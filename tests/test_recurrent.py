@@ -16,18 +16,18 @@ import warnings
 
 import pytest
 import torch
+from hf_contextpar.eval.oracle import Fp64Internals
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from dev.census.configs import _known, tiny_config
 from hf_contextpar.cache.recurrent import ChainedStates, layer_states, pack, share_final_states, unpack
 from hf_contextpar.cache.sharded import cache_argument
 from hf_contextpar.errors import UnsupportedModelError
-from hf_contextpar.tools.census_configs import _known, tiny_config
-from hf_contextpar.tools.census_sweep import Fp64Internals
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hybrids import SIZES  # noqa: E402
 
-from hf_contextpar.tools.simulated import SimulatedWorld
+from hf_contextpar.tools.selftest.simulated import SimulatedWorld
 
 # family -> its recurrent layer kind (all layers made of it), None where the family has only that kind
 FAMILIES = {

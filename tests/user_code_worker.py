@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
+from hf_contextpar.eval.oracle import Fp64Internals  # noqa: E402
 from hf_contextpar.patches import REGISTRY  # noqa: E402
 from hybrids import FAMILIES as HYBRIDS  # noqa: E402
 from hybrids import hybrid_model  # noqa: E402
@@ -30,7 +31,6 @@ from user_patches import attention_modules, call_sdpa_itself
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
 from hf_contextpar.models import tiny_model  # noqa: E402
-from hf_contextpar.tools.census_sweep import Fp64Internals  # noqa: E402
 
 warnings.filterwarnings("ignore")
 FAMILIES = ("llama", "deepseek_v3", "qwen3_next")  # dense, latent (MLA), hybrid

@@ -1,6 +1,6 @@
 """One rank's execution of a forward plan: what every attention layer of the forward reads.
 
-Apart from the runtime's hooks, which build it, the simulated ranks of `hf_contextpar.tools.simulated`
+Apart from the runtime's hooks, which build it, the simulated ranks of `hf_contextpar.tools.selftest.simulated`
 build it too, to run the attention algorithms without a model or a process group.
 """
 

@@ -19,8 +19,8 @@ docs/csa.md) as rows of their own ('csa', never a target) in the same rounds, be
 (run too): each rank's TTFT and bytes sent, side by side, and its greedy tokens against the unpatched model.
 
     python -m hf_contextpar.bench --report bench/bench.json     # the markdown report again, no run
-    python -m hf_contextpar.bench --report docs/bench.json --template docs/benchmarks.template.md \
-        > docs/benchmarks.md                                      # how docs/benchmarks.md is made
+
+(docs/benchmarks.md is made from docs/bench.json by a checkout's `python -m dev.benchmarks_page`.)
 """
 
 from __future__ import annotations
@@ -79,24 +79,15 @@ def main(argv=None):
     p.add_argument(
         "--report",
         metavar="JSON",
-        help="print the markdown report of an existing bench.json and exit (no run; every other option but "
-        "--template is ignored)",
-    )
-    p.add_argument(
-        "--template",
-        metavar="MD",
-        help="with --report: a markdown file whose line '<!-- report -->' the report replaces (docs/benchmarks.md "
-        "is made from docs/benchmarks.template.md this way)",
+        help="print the markdown report of an existing bench.json and exit (no run; every other option is ignored)",
     )
     args = p.parse_args(argv)
     if args.report is not None:
         try:
-            print(report_markdown(args.report, args.template), end="")
+            print(report_markdown(args.report), end="")
         except (OSError, ValueError) as e:
             p.error(str(e))
         return
-    if args.template is not None:
-        p.error("--template goes with --report")
     args.sparse = csa_setting(args)  # a bad --csa / --topology ends here, before a model loads
     if args.out is None:  # made here, not as the default, so that --report makes no folder
         try:

@@ -367,23 +367,9 @@ def plot(report, out_dir) -> list[str]:
     return names
 
 
-REPORT_MARKER = "<!-- report -->"
-
-
-def report_markdown(json_path: str, template_path: str | None = None) -> str:
-    """The markdown report of an existing bench.json, as a run prints it. With a template: the
-    template with its REPORT_MARKER line replaced by the report, the report's title dropped and its
-    sections one level down (so it sits under one of the template's sections)."""
+def report_markdown(json_path: str) -> str:
+    """The markdown report of an existing bench.json, as a run prints it (`--report`)."""
     import json
 
     with open(json_path, encoding="utf-8") as f:
-        md = format_report(json.load(f))
-    if template_path is None:
-        return md
-    with open(template_path, encoding="utf-8") as f:
-        template = f.read()
-    if template.count(REPORT_MARKER + "\n") != 1:
-        raise ValueError(f"{template_path} must hold the line {REPORT_MARKER!r} exactly once")
-    body = md.split("\n", 1)[1].lstrip("\n")  # without "# hf-contextpar benchmark"
-    body = "\n".join("#" + line if line.startswith("#") else line for line in body.split("\n"))
-    return template.replace(REPORT_MARKER + "\n", body)
+        return format_report(json.load(f))

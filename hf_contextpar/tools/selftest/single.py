@@ -26,8 +26,8 @@ import torch
 from ...attention import kernels
 from ...attention.merge import Accumulator, merge_packed, pack_partial
 from ...cache.blocks import unpack_kv
-from ..simulated import pack_kv
 from . import spec
+from .simulated import pack_kv
 
 MASKS = {  # name -> (padding, window, softcap)
     "causal": (False, None, None),

@@ -2,7 +2,7 @@
 
 Whole-sequence Q, K, V are cut the way a plan says (`plan/forward.build_plan` over a `ShardLayout`
 that went through the forwards before it), the plan's algorithm runs unmodified on N simulated
-ranks (`hf_contextpar.tools.simulated`, one thread per rank), and every rank's (out, LSE) for its own
+ranks (`hf_contextpar.tools.selftest.simulated`, one thread per rank), and every rank's (out, LSE) for its own
 query rows must equal plain whole-sequence attention written out here (`reference`), and its
 traffic must equal the analytical bytes (`expected_traffic`: the formulas of
 tests/strategy_worker.py, which the multi-process tests check against the real `Comm`,
@@ -23,7 +23,7 @@ from ...attention.masks import Chunked
 from ...cache.sharded import ShardLayout
 from ...plan.forward import Policy, build_plan
 from ...plan.strategies import STRATEGIES, Rows
-from ..simulated import local_rows, run_algorithm, shard_inputs
+from .simulated import local_rows, run_algorithm, shard_inputs
 
 HEAD_DIM = 8
 SCALE = 0.3  # not 1/sqrt(D): an algorithm that drops `scale` must fail

@@ -27,9 +27,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from hf_contextpar.eval.oracle import FLOAT_TOL, Fp64Internals, logits_diff
 
 import hf_contextpar
-from hf_contextpar.eval.oracle import FLOAT_TOL, Fp64Internals, logits_diff  # noqa: F401 (tests import it here)
 from hf_contextpar.model.contract import check_ulysses
 from hf_contextpar.plan.strategies import prefill_names
 

@@ -3,8 +3,8 @@ through `apply_context_parallel` against the unpatched model on one process.
 
 The families are transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, less what `scope` drops with
 a stated reason (encoder-only models, halves of encoder-decoder models, multimodal wrappers;
-`census_configs.scope`). Each
-family gets a tiny random config (`census_configs`: the generic small sizes its config knows, plus a
+`configs.scope`). Each
+family gets a tiny random config (`configs`: the generic small sizes its config knows, plus a
 short table of per-family overrides), fp64
 where the unpatched model runs in it (else fp32), is registered by hand
 (`patches.register(FamilyPatch(model_type, "census"))`) where the registry does not know it, and is
@@ -20,18 +20,18 @@ returned cache. Outcomes:
 - differs: no error, another answer;
 - skipped: the unpatched model itself fails on one process with the tiny config (the reason given).
 
-    torchrun --nproc_per_node 2 -m hf_contextpar.tools.census [--families a,b] [--strategy auto]
+    torchrun --nproc_per_node 2 -m dev.census [--families a,b] [--strategy auto]
         [--json out.json] [--markdown out.md] [--resume]
-    torchrun --nproc_per_node N -m hf_contextpar.tools.census --sweep --json docs/census.json [--families a,b]
-    python -m hf_contextpar.tools.census --from-json docs/census.json --markdown docs/census.md
+    torchrun --nproc_per_node N -m dev.census --sweep --json docs/census.json [--families a,b]
+    python -m dev.census --from-json docs/census.json --markdown docs/census.md
         --verified patches/verified.py --readme README.md
 
 A family whose tolerance is wider than the oracle's fp64 one, or that differs by an fp32-sized amount with
-identical tokens, gets `census_sweep.fp32_internals`: exact within the model's own measured fp32 bound
-when ours is fp64-exact with the model's fp32 internals in fp64. `--sweep` (census_sweep) re-runs the
-exact families under every variant at the launch's N; `census_report` turns the report into the page,
+identical tokens, gets `dev.census.sweep.fp32_internals`: exact within the model's own measured fp32 bound
+when ours is fp64-exact with the model's fp32 internals in fp64. `--sweep` (`sweep.py`) re-runs the
+exact families under every variant at the launch's N; `report.py` turns the report into the page,
 the verified families' module (no opt-in) and README's block.
-    python -m hf_contextpar.tools.census --list
+    python -m dev.census --list
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from hf_contextpar.eval.oracle import FLOAT_TOL, first_divergence, logits_diff, near_tie, top2_margin
 
 import hf_contextpar
+from dev.census import report as census_report
+from dev.census import sweep as census_sweep
+from dev.census.configs import MAX_PARAMS, OVERRIDES, build, scope, tiny_config
 from hf_contextpar import patches
-from hf_contextpar.eval.oracle import FLOAT_TOL, first_divergence, logits_diff, near_tie, top2_margin
-from hf_contextpar.tools import census_report, census_sweep
-from hf_contextpar.tools.census_configs import MAX_PARAMS, OVERRIDES, build, scope, tiny_config
 
 PROMPT, NEW_TOKENS, SECOND_TURN = 61, 8, 7
 TIMEOUT_S = 60.0  # what a rank waits for its peers inside one family's patched run
@@ -119,7 +120,7 @@ def _short(path: str) -> str:
 
 def error_record(e: BaseException, stage: str) -> dict:
     tb = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in tb if "hf_contextpar" in f.filename and "tools/census" not in f.filename]
+    ours = [f for f in tb if "hf_contextpar" in f.filename and "dev/census" not in f.filename]
     where = ours[-1] if ours else (tb[-1] if tb else None)
     frames = traceback.format_exception(e)
     return dict(
@@ -374,7 +375,3 @@ def main(argv=None):
             write(report, args)
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""What the model census (`hf_contextpar.tools.census`) runs: the model types in scope and a tiny config each.
+"""What the model census (`dev.census`) runs: the model types in scope and a tiny config each.
 
 `scope()` reads transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and drops, with the reason, the
 causal-LM heads that are not decoder-only text models: halves of encoder-decoder models (the type is

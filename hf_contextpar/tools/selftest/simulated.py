@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from ..cache import blocks
-from ..comm.collectives import CommStats
-from ..errors import ContextParallelError
+from ...cache import blocks
+from ...comm.collectives import CommStats
+from ...errors import ContextParallelError
 
 
 class SimulationError(ContextParallelError):
@@ -374,8 +374,8 @@ def run_algorithm(
     as the algorithm returned them, comms[r] = rank r's SimulatedComm (its `stats` and `tagged`
     byte counts).
     """
-    from ..attention import algorithm as algorithm_of
-    from ..attention.step import Step
+    from ...attention import algorithm as algorithm_of
+    from ...attention.step import Step
 
     fn = algorithm if callable(algorithm) else algorithm_of(algorithm or plan.algorithm)
     sim = SimulatedWorld(plan.world, timeout)

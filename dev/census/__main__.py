@@ -1,0 +1,5 @@
+import sys
+
+from dev.census.run import main
+
+sys.exit(main())
