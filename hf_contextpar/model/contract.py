@@ -186,6 +186,8 @@ class InputContract:
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
         family = REGISTRY.get(model.config.model_type)
         self.raw_mask = family is not None and family.raw_mask  # the mask multiplies the input: one column a token
+        # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
+        self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)
         # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
         self.cache_arg = cache_argument(model)
