@@ -126,6 +126,8 @@ DSA_FAMILIES = [
     # the exactness matrix runs the two above (its time is capped); A.X K2's indexer is DeepSeek-V3.2's, run by the
     # census and its sweeps at N = 2, 3, 4 (its MoE router's fp32: the census's bound)
     FamilyPatch("axk2", "A.X K2: MLA with DSA, gated queries", indexed=True, fp64_tolerance=1e-5),
+    # dots.llm3 Note's text model: DSA layers beside sliding-window MLA layers, attention sizes per layer
+    FamilyPatch("dots3_note_text", "dots.llm3 Note (text): MLA with DSA, sliding MLA layers", indexed=True),
     # hyper-connections: hidden states (B, T, hc_mult, H), gathered by their token dim counted from the front
     # (outputs.py); transformers runs its sinks in eager attention only
     FamilyPatch(

@@ -119,11 +119,11 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
 def _selection(step, module, indices):
     """Indexed attention (attention/indexed.py): the (B, Tq, T) keys the layer's indexer kept for this rank's
     queries, for an algorithm that keeps the queries on their rank; anything else is refused, never approximated."""
-    if not step.indexed:
+    if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
         if indices is not None:
             raise UnsupportedModelError(
-                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares no "
-                "indexed_attention layers: this model cannot run exactly under context parallelism."
+                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares "
+                "this layer no indexed_attention layer: this model cannot run exactly under context parallelism."
             )
         return None
     if indices is None:
@@ -243,8 +243,9 @@ def context_parallel_mask(
     """Pass the 2D padding mask (B, global length) through; None when nothing is padded. A model with indexed
     attention gets its indexer's 4D mask instead (attention/indexed.py), which its attention hands back untouched."""
     step = current_step.get()
-    if step is not None and step.indexed:
-        step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
+    if step is not None and step.indexed:  # one per forward: every layer kind's mask (dots3's sliding layers too)
+        if "indexer_mask" not in step.state:
+            step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
         return step.state["indexer_mask"]
     if attention_mask is None or bool(attention_mask.all()):
         return None
