@@ -44,8 +44,8 @@ FAMILIES = {
 # (mamba, falcon_mamba, jamba) starts every multi-token forward from a zero state (transformers: "Initial hidden
 # state is not supported by the kernel path"), so it cannot continue from a passed one without a patch
 # (patches/mamba1.py, tested below): chained, it is 1.3 (N = 2) to 3.0 (N = 4) off without it. MiniMax keeps its lightning attention's state in its own
-# MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's
-# kernels refuse fp64 on one process.
+# MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's chain
+# is verified by the census (N = 2, 3, 4, fp64 with its fp32 internals in fp64).
 # smaller states than the census's tiny configs, chunked scans cut inside every partition (tests/hybrids.py)
 EXACT = 1e-11
 LENGTH = 61
