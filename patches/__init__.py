@@ -267,11 +267,19 @@ for _mt, _what, _fp32 in [
     _add(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
 NOT_CHAINED = {
-    "zamba": "its Mamba1 scan keeps its state in other shapes than patches/mamba1.py handles; not verified yet",
     "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
 }
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
+# Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)
+_add(
+    FamilyPatch(
+        "zamba",
+        "Zamba: Mamba1 layers (per-head scans) and a shared attention block",
+        apply=mamba1.apply,
+        recurrent=True,
+    )
+)
 for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
     _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
 # MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)
