@@ -263,12 +263,28 @@ for _mt, _what, _fp32 in [
     ("kimi_linear", "Kimi-Linear: KDA layers beside latent (MLA) attention", 2e-4),
     ("olmo_hybrid", "OLMo-hybrid: Gated DeltaNet layers beside attention", 2e-4),
     ("bailing_hybrid", "Bailing-hybrid (Ling 2.5): KDA-style linear-attention layers beside attention, MoE", 1e-4),
+    ("zaya", "ZAYA: CCA attention (its convolved queries and keys and delayed values carried in the cache), MoE", 1e-4),
 ]:
     _add(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
 NOT_CHAINED = {
-    "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
+    "recurrent_gemma": (
+        "its RG-LRU and short-convolution states live on its modules, outside the cache's state API, and a multi-token "
+        "forward restarts the convolution from zeros, so a rank cannot continue from the states passed down the ranks "
+        "(registered as chained, the ranks' generated sequences differ)"
+    ),
+    "inkling_text": (
+        "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "
+        "token and head, by distance up to rel_extent), which hf-contextpar's attention does not take (registered as "
+        "chained, its short convolutions pass; the bias is refused at the first forward)"
+    ),
+    "inkling2_text": (
+        "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "
+        "per-token attention sinks, which hf-contextpar's attention does not take (registered as chained, the bias "
+        "is refused at the first forward)"
+    ),
 }
+NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 # Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)
