@@ -59,6 +59,14 @@ OVERRIDES: dict[str, dict] = {
         DSA, **DOTS3_MLA, shared_experts_intermediate_size=32, sliding_window=24, per_layer_config={1: DOTS3_MLA}
     ),
     "deepseek_v32": DSA,
+    # the multimodal config of the same causal LM (its text model): the adapters' widths match the tiny sizes
+    "dots3_note": dict(
+        text_config=dict(
+            DSA, **DOTS3_MLA, shared_experts_intermediate_size=32, sliding_window=24, per_layer_config={1: DOTS3_MLA}
+        ),
+        vision_config=dict(adapter_in_dim=64, adapter_out_dim=64),
+        audio_config=dict(adapter_input_size=64, adapter_out_dim=64),
+    ),
     "gemma3n_text": dict(
         **SHARED_KV,
         intermediate_size=64,
