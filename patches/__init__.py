@@ -285,6 +285,19 @@ NOT_CHAINED = {
     ),
 }
 NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
+NOT_CHAINED["qwen4_exp_text"] = (
+    "its QSA indexer scores blocks of indexer_compress_ratio keys and hands its top blocks to the attention as a 4D "
+    "boolean mask (not indices=), and the model keeps the whole sequence's position ids on its first indexed cache "
+    "layer (indexer_position_ids), taking a forward's query positions as the last of them, which on a rank are not "
+    "its own columns (registered as indexed and chained, the sharded cache has no indexer_position_ids)"
+)
+NOT_CHAINED["deepseek_v4"] = (
+    "its compressed layers append compressed entries (one per 4 or 128 tokens, from compressors that keep the "
+    "unfinished group in their cache layer: buffer_kv, overlap_kv, entry_count) to the sliding window's K/V after the "
+    "cache update, with a block_bias mask over them; hf-contextpar's attention takes each layer's K/V from its "
+    "sharded cache, so every rank's compressed entries, the compressor buffers passed down the ranks and the indexer "
+    "over compressed entries have no path yet"
+)
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 # Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)
