@@ -218,7 +218,7 @@ def test_mamba1_per_head_scans_continue_from_their_heads_state():
     import types
 
     from hf_contextpar.patches import mamba1
-    from transformers.models.zamba import modeling_zamba
+    from transformers.models.jamba import modeling_jamba  # Zamba's scan is the same code (importing it: 6 s)
 
     from hf_contextpar.cache import recurrent
     from hf_contextpar.errors import PatchStateError
@@ -228,7 +228,7 @@ def test_mamba1_per_head_scans_continue_from_their_heads_state():
     x, dt, z = (torch.randn(heads, b, d, t, generator=g, dtype=torch.float64) for _ in range(3))
     A = -torch.rand(heads, d, n, generator=g, dtype=torch.float64)
     B, C = (torch.randn(heads, b, n, t, generator=g, dtype=torch.float64) for _ in range(2))
-    scan = modeling_zamba.mamba_selective_scan
+    scan = modeling_jamba.mamba_selective_scan
     kw = dict(delta_softplus=True, return_last_state=True)
     whole = [scan(x[k], dt[k], A[k], B[k], C[k], None, z[k], **kw) for k in range(heads)]
     h = torch.stack([scan(*(v[k, ..., :cut] for v in (x, dt)), A[k], B[k, ..., :cut], C[k, ..., :cut], None,
