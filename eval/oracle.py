@@ -94,13 +94,18 @@ class Fp64Internals(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _SOFTMAX and kwargs.get("dtype") == torch.float32 and _is64(args[0] if args else None):
             kwargs["dtype"] = torch.float64
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if any(t.dtype == torch.float64 for t in tensors):
-            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a for a in args)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(t.dtype == torch.float64 for t in tensors):  # positional or keyword (layer_norm's weight=, bias=)
+            args = tuple(_promoted(a) for a in args)
+            kwargs = {k: _promoted(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         if func in _CASTS and _is64(args[0]) and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
             return args[0] if out.device == args[0].device else out.double()
         return out
+
+
+def _promoted(a):
+    return a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
 
 
 def _is64(t) -> bool:

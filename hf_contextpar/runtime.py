@@ -258,7 +258,9 @@ class ContextParallelRuntime:
             self.last_forward["bytes_sent"] += self._attention.bytes_sent
             self.last_forward["bytes_received"] += self._attention.bytes_received
             if ok:
-                output = gather_outputs(output, plan.outputs, self.comm, type(self.model).__name__)
+                output = gather_outputs(
+                    output, plan.outputs, self.comm, type(self.model).__name__, self.contract.streams
+                )
             if as_tuple and ok:
                 output = output.to_tuple()
         except BaseException:

@@ -126,6 +126,17 @@ DSA_FAMILIES = [
     # the exactness matrix runs the two above (its time is capped); A.X K2's indexer is DeepSeek-V3.2's, run by the
     # census and its sweeps at N = 2, 3, 4 (its MoE router's fp32: the census's bound)
     FamilyPatch("axk2", "A.X K2: MLA with DSA, gated queries", indexed=True, fp64_tolerance=1e-5),
+    # dots.llm3 Note's text model: DSA layers beside sliding-window MLA layers, attention sizes per layer
+    FamilyPatch("dots3_note_text", "dots.llm3 Note (text): MLA with DSA, sliding MLA layers", indexed=True),
+    # hyper-connections: hidden states (B, T, hc_mult, H), gathered by their token dim counted from the front
+    # (outputs.py); transformers runs its sinks in eager attention only
+    FamilyPatch(
+        "hy_v4",
+        "Hunyuan-V4: MLA with DSA, attention sinks and hyper-connections, layers sharing an earlier layer's top-k",
+        indexed=True,
+        reference_attn="eager",
+        fp64_tolerance=1e-5,
+    ),
 ]
 
 for _patch in [
@@ -232,7 +243,7 @@ for _patch in [
 # and write their states only through transformers' cache API and continue a multi-token forward from a cached
 # state, so the states pass down the ranks in the cache (recurrent.py); tests/test_hybrid.py checks each against
 # one process at N = 2, 3, 4 (fp64 with the models' fp32 internals in fp64). Not here: MiniMax keeps its
-# lightning attention's state in a cache class of its own; bailing_hybrid's kernels refuse fp64 (unchecked)
+# lightning attention's state in a cache class of its own
 # fp32: the unpatched fp32 model's own distance from fp64 (tests/hybrids.py's models, 200 tokens, one row padded),
 # doubled: Gated DeltaNet's chunked scan 1.8e-4 to 9.1e-4, KDA / OLMo-hybrid / Zamba2 4.7e-5 to 7.7e-5, the rest
 # below 2.3e-5 (the default bound holds). Splitting a scan at other points moves fp32 logits by as much
@@ -251,16 +262,53 @@ for _mt, _what, _fp32 in [
     ("lfm3", "LFM3: short-convolution layers beside attention", 1e-4),
     ("kimi_linear", "Kimi-Linear: KDA layers beside latent (MLA) attention", 2e-4),
     ("olmo_hybrid", "OLMo-hybrid: Gated DeltaNet layers beside attention", 2e-4),
+    ("bailing_hybrid", "Bailing-hybrid (Ling 2.5): KDA-style linear-attention layers beside attention, MoE", 1e-4),
+    ("zaya", "ZAYA: CCA attention (its convolved queries and keys and delayed values carried in the cache), MoE", 1e-4),
 ]:
     _add(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
 NOT_CHAINED = {
-    "zamba": "its Mamba1 scan keeps its state in other shapes than patches/mamba1.py handles; not verified yet",
-    "bailing_hybrid": "its kernels refuse fp64, so the chain could not be verified exact against one process",
-    "recurrent_gemma": "its RG-LRU keeps its state in the model, outside the cache's state API",
+    "recurrent_gemma": (
+        "its RG-LRU and short-convolution states live on its modules, outside the cache's state API, and a multi-token "
+        "forward restarts the convolution from zeros, so a rank cannot continue from the states passed down the ranks "
+        "(registered as chained, the ranks' generated sequences differ)"
+    ),
+    "inkling_text": (
+        "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "
+        "token and head, by distance up to rel_extent), which hf-contextpar's attention does not take (registered as "
+        "chained, its short convolutions pass; the bias is refused at the first forward)"
+    ),
+    "inkling2_text": (
+        "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "
+        "per-token attention sinks, which hf-contextpar's attention does not take (registered as chained, the bias "
+        "is refused at the first forward)"
+    ),
 }
+NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
+NOT_CHAINED["qwen4_exp_text"] = (
+    "its QSA indexer scores blocks of indexer_compress_ratio keys and hands its top blocks to the attention as a 4D "
+    "boolean mask (not indices=), and the model keeps the whole sequence's position ids on its first indexed cache "
+    "layer (indexer_position_ids), taking a forward's query positions as the last of them, which on a rank are not "
+    "its own columns (registered as indexed and chained, the sharded cache has no indexer_position_ids)"
+)
+NOT_CHAINED["deepseek_v4"] = (
+    "its compressed layers append compressed entries (one per 4 or 128 tokens, from compressors that keep the "
+    "unfinished group in their cache layer: buffer_kv, overlap_kv, entry_count) to the sliding window's K/V after the "
+    "cache update, with a block_bias mask over them; hf-contextpar's attention takes each layer's K/V from its "
+    "sharded cache, so every rank's compressed entries, the compressor buffers passed down the ranks and the indexer "
+    "over compressed entries have no path yet"
+)
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
+# Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)
+_add(
+    FamilyPatch(
+        "zamba",
+        "Zamba: Mamba1 layers (per-head scans) and a shared attention block",
+        apply=mamba1.apply,
+        recurrent=True,
+    )
+)
 for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
     _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
 # MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)

@@ -13,13 +13,18 @@ from zero too, decode's one-token update) runs transformers' scan untouched.
 from __future__ import annotations
 
 import sys
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
 from hf_contextpar.cache.recurrent import received_state
+from hf_contextpar.errors import PatchStateError
 
-_installed: dict = {}  # module -> [original scan, models patched]
+_installed: dict = {}  # module or mixer class -> [original scan or forward, models patched]
+# Zamba's mixer splits its channels into n_mamba_heads and scans each head apart, in head order, from one state
+# (batch, heads, head_dim, d_state): while such a mixer runs, the index of its next head's scan
+_head: ContextVar = ContextVar("hf_contextpar_mamba1_head", default=None)
 
 
 def _continued(scan):
@@ -36,7 +41,15 @@ def _continued(scan):
         return_last_state=False,
         **kwargs,
     ):
-        h0 = received_state()  # (batch, intermediate, state) or None
+        h0 = received_state()  # (batch, intermediate, state), Zamba's (batch, heads, head_dim, state), or None
+        if h0 is not None and h0.dim() == 4:
+            head = _head.get()
+            if head is None or head[0] >= h0.shape[1]:
+                raise PatchStateError(
+                    f"a Mamba1 scan received a per-head state {tuple(h0.shape)} outside its mixer's head loop: this "
+                    "model splits its scan otherwise than Zamba's mixer does. Please report this model."
+                )
+            h0, head[0] = h0[:, head[0]], head[0] + 1
         args = (hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus)
         if h0 is None:
             return scan(*args, return_last_state=return_last_state, **kwargs)
@@ -56,18 +69,43 @@ def _continued(scan):
     return mamba_selective_scan
 
 
-def apply(model):
-    """Wrap the scan of the model's modeling module (once per module, counted); returns undo()."""
-    module = sys.modules[type(model.get_decoder()).__module__]
-    entry = _installed.setdefault(module, [module.mamba_selective_scan, 0])
+def _head_loop(forward):
+    def mixer_forward(self, *args, **kwargs):
+        token = _head.set([0])  # its scans run head 0, 1, ... in order
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _head.reset(token)
+
+    return mixer_forward
+
+
+def _install(owner, name: str, wrap) -> callable:
+    """Replace owner.name by wrap(original) (once per owner, counted); returns undo()."""
+    entry = _installed.setdefault(owner, [getattr(owner, name), 0])
     if entry[1] == 0:
-        module.mamba_selective_scan = _continued(entry[0])
+        setattr(owner, name, wrap(entry[0]))
     entry[1] += 1
 
     def undo():
         entry[1] -= 1
         if entry[1] == 0:
-            module.mamba_selective_scan = entry[0]
-            del _installed[module]
+            setattr(owner, name, entry[0])
+            del _installed[owner]
+
+    return undo
+
+
+def apply(model):
+    """Wrap the scan of the model's modeling module, and the forward of a mixer that scans per head (Zamba's
+    n_mamba_heads); returns undo()."""
+    module = sys.modules[type(model.get_decoder()).__module__]
+    undos = [_install(module, "mamba_selective_scan", _continued)]
+    for mixer in {type(m) for m in model.modules() if hasattr(m, "n_mamba_heads")}:
+        undos.append(_install(mixer, "forward", _head_loop))
+
+    def undo():
+        for u in undos:
+            u()
 
     return undo

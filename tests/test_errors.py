@@ -130,10 +130,10 @@ def _from_config(model_type, **kw):
             lambda: _from_config("bloom", n_layer=1, hidden_size=32, n_head=2, vocab_size=64),
             "not supported by hf-contextpar",
         ),
-        # a hybrid not verified to continue from a passed state (Zamba: its Mamba1 states in other shapes)
+        # a hybrid not verified to continue from a passed state (RecurrentGemma: its states on its modules), with why
         (
-            lambda: AutoModelForCausalLM.from_config(tiny_config("zamba")),
-            "verified to continue from a passed state",
+            lambda: AutoModelForCausalLM.from_config(tiny_config("recurrent_gemma")),
+            "RG-LRU and short-convolution states live on its modules",
         ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
         (

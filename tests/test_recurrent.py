@@ -44,8 +44,8 @@ FAMILIES = {
 # (mamba, falcon_mamba, jamba) starts every multi-token forward from a zero state (transformers: "Initial hidden
 # state is not supported by the kernel path"), so it cannot continue from a passed one without a patch
 # (patches/mamba1.py, tested below): chained, it is 1.3 (N = 2) to 3.0 (N = 4) off without it. MiniMax keeps its lightning attention's state in its own
-# MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's
-# kernels refuse fp64 on one process.
+# MiniMaxCache (set_linear_cache / get_linear_cache), outside transformers' state API. bailing_hybrid's chain
+# is verified by the census (N = 2, 3, 4, fp64 with its fp32 internals in fp64).
 # smaller states than the census's tiny configs, chunked scans cut inside every partition (tests/hybrids.py)
 EXACT = 1e-11
 LENGTH = 61
@@ -210,3 +210,44 @@ def test_mamba1_scan_continues_from_the_passed_state():
     assert (tail - whole[..., cut:]).abs().max() < 1e-12 and (tail_last - last).abs().max() < 1e-12
     zero, _ = wrapped(*part, **kw)  # outside a chain: transformers' scan, from zero
     assert torch.equal(zero, scan(*part, **kw)[0]) and (zero - whole[..., cut:]).abs().max() > 1e-3
+
+
+def test_mamba1_per_head_scans_continue_from_their_heads_state():
+    """Zamba scans each of its n_mamba_heads apart, in head order, from one (batch, heads, head_dim, state) state:
+    inside its mixer's head loop, the k-th scan continues from head k's share; outside that loop, refused."""
+    import types
+
+    from hf_contextpar.patches import mamba1
+    from transformers.models.jamba import modeling_jamba  # Zamba's scan is the same code (importing it: 6 s)
+
+    from hf_contextpar.cache import recurrent
+    from hf_contextpar.errors import PatchStateError
+
+    g = torch.Generator().manual_seed(1)
+    heads, b, d, n, t, cut = 3, 2, 4, 5, 13, 6
+    x, dt, z = (torch.randn(heads, b, d, t, generator=g, dtype=torch.float64) for _ in range(3))
+    A = -torch.rand(heads, d, n, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(heads, b, n, t, generator=g, dtype=torch.float64) for _ in range(2))
+    scan = modeling_jamba.mamba_selective_scan
+    kw = dict(delta_softplus=True, return_last_state=True)
+    whole = [scan(x[k], dt[k], A[k], B[k], C[k], None, z[k], **kw) for k in range(heads)]
+    h = torch.stack([scan(*(v[k, ..., :cut] for v in (x, dt)), A[k], B[k, ..., :cut], C[k, ..., :cut], None,
+                          z[k, ..., :cut], **kw)[1] for k in range(heads)], dim=1)  # fmt: skip
+    wrapped = mamba1._continued(scan)
+
+    class Mixer:
+        def forward(self):
+            return [
+                wrapped(x[k, ..., cut:], dt[k, ..., cut:], A[k], B[k, ..., cut:], C[k, ..., cut:], None, z[k, ..., cut:], **kw)
+                for k in range(heads)
+            ]  # fmt: skip
+
+    token = recurrent._running.set(types.SimpleNamespace(current=1, received={(1, 0): h}))
+    try:
+        tails = mamba1._head_loop(Mixer.forward)(Mixer())
+        with pytest.raises(PatchStateError, match="outside its mixer's head loop"):
+            Mixer().forward()
+    finally:
+        recurrent._running.reset(token)
+    for (tail, tail_last), (out, last) in zip(tails, whole):
+        assert (tail - out[..., cut:]).abs().max() < 1e-12 and (tail_last - last).abs().max() < 1e-12

@@ -269,3 +269,42 @@ def test_attend_with_a_selection_over_key_blocks_is_the_masked_whole(window, pad
     seen = ~torch.isneginf(lse)
     assert torch.equal(torch.isneginf(got[1]), ~seen) and (got[0][~seen] == 0).all()
     assert (got[0] - out)[seen].abs().max() < 1e-12 and (got[1] - lse)[seen].abs().max() < 1e-12
+
+
+# -- the output gather: every rank's rows back in order, whatever dims sit around them ------------------------------
+class _Gathered:
+    """A Comm stand-in whose all_gather returns every simulated rank's padded rows (filled in by the test)."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def all_gather(self, t, tag=None):
+        return torch.stack(self.blocks)
+
+
+@pytest.mark.parametrize(
+    "shape, streams, dim",
+    [
+        ((2, 7, 5), False, 1),  # logits / hidden states (B, T, H)
+        ((4, 2, 7, 5), False, 1),  # Gemma 3n's AltUp stack (4, B, T, H)
+        ((2, 7, 3, 5), True, 1),  # hyper-connections' streams after the tokens (B, T, hc, H): hy_v4, deepseek_v4
+        ((2, 7, 5), True, 1),  # a hyper-connection model's last hidden state, (B, T, H)
+        ((3, 1, 4, 5), True, 0),  # batch rows (batched decode) of (B, 1, hc, H)
+    ],
+)
+def test_gather_rows_puts_every_ranks_rows_back_along_the_token_or_batch_dim(shape, streams, dim):
+    from hf_contextpar.outputs import gather_rows
+    from hf_contextpar.plan.forward import Gather
+
+    full = torch.randn(shape, dtype=torch.float64)
+    axis = dim if streams else (full.dim() - 2 if dim == 1 else full.dim() - 3)
+    total = full.shape[axis]
+    slots = [torch.arange(total)[::2], torch.arange(total)[1::2]]  # interleaved, uneven when total is odd
+    gather = Gather(slots=slots, total=total, dim=dim)
+    comm = _Gathered()
+    rows = max(s.numel() for s in slots)
+    for s in slots:  # what each rank's gather_rows puts into the all-gather: its rows, padded
+        mine = full.index_select(axis, s).movedim(axis, 0)
+        comm.blocks.append(torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *mine.shape[1:]))]))
+    local = full.index_select(axis, slots[0])
+    assert torch.equal(gather_rows(local, gather, comm, streams), full)

@@ -27,6 +27,7 @@ MLA = dict(head_dim="qk_rope_head_dim", num_key_value_heads="num_attention_heads
 # DSA's indexer (index_head_dim at least the RoPE part's 8), keeping 16 keys of the 61-token prompt: the selection bites
 DSA = dict(index_n_heads=2, index_head_dim=16, index_topk=16)
 QSA = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32, indexer_compress_ratio=4)
+DOTS3_MLA = dict(MLA_SIZES, num_attention_heads=4, num_key_value_heads=4, head_dim=16)
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=32)
 ROPE = dict(rope_type="default", rope_theta=1e4)
 DBRX_FFN = dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)
@@ -52,8 +53,20 @@ OVERRIDES: dict[str, dict] = {
     "codegen": dict(rotary_dim=8),
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
-    "dots3_note_text": dict(index_n_heads=4, index_head_dim=16, index_topk=32, shared_experts_intermediate_size=32),
+    # its attention sizes are per layer (per_layer_config: the DSA layer's and the sliding MLA layer's), which the
+    # generic keys do not reach (49M parameters): MLA_SIZES on both layers, a window shorter than the prompt
+    "dots3_note_text": dict(
+        DSA, **DOTS3_MLA, shared_experts_intermediate_size=32, sliding_window=24, per_layer_config={1: DOTS3_MLA}
+    ),
     "deepseek_v32": DSA,
+    # the multimodal config of the same causal LM (its text model): the adapters' widths match the tiny sizes
+    "dots3_note": dict(
+        text_config=dict(
+            DSA, **DOTS3_MLA, shared_experts_intermediate_size=32, sliding_window=24, per_layer_config={1: DOTS3_MLA}
+        ),
+        vision_config=dict(adapter_in_dim=64, adapter_out_dim=64),
+        audio_config=dict(adapter_input_size=64, adapter_out_dim=64),
+    ),
     "gemma3n_text": dict(
         **SHARED_KV,
         intermediate_size=64,

@@ -52,12 +52,13 @@ def context_parallel_attention(
         expanded = None
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
-    step.attended.add(module.layer_idx)
+    idx = module.layer_idx if module.layer_idx is not None else source  # Zamba's shared block: the layer it updated
+    step.attended.add(idx)
     step.sources.add(source % len(step.cache.layers) if step.cache is not None else source)  # Zamba2's: -1
     chunk = chunk_size(module)
-    kv_local = _local_block(step, module.layer_idx, source, cached_k, cached_v, chunk, sliding_window)
-    step.kv_shapes[module.layer_idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
-    step.layer, step.kv_layer, step.sinks = module.layer_idx, source, kwargs.get("s_aux")
+    kv_local = _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window)
+    step.kv_shapes[idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
+    step.layer, step.kv_layer, step.sinks = idx, source, kwargs.get("s_aux")
     width = max(query.shape[-1], value.shape[-1])
     step.kv = LayerKV(
         key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
@@ -119,11 +120,11 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
 def _selection(step, module, indices):
     """Indexed attention (attention/indexed.py): the (B, Tq, T) keys the layer's indexer kept for this rank's
     queries, for an algorithm that keeps the queries on their rank; anything else is refused, never approximated."""
-    if not step.indexed:
+    if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
         if indices is not None:
             raise UnsupportedModelError(
-                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares no "
-                "indexed_attention layers: this model cannot run exactly under context parallelism."
+                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares "
+                "this layer no indexed_attention layer: this model cannot run exactly under context parallelism."
             )
         return None
     if indices is None:
@@ -190,25 +191,27 @@ def chunk_size(module) -> int | None:
     """The chunk a chunked-attention layer (Llama 4's `attention_chunk_size`) attends within, else None."""
     config = getattr(module, "config", None)
     types = getattr(config, "layer_types", None) or ()
-    if module.layer_idx < len(types) and types[module.layer_idx] == "chunked_attention":
+    idx = module.layer_idx
+    if idx is not None and 0 <= idx < len(types) and types[idx] == "chunked_attention":
         return config.attention_chunk_size
     return None
 
 
 def _source_layer(step, module, key, value) -> int:
     """The cache layer whose K/V these are (the module's own, or, where a model shares KV across layers as
-    Gemma 3n and Gemma 4 do, the earlier layer that stored them), checked structurally: the K/V a cache
-    layer's update returned in this forward, each layer attending once. Anything else is refused."""
+    Gemma 3n and Gemma 4 do, the earlier layer that stored them; for a module shared by several layers, with no
+    layer_idx of its own (Zamba's), the layer it updated), checked structurally: the K/V a cache layer's update
+    returned in this forward, each layer attending once. Anything else is refused."""
     idx = module.layer_idx
     layers = step.cache.layers if step.cache is not None else None
     source = idx
-    if layers is not None and not _handed(layers[idx], key, value):  # shared: the very tensors another returned
+    if layers is not None and (idx is None or not _handed(layers[idx], key, value)):  # the tensors a layer returned
         source = next(
             (j for j, layer in enumerate(layers) if getattr(layer, "handed", False) and key is layer.keys), None
         )
         if source is not None and value is not layers[source].values:
             source = None
-    if idx in step.attended or source is None:
+    if (source if idx is None else idx) in step.attended or source is None:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than a cache layer "
             "returned in this forward, or more than once per forward: hf-contextpar takes each layer's K/V from "
@@ -243,8 +246,9 @@ def context_parallel_mask(
     """Pass the 2D padding mask (B, global length) through; None when nothing is padded. A model with indexed
     attention gets its indexer's 4D mask instead (attention/indexed.py), which its attention hands back untouched."""
     step = current_step.get()
-    if step is not None and step.indexed:
-        step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
+    if step is not None and step.indexed:  # one per forward: every layer kind's mask (dots3's sliding layers too)
+        if "indexer_mask" not in step.state:
+            step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
         return step.state["indexer_mask"]
     if attention_mask is None or bool(attention_mask.all()):
         return None

@@ -33,12 +33,14 @@ from ..plan.strategies import STRATEGIES
 from .masks import visible
 
 
-def check_indexed(config, settings, dcp: bool) -> bool:
-    """Whether the model has indexed attention (DSA, attention/indexed.py), after refusing what would move a
-    query away from the rank whose indexer chose its keys: pass-Q and Ulysses, batched pass-Q decode, DCP, CSA."""
+def check_indexed(config, settings, dcp: bool) -> frozenset:
+    """The model's indexed-attention layers (DSA, attention/indexed.py; empty: none), after refusing what would move
+    a query away from the rank whose indexer chose its keys: pass-Q and Ulysses, batched pass-Q decode, DCP, CSA.
+    Its other layers (dots3's sliding MLA layers) attend to every visible key, as on one process."""
     text = config.get_text_config(decoder=True)
-    if "indexed_attention" not in (getattr(text, "layer_types", None) or ()):
-        return False
+    layers = frozenset(i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "indexed_attention")
+    if not layers:
+        return layers
     what = None
     if settings.strategy != "auto" and STRATEGIES[settings.strategy].moves_queries:
         what = f"strategy={settings.strategy!r} (it moves queries between ranks)"
@@ -55,7 +57,7 @@ def check_indexed(config, settings, dcp: bool) -> bool:
             "the blocks that rank attends. Use strategy='auto', 'ring_pass_kv', 'allgather_kv' or 'kv_runahead' "
             "and decode='auto' or 'replicated'."
         )
-    return True
+    return layers
 
 
 def indexer_mask(step, device=None) -> torch.Tensor:

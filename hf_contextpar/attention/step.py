@@ -61,7 +61,8 @@ class Step:
     # cache's ShardLayout.held); the algorithms see only this rank's slots, the adapter merges the peers'
     dcp: Comm | None = None
     sparse: SparseRun | None = None  # the approximate mode's settings (CSA), where one was asked for
-    indexed: bool = False  # indexed attention (DSA): the indexer scores every column (attention/indexed.py)
+    # indexed attention (DSA)'s layers: their indexer scores every column (attention/indexed.py); empty: none
+    indexed: frozenset = frozenset()
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers

@@ -78,10 +78,9 @@ def check_model(model, sparse: bool = False):
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
         also = f", and recurrent layers in the families verified to continue from a passed state ({hybrids})"
-        if config.model_type in NOT_CHAINED:
-            why = f"{config.model_type}: {NOT_CHAINED[config.model_type]}. {why}"
+        blocks = f" ({NOT_CHAINED[config.model_type]})" if config.model_type in NOT_CHAINED else ""  # first: unclipped
         raise UnsupportedModelError(
-            f"this model ({config.model_type}) has {sorted(kinds)} layers; hf-contextpar supports softmax attention "
+            f"this model ({config.model_type}) has {sorted(kinds)} layers{blocks}; hf-contextpar supports softmax attention "
             f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}"
         )
     if getattr(text, "num_attention_heads", None) is None and not chained:
@@ -186,6 +185,8 @@ class InputContract:
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
         family = REGISTRY.get(model.config.model_type)
         self.raw_mask = family is not None and family.raw_mask  # the mask multiplies the input: one column a token
+        # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
+        self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)
         # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
         self.cache_arg = cache_argument(model)
