@@ -51,6 +51,8 @@ class Strategy:
     # whose new K/V it brings a rank: "all" ranks' or the "earlier" ones'; then uneven contiguous partitions can
     # still commit 1/N of the K/V per rank (forward._levelled); None: it moves no token's K/V
     levels: str | None = None
+    # its contiguous partitions may be uneven though it cannot level the K/V: each rank stores its own (CSA)
+    uneven: bool = False
     contiguous: bool = False  # needs contiguous partitions in rank order (sharding.contiguous_plan)
     fresh_only: bool = False  # runs on fresh prompts only: over a non-empty cache the plan runs `over_cache`
     over_cache: str | None = None
@@ -200,6 +202,7 @@ for _s in (
         approximate=True,
         moves_queries=True,  # its own pruning, not an indexer's selection
         contiguous=True,
+        uneven=True,
         fresh_only=True,
         over_cache="ring_pass_kv",
     ),

@@ -244,7 +244,19 @@ class SparseRun:
     csa: CSA
     exact: frozenset  # attention layer indices
     last: int  # the last attention layer (no later layer reads its order)
+    pruning: int = 0  # the full-attention layers that prune (every one but the exact ones)
 
     @staticmethod
     def of(csa: CSA, world: int, attending: list) -> SparseRun:
-        return SparseRun(csa.resolved(world), exact_layers(attending), attending[-1] if attending else -1)
+        exact = exact_layers(attending)
+        return SparseRun(csa.resolved(world), exact, attending[-1] if attending else -1, len(set(attending) - exact))
+
+    def pair_weights(self, world: int, layers: int) -> list:
+        """[s][d]: the share of rank s's keys rank d's queries attend, averaged over the model's `layers` attention
+        layers: every key at the layers that keep all (exact, sliding), the fraction its level keeps at the pruning
+        ones (the work `partitions.weighted` balances; 1 where s >= d, which it does not read)."""
+        csa, share = self.csa, self.pruning / max(layers, 1)
+        return [
+            [1 - share * (1 - csa.fraction(csa.levels(s, d))) if s < d else 1.0 for d in range(world)]
+            for s in range(world)
+        ]
