@@ -68,6 +68,7 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool, partitions=
         sent = runtime.last_forward["bytes_sent"]
         ran = runtime.last_forward["approximate"]
         cut = [[len(r) for r in runtime.last_plan.shards.token_rows]]
+        formula = expected_sent(cp, runtime, mask, cut[0]) if family == "llama" else sent  # every layer full
         both = torch.cat([mask, torch.ones_like(turn)], 1)
         a2 = ref(turn, attention_mask=both, past_key_values=a.past_key_values, use_cache=True)
         b2 = cp(turn, attention_mask=both, past_key_values=b.past_key_values, use_cache=True)
@@ -92,7 +93,30 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool, partitions=
         approximate=ran,
         from_plain=moved,
         partitions=cut,
+        traffic=(sent, formula),
     )
+
+
+def expected_sent(cp, runtime, mask, sizes) -> float:
+    """This rank's attention bytes in the prefill by CSA's traffic formula (plan/strategies.py, the one `predict`
+    averages): the chain's, each block cut to the slots its next rank's level keeps (a padded batch: the most any
+    sequence keeps) at the pruning layers, whole at the exact ones."""
+    from hf_contextpar.plan.strategies import STRATEGIES, Rows
+    from hf_contextpar.sparse.csa import kept_counts
+
+    run, cfg = runtime.sparse, cp.config
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    real = [mask[:, a:b].bool() for a, b in zip(bounds, bounds[1:])]
+
+    def pruned(s, d):
+        return int(kept_counts(real[s], sizes[s], mask.shape[0], run.csa.fraction(run.csa.levels(s, d))).max())
+
+    kv_row = 2 * mask.shape[0] * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 8  # fp64
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        kept = None if layer in run.exact else pruned
+        total += STRATEGIES["csa"].traffic(Rows(runtime.rank, sizes, sizes, kv_row, 0, 0, kept=kept))[0]
+    return total
 
 
 def cases(n: int):
@@ -110,6 +134,7 @@ def cases(n: int):
             cut = conversation(family, sparse, n, against_plain=False, partitions=fixed)
             ok = exact["max_diff"] < 1e-10 and exact["tokens_equal"] and cut["max_diff"] < 1e-10 and cut["tokens_equal"]
             ok = ok and cut["bytes_sent"] < exact["bytes_sent"] and cut["approximate"] == sparse.resolved(n).describe()
+            ok = ok and cut["traffic"][0] == cut["traffic"][1] and exact["traffic"][0] == exact["traffic"][1]
             ok = ok and cut["from_plain"] > 1e-6  # the pruning changed the answer: the mode is not the exact one
             ok = ok and (fixed is None or all(p[0] > p[-1] for p in cut["partitions"]))  # the table's, uneven
             return dict(ok=ok, exact=exact, sparse=cut)
