@@ -318,7 +318,8 @@ class ContextParallelRuntime:
         """The contiguous partition sizes the next prefill of num_new new tokens over `past` would cut (None: the
         policy's default, even); no collective. CSA's answer depends on them (placement decides levels): its
         one-process reference takes this (eval/csa_reference.py)."""
-        return self._policy().kvr_sizes(num_new, past) if self._policy().kvr_sizes is not None else None
+        sizes = self._policy().kvr_sizes
+        return sizes(num_new, past) if sizes is not None else None
 
     def _work_terms(self) -> tuple[float, float]:
         """The cost model's seconds per token (its linear layers) and per key a query sees, at the agreed

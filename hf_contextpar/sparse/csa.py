@@ -1,7 +1,8 @@
 """CSPS's communication-efficient sparse attention (CSA, seed 003 sections 3.2.4-3.2.6): the definition.
 
 An *approximate* prefill, opt in only (`apply_context_parallel(model, sparse=CSA(...))`). The prompt is
-cut into N contiguous, even partitions placed on the ranks in topology order (rank = node x ranks per
+cut into N contiguous partitions (balanced by work by default, `partitions.weighted` with `SparseRun.pair_weights`;
+even or a table when asked) placed on the ranks in topology order (rank = node x ranks per
 node + local rank, as torchrun numbers them), so nearer tokens live on nearer ranks. For a query on
 rank d, the keys of partition s belong to level 1 if s = d, else to the smallest topology group holding
 both ranks: level 2 (the node), level 3 (the world, or the rack with three fields), ... A query attends
