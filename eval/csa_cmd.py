@@ -34,7 +34,7 @@ from . import needlebench as nb
 from .common import EXIT_NOT_EQUIVALENT, ints, setup
 from .compare import window_metrics
 from .csa_reference import csa_reference
-from .csa_strategies import CSA_RUN, exact_strategies, strategy_lines, strategy_summary, time_strategies
+from .csa_strategies import CSA_EVEN, CSA_RUN, exact_strategies, strategy_lines, strategy_summary, time_strategies
 from .harness import on_rank0
 from .needlebench_cmd import greedy
 
@@ -67,7 +67,6 @@ def cmd_csa(args) -> int:
         raise SystemExit(f"cannot run this model under CSA: {e}") from None
     hf_contextpar.remove_context_parallel(model)
     cases = on_rank0(d, lambda: needle_cases(args, tok))
-    one = _one_process(d, model, tok, cases, csa, args)
     exact = distributed_runs(d, model, tok, cases, args, dict(strategy=args.strategy))
     sparse = distributed_runs(d, model, tok, cases, args, dict(sparse=csa))
     # the same placement keeping every token: what CSA's bytes and time would be without the dropping
@@ -76,6 +75,10 @@ def cmd_csa(args) -> int:
     timed, skipped = time_strategies(
         d, names, lambda how: distributed_runs(d, model, tok, cases, args, how, results=False)
     )
+    if names:  # CSA on even partitions beside its balanced default: what the balancing buys
+        timed[CSA_EVEN] = distributed_runs(d, model, tok, cases, args, dict(sparse=csa, kvr_partitions="even"), False)
+    # after CSA's run: its reference cuts each prompt as that run's result did (placement decides levels)
+    one = _one_process(d, model, tok, cases, csa, args, [s["partitions"] for s in sparse])
     records = [_record(c, o, e, s, k, tok) for c, o, e, s, k in zip(cases, one, exact, sparse, kept)]
     summary = _summary(records, csa.resolved(d.world).describe(), args, d.world, time.perf_counter() - started)
     if names:
@@ -142,12 +145,13 @@ def _run(model, tok, case, args, device) -> dict:
     return dict(logits=model(torch.tensor([case["ids"]], device=device), use_cache=False).logits[0].cpu())
 
 
-def _one_process(d, model, tok, cases, csa, args) -> list:
-    """Per case, the unpatched model's result and CSA's one-process reference, each rank taking every N-th case."""
+def _one_process(d, model, tok, cases, csa, args, partitions) -> list:
+    """Per case, the unpatched model's result and CSA's one-process reference (on the partitions CSA's run cut for
+    that case's result), each rank taking every N-th case."""
     mine = {}
     for i in range(d.rank, len(cases), d.world):
         plain = _run(model, tok, cases[i], args, d.device)
-        with csa_reference(model, csa, d.world):
+        with csa_reference(model, csa, d.world, partitions[i]):
             ref = _run(model, tok, cases[i], args, d.device)
         mine[i] = dict(plain=_digest(cases[i], plain), reference=_digest(cases[i], ref))
     gathered = {i: r for part in d.all_gather(mine) for i, r in part.items()}
@@ -178,8 +182,9 @@ def distributed_runs(d, model, tok, cases, args, how: dict, results: bool = True
             ttft = time.perf_counter() - t0
             sent = runtime.last_forward["bytes_sent"] if runtime else 0
             per_rank = d.all_gather((round(ttft, 4), int(sent)))
+            cut = runtime.partitions(len(case["ids"])) if runtime else None  # what the result's prefill cuts
             res = _digest(case, _run(model, tok, case, args, d.device)) if results else {}
-            out.append(dict(res, ttft_s=[t for t, _ in per_rank], bytes_sent=[b for _, b in per_rank]))
+            out.append(dict(res, ttft_s=[t for t, _ in per_rank], bytes_sent=[b for _, b in per_rank], partitions=cut))
     finally:
         hf_contextpar.remove_context_parallel(model)
     return out
@@ -195,6 +200,7 @@ def _record(case, one, exact, sparse, kept, tok) -> dict:
         exact_bytes=exact["bytes_sent"],
         csa_bytes=sparse["bytes_sent"],
         keep_all_bytes=kept["bytes_sent"],
+        csa_partitions=sparse["partitions"],  # its result's prefill's (balanced by default): its reference's too
     )
     if case["kind"] == "needle":
 

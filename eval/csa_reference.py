@@ -1,7 +1,8 @@
 """CSA on one process: the same definition (sparse/csa.py) applied as a mask to the unpatched model.
 
-`csa_reference(model, CSA(...), world=N)` switches the model's attention, for the `with` block, to one
-that cuts each fresh prompt into the N contiguous even partitions the distributed run uses and lets a
+`csa_reference(model, CSA(...), world=N, partitions=...)` switches the model's attention, for the `with` block,
+to one that cuts each fresh prompt into the N contiguous partitions the distributed run uses (placement decides
+levels: `partitions` is the run's, `get_runtime(cp).partitions` or a list; even without it) and lets a
 query of partition d see its own partition causally and, of each earlier partition s, the keys kept at
 level(s, d) by the previous attention layer's importance order, each padding key masked. Everything
 else (a prefill over a cache, decode, prompts too short to split) attends exactly. It shares with the
@@ -19,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hf_contextpar.cache.sharded import cache_recurrence
-from hf_contextpar.plan.partitions import even
+from hf_contextpar.plan.partitions import PartitionTable, even
 from hf_contextpar.sparse.csa import (
     CSA,
     SparseRun,
@@ -34,14 +35,17 @@ NAME = "hf_contextpar_csa_reference"
 
 
 @contextmanager
-def csa_reference(model, csa: CSA, world: int):
-    """Within the block, `model` (unpatched, one process) attends as `world` ranks running `csa` would."""
+def csa_reference(model, csa: CSA, world: int, partitions=None):
+    """Within the block, `model` (unpatched, one process) attends as `world` ranks running `csa` would.
+    partitions: the sizes a fresh prompt of T tokens is cut into: a callable T -> sizes (the distributed run's
+    `get_runtime(model).partitions`, called before that run's prefill: balanced ones follow its measurements), a
+    list (one prompt length), a PartitionTable (or its dict), or None: even (`kvr_partitions="even"`)."""
     refuse_layers(model.config)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     chained = any(r is not None for r in cache_recurrence(DynamicCache(config=model.config)))
-    reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained)
+    reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained, _sizes(partitions))
     AttentionInterface.register(NAME, reference)
     AttentionMaskInterface.register(NAME, _padding_mask)
     original = model.config._attn_implementation
@@ -57,9 +61,27 @@ def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask
     return None if attention_mask is None or bool(attention_mask.all()) else attention_mask
 
 
+def _sizes(partitions):
+    """partitions as a callable T -> sizes or None (what the distributed plan reads of `Policy.kvr_sizes`)."""
+    if partitions is None or callable(partitions):
+        return partitions
+    if isinstance(partitions, (list, tuple)):
+        fixed = [int(n) for n in partitions]
+
+        def given(num_tokens: int) -> list:
+            if sum(fixed) != num_tokens:
+                raise ValueError(f"csa_reference: partitions {fixed} hold {sum(fixed)} tokens, the prompt {num_tokens}")
+            return fixed
+
+        return given
+    table = PartitionTable.load(partitions)
+    return lambda num_tokens: table.sizes(num_tokens, table.world)
+
+
 class _Reference:
-    def __init__(self, run: SparseRun, world: int, chained: bool):
+    def __init__(self, run: SparseRun, world: int, chained: bool, sizes=None):
         self.run, self.world, self.least = run, world, world * (2 if chained else 1)
+        self.sizes, self.chained = sizes, chained
         self.orders = None  # per partition: the previous attention layer's order of its keys
 
     def __call__(
@@ -91,7 +113,9 @@ class _Reference:
 def _sparse(ref: _Reference, layer: int, query, key, value, valid, scale, softcap):
     """One fresh prefill's layer under CSA: per query partition, its visible keys as a (B, Hkv, rows, keys) mask."""
     csa, tq = ref.run.csa, query.shape[2]
-    bounds = [0, *torch.tensor(even(tq, ref.world)).cumsum(0).tolist()]
+    sizes = ref.sizes(tq) if ref.sizes is not None else None
+    sizes = sizes if sizes and len(sizes) == ref.world and min(sizes) >= (2 if ref.chained else 0) else None
+    bounds = [0, *torch.tensor(sizes or even(tq, ref.world)).cumsum(0).tolist()]
     parts = [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
     exact = ref.orders is None or layer in ref.run.exact
     outs, orders = [], []

@@ -57,12 +57,14 @@ def apply_context_parallel(
         machine's measured C and BW (Meta Alg. 5). KV-Runahead runs on fresh prompts; a partial
         prefill over a non-empty cache uses ring pass-KV. Ulysses needs N to divide the query and
         KV head counts.
-    kvr_partitions: for "kv_runahead" (and the state chain of a model with recurrent layers), a partition
+    kvr_partitions: for "kv_runahead", CSA (sparse=) and the state chain of a model with recurrent layers, a partition
         table (PartitionTable, dict or JSON path from `python -m hf_contextpar kvr-table`) to interpolate
         partitions from (KVR-P); "balanced": partitions of equal work (later ranks, whose queries see more
         keys, take fewer tokens), from the cost model scaled to the ranks' measured compute in earlier
-        prefills (the default, None); "even" (KVR-E), only when asked. Every rank
-        keeps 1/N of the KV cache whatever the partitions (the received K/V levels it).
+        prefills (the default, None; CSA's count the keys its pruning keeps); "even" (KVR-E), only when asked.
+        Every rank keeps 1/N of the KV cache whatever the partitions (the received K/V levels it), but under CSA,
+        whose K/V travel pruned, each rank keeps its own partition. CSA's answer depends on them (placement
+        decides levels): `get_runtime(model).partitions(T)` says what the next prefill cuts.
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar
         calibrate` saves, else built-in defaults). planner_rule: "cost" (the lower predicted time from
         the cost model), "alg5" (Meta Alg. 5) or "empirical" (App. D's h(T,P)).

@@ -49,7 +49,7 @@ from .model.shape import model_shape
 from .outputs import gather_outputs
 from .plan.choice import choose
 from .plan.forward import ForwardPlan, Policy, build_plan
-from .plan.partitions import MeasuredWork, balanced, key_pairs
+from .plan.partitions import MeasuredWork, balanced, key_pairs, weighted, weighted_pairs
 from .settings import Settings
 from .sparse.csa import SparseRun, full_layers
 
@@ -308,9 +308,20 @@ class ContextParallelRuntime:
         )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
-        """Contiguous partitions of equal work: a token's, plus a term per key its queries see, as measured."""
+        """Contiguous partitions of equal work: a token's, plus a term per key its queries see, as measured. Under
+        CSA a query sees only the kept keys of an earlier partition at the pruning layers (`pair_weights`)."""
         (per_token, per_pair), (a, b) = self._work_terms(), self.work.scales()
+        if self._sparse(past):
+            weights = self.sparse.pair_weights(self.world, self.attention_layers)
+            return weighted(num_new, self.world, a * per_token, b * per_pair, weights)
         return balanced(num_new, self.world, past, a * per_token, b * per_pair)
+
+    def partitions(self, num_new: int, past: int = 0) -> list[int] | None:
+        """The contiguous partition sizes the next prefill of num_new new tokens over `past` would cut (None: the
+        policy's default, even); no collective. CSA's answer depends on them (placement decides levels): its
+        one-process reference takes this (eval/csa_reference.py)."""
+        sizes = self._policy().kvr_sizes
+        return sizes(num_new, past) if sizes is not None else None
 
     def _work_terms(self) -> tuple[float, float]:
         """The cost model's seconds per token (its linear layers) and per key a query sees, at the agreed
@@ -326,12 +337,19 @@ class ContextParallelRuntime:
         start, end = int(rows[0]), int(rows[-1]) + 1
         busy = time.perf_counter() - started[0] - (self.comm.stats.wait_s - started[1])
         per_token, per_pair = self._work_terms()
-        mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
+        pairs = key_pairs(start, end, plan.past)
+        if plan.algorithm == "csa":  # the keys its pruning keeps, as `_balanced` counts them
+            sizes = [len(r) for r in plan.shards.token_rows]
+            pairs = weighted_pairs(sizes, self.rank, self.sparse.pair_weights(self.world, self.attention_layers))
+        mine = [per_token * (end - start), per_pair * pairs, busy]
         mine = torch.tensor(mine, dtype=torch.float64, device=next(self.model.parameters()).device)
         self.work.add(self.comm.all_gather(mine, "control").tolist())
 
+    def _sparse(self, past: int) -> bool:
+        return self.sparse is not None and past == 0  # asked for: a fresh prefill runs approximate (CSA)
+
     def _choose(self, num_new: int, past: int) -> str:
-        if self.sparse is not None and past == 0:  # asked for: a fresh prefill runs approximate
+        if self._sparse(past):
             return "csa"
         if self.settings.strategy != "auto":
             return self.settings.strategy

@@ -379,6 +379,12 @@ def _within_csa(case: dict, r: random.Random) -> None:
         case["user_code"] = None
     if case["padding"] == "packed":
         case["padding"] = "none"
+    # placement decides levels: a pruning case's reference cuts the partitions the run does, so they are even or a
+    # table's (front-loaded); balanced ones follow the run's measured times (keep-all cases draw them: exact)
+    if case["partitions"] in (None, "balanced") and csa_fits(case) and not csa_keeps_all(case):
+        case["partitions"] = r.choice(
+            ["even", dict(world=case["n"], entries={"16": [2.0**-i for i in range(case["n"])]})]
+        )
 
 
 def csa_of(case: dict) -> CSA | None:
@@ -947,7 +953,8 @@ def reference_mode(case: dict, model):
     one-process reference (the same definition as a mask, eval/csa_reference.py), which also refuses the
     layer kinds and topologies CSA refuses."""
     if case.get("csa") and not csa_keeps_all(case):
-        return csa_reference(model, csa_of(case), case["n"])
+        table = case.get("partitions") if isinstance(case.get("partitions"), dict) else None
+        return csa_reference(model, csa_of(case), case["n"], table)
     return contextlib.nullcontext()
 
 

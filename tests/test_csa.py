@@ -110,3 +110,27 @@ def test_the_reference_keeps_each_sequences_own_keys_without_a_mask():
     assert (batch - alone).abs().max().item() < 1e-10
     with torch.no_grad():
         assert (model(ids).logits - batch).abs().max().item() > 1e-6  # it pruned
+
+
+def test_balanced_csa_partitions_equalise_the_pruned_work():
+    """CSA's default partitions (issue 41): equal predicted work per rank where a query sees only the kept keys of an
+    earlier partition at the pruning layers (`SparseRun.pair_weights`, `partitions.weighted`). Keeping all, they
+    are the exact chain's balanced ones; pruning, the later ranks take more than they would exact."""
+    from hf_contextpar.plan.partitions import balanced, even, weighted, weighted_pairs
+    from hf_contextpar.sparse.csa import SparseRun
+
+    ones = [[1.0] * 4] * 4
+    for t in (64, 2048, 16384):
+        a, b = weighted(t, 4, 1.0, 1e-2, ones), balanced(t, 4, 0, 1.0, 1e-2)
+        assert sum(a) == t and max(abs(x - y) for x, y in zip(a, b)) <= 1, (a, b)
+    run = SparseRun.of(CSA(keep=0.6, topology="2x2"), 4, [1, 2, 3, 4, 5])  # needle-lm: 1 sliding, 5 full layers
+    assert run.pruning == 3 and run.exact == frozenset({1, 5})
+    w = run.pair_weights(4, 6)  # 3 of 6 layers prune: rank 1 sees rank 0 (L2, 0.6) at 1 - 0.5 x 0.4
+    assert w[0][1] == pytest.approx(0.8) and w[0][2] == w[1][2] == w[0][3] == pytest.approx(1 - 0.5 * 0.7)
+    sizes = weighted(16384, 4, 1.0, 1e-2, w)
+    work = [sizes[d] + 1e-2 * weighted_pairs(sizes, d, w) for d in range(4)]
+    assert max(work) / min(work) < 1.01 and sum(sizes) == 16384
+    exact = weighted(16384, 4, 1.0, 1e-2, ones)
+    assert sizes[0] < exact[0] and all(s > e for s, e in zip(sizes[1:], exact[1:]))  # later ranks see fewer keys
+    assert weighted(16384, 4, 1.0, 0.0, w) == [4096] * 4  # no attention term: even
+    assert weighted(5, 4, 1.0, 1.0, w) == even(5, 4)  # a partition under 2 tokens: even

@@ -386,6 +386,8 @@ def test_csa_report_beside_the_exact_run_n2(tmp_path):
     """`eval csa`: NeedleBench cells and a BookCorpus window under the exact run, CSA and one process; the exact
     run is the one process's, CSA its reference's, and the dropping saves bytes against keep-all CSA. With
     --exact-strategies all, every exact prefill strategy's prefill per rank beside CSA's, the fastest named."""
+    from hf_contextpar.eval.csa_strategies import CSA_EVEN
+
     from hf_contextpar.plan.strategies import prefill_names
 
     out = tmp_path / "csa"
@@ -402,9 +404,12 @@ def test_csa_report_beside_the_exact_run_n2(tmp_path):
     assert "| window/0 |" in (out / "report.md").read_text()
     st = s["strategies"]
     ran = set(st["prefill_s_per_rank"])
-    assert ran | set(st["skipped_strategies"]) == {*prefill_names(), "exact run (auto)", "csa"}
+    assert ran | set(st["skipped_strategies"]) == {*prefill_names(), "exact run (auto)", "csa", CSA_EVEN}
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in st["prefill_s_per_rank"].values())
-    assert st["fastest_exact"] in ran - {"csa"} and st["csa_over_fastest_exact"] > 0
+    assert st["fastest_exact"] in ran - {"csa", CSA_EVEN} and st["csa_over_fastest_exact"] > 0
+    # CSA's balanced partitions (the default), which its reference cut too: front-loaded
+    cuts = [r["csa_partitions"] for r in rep["records"]]
+    assert all(len(c) == 2 and c[0] >= c[1] > 0 for c in cuts) and sum(cuts[2]) < sum(cuts[0]), cuts
     assert set(st["prefill_s_slowest_by_length"]) == {"768", "window (512)"}
     assert "## Prefill per rank: CSA beside every exact strategy" in (out / "report.md").read_text()
 

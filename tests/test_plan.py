@@ -302,3 +302,19 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
         layout.commit(plan.storage)
     plan = plan_for(layout, 1, batch=world + 1, policy=policy)
     assert plan.algorithm == "decode" and not plan.chained
+
+
+def test_csa_cuts_the_policys_partitions_and_stores_its_own():
+    """CSA (issue 41) runs the policy's contiguous partitions (balanced by default) though it cannot level the K/V:
+    its blocks travel pruned, so each rank stores its own partition; the prefill is one balanced ones measure."""
+    csa = dict(prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: [6, 3, 2], level=True)
+    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **csa))
+    assert [r.tolist() for r in plan.shards.token_rows] == [list(range(6)), [6, 7, 8], [9, 10]]
+    assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
+    assert all(s.level is None for s in plan.storage.store) and plan.sized
+    chained = plan_for(
+        ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "kvr_sizes": lambda t, p: [9, 1, 1]}, chain=True)
+    )
+    assert [len(r) for r in chained.shards.token_rows] == [4, 3, 4]  # a chained rank needs 2 tokens: even instead
+    pass_q = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "prefill": lambda t, p: "ring_pass_q"}))
+    assert not pass_q.contiguous and not pass_q.sized  # head-tail: the policy's sizes are a contiguous strategy's

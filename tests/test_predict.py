@@ -271,3 +271,26 @@ def test_table4_partial_prefill():
     assert ours < tip
     text = table4_report()
     assert "| 1.00% | 1280 | 1,023 ms |" in text and "fixed per-request cost of 512 ms" in text
+
+
+def test_csa_rows_on_sixteen_nodes_of_eight():
+    """predict --csa (issue 41): CSA's formulas (its strategy record, checked against the bytes the real CSA sends
+    in tests/csa_worker.py) at 128K on 16 x 8 H100, NVLink inside a node, RDMA between: keep-all CSA is the chain
+    on the same placement; dropping cuts bytes and time against ring pass-KV; a faster node link only helps."""
+    from hf_contextpar.plan.costmodel import predict_csa
+    from hf_contextpar.sparse.csa import CSA, SparseRun
+    from hf_contextpar.tools.predict import csa_keeps
+
+    s, m, node = shape_of("llama-3.1-70b", 2), PRESETS["h100-rdma"], (8, PRESETS["h100-nvlink"])
+    full = list(range(s.layers))
+    runs = [SparseRun.of(CSA(keep=k, topology="16x8"), 128, full) for k in ((1.0, 1.0), 0.78, 0.6)]
+    (all_t, all_b), (t78, b78), (t60, b60) = (predict_csa(131072, 128, s, m, r, node) for r in runs)
+    ring_t, ring_b = (
+        predict_ttft("ring_pass_kv", 131072, 128, s, m),
+        traffic_per_rank("ring_pass_kv", 131072, 0, 128, s),
+    )
+    assert all_b < ring_b and b60 < b78 < all_b and t60 < t78 < all_t < 1.05 * ring_t
+    assert predict_csa(131072, 128, s, m, runs[1], None)[0] >= t78  # RDMA everywhere: no faster
+    assert csa_keeps("0.78,0.78:0.39") == [0.78, (0.78, 0.39)]
+    text = report("llama-3.1-70b", "h100-rdma", [128], [131072], [1.0], csa=[0.78], node_hardware="h100-nvlink")
+    assert "| 128 | 128 | csa (keep-all, same chain) |" in text and "| csa (L2=0.78, L3=0.39) |" in text

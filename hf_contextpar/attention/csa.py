@@ -1,6 +1,7 @@
 """CSPS's communication-efficient sparse attention (CSA): approximate, opt in (sparse/csa.py defines it).
 
-Contiguous even partitions in topology order, so every earlier partition is wholly in a query's past and
+Contiguous partitions (the policy's: balanced by default; each rank stores its own, since the K/V that travel
+are pruned and cannot level the cache) in topology order, so every earlier partition is wholly in a query's past and
 lies on a nearer or equally near rank the closer it is. The K/V pass one way down a chain, as
 KV-Runahead's do (rank i receives from i-1 the blocks of ranks i-1, ..., 0, nearest first, and forwards
 each with its own to i+1), but pruned: a block travels as its keys sorted by importance (the previous

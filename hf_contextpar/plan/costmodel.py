@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import ContextParallelError
 from .strategies import STRATEGIES, Rows
@@ -214,6 +214,14 @@ class LayerCost:
     shape: Shape
     m: Machine
     window: int | None = None
+    csa: CsaLayer | None = None  # CSA: its partitions and what each block keeps on this layer
+    node: tuple | None = None  # (ranks per node, the Machine of the link inside one): m is the link between nodes
+
+    def hop(self, src: int, dst: int, nbytes: float) -> float:
+        """One message from rank src to rank dst: over the node's link where both share a node, else m's."""
+        inside = self.node is not None and src // self.node[0] == dst // self.node[0]
+        m = self.node[1] if inside else self.m
+        return m.latency + nbytes / m.bandwidth
 
     @property
     def attention(self) -> float:
@@ -257,6 +265,52 @@ class LayerCost:
     @property
     def bandwidth(self) -> float:
         return self.m.bandwidth
+
+
+@dataclass(frozen=True)
+class CsaLayer:
+    """CSA on one layer: the partition sizes and, per (source, destination) rank, the fraction of the source's
+    tokens the destination attends (its level's at a pruning layer, 1 elsewhere)."""
+
+    sizes: list
+    fractions: list  # [s][d]
+
+    def kept(self, s: int, d: int) -> int:
+        return min(self.sizes[s], math.ceil(self.fractions[s][d] * self.sizes[s]))
+
+
+def predict_csa(T: int, N: int, shape: Shape, m: Machine, run, node: tuple | None = None) -> tuple[float, float]:
+    """(TTFT seconds, attention bytes one rank sends, mean over the ranks) of a fresh prefill under CSA (`run`: a
+    sparse.csa.SparseRun for N ranks, its layer indices those of `shape`'s layers) on its default partitions,
+    balanced by this model's own terms (`partitions.weighted`). node: (ranks per node, the Machine inside a
+    node), m the link between nodes (hierarchical bandwidth); None: m everywhere. Sliding layers run ring
+    pass-KV (exact, the window's traffic), the exact full layers (the first and last) keep every key."""
+    from .partitions import weighted
+
+    csa, layers = run.csa, shape.layers
+    per_token = 2.0 * shape.linear_weights * layers / m.gemm_flops
+    per_pair = 4.0 * shape.heads * shape.head_dim * layers / m.attn_flops
+    sizes = weighted(T, N, per_token, per_pair, run.pair_weights(N, layers))
+    kv_row = shape.kv_token_bytes
+    kinds: dict = {}  # (window, prunes) -> layers: the layers of one kind cost the same
+    for i in range(layers):
+        window = shape.windows[i] if i < len(shape.windows) else None
+        prunes = window is None and i not in run.exact and i != run.last
+        kinds[window, prunes] = kinds.get((window, prunes), 0) + 1
+    total, sent = PER_FORWARD_COLLECTIVES * m.latency, 0.0
+    linear = 2.0 * shape.linear_weights * T / N / m.gemm_flops  # balanced: every rank the mean of all work
+    for (window, prunes), count in kinds.items():
+        if window is not None:
+            c = LayerCost(T, 0, N, shape, m, window, node=node)
+            one = replace(shape, layers=1, windows=(window,))
+            time, nbytes = STRATEGIES["ring_pass_kv"].time(c), traffic_per_rank("ring_pass_kv", T, 0, N, one)
+        else:
+            frac = [[csa.fraction(csa.levels(s, d)) if prunes and s < d else 1.0 for d in range(N)] for s in range(N)]
+            c = LayerCost(T, 0, N, shape, m, csa=CsaLayer(sizes, frac), node=node)
+            rows = [Rows(r, sizes, sizes, kv_row, 0, 0, kept=c.csa.kept) for r in range(N)]
+            time, nbytes = STRATEGIES["csa"].time(c), sum(STRATEGIES["csa"].traffic(row)[0] for row in rows) / N
+        total, sent = total + count * (linear + time), sent + count * nbytes
+    return total, sent
 
 
 def ring_attention_times(

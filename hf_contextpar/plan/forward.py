@@ -150,9 +150,8 @@ class ForwardPlan:
     @property
     def sized(self) -> bool:
         """Contiguous partitions the policy's sizes may cut unevenly (a chain, or a strategy whose K/V levels:
-        KV-Runahead): the prefills whose busy times balanced partitions learn from (runtime._measure). CSA's
-        stay even, so it sends no measurement."""
-        return self.contiguous and (self.chained or STRATEGIES[self.algorithm].levels is not None)
+        KV-Runahead, CSA): the prefills whose busy times balanced partitions learn from (runtime._measure)."""
+        return self.contiguous and (self.chained or uneven(self.algorithm))
 
 
 @dataclass(frozen=True)
@@ -304,14 +303,19 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     if past and STRATEGIES[algorithm].fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
         algorithm = STRATEGIES[algorithm].over_cache
     if policy.chain or STRATEGIES[algorithm].contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
-        # uneven only where the K/V can be levelled (_levelled): pass-Q, Ulysses and CSA move no whole K/V
-        levels = policy.kvr_sizes is not None and STRATEGIES[algorithm].levels is not None
-        sizes = policy.kvr_sizes(num_new, past) if levels else None
+        # uneven only where the K/V can be levelled (_levelled; pass-Q and Ulysses move no whole K/V) or the strategy
+        # stores its own partitions (CSA)
+        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None and uneven(algorithm) else None
         least = 2 if policy.chain else 0  # a chained rank's recurrent mixers need >= 2 tokens
         return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= least else even(num_new, policy.world))
     if STRATEGIES[algorithm].over_tables and any(c.dim() == 2 for c in cols):
         algorithm = STRATEGIES[algorithm].over_tables  # after batched decode no single column order exists
     return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
+
+
+def uneven(algorithm: str) -> bool:
+    """Its contiguous partitions may be cut unevenly (the policy's sizes): it levels the K/V, or stores its own."""
+    return STRATEGIES[algorithm].levels is not None or STRATEGIES[algorithm].uneven
 
 
 def _append(cols, new_cols):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 
 from .sharding import partition_sizes
@@ -45,6 +46,37 @@ def balanced(num_tokens: int, world: int, past: int, per_token: float, per_pair:
         bounds.append(lo)
     sizes = [b - a for a, b in zip(bounds, [*bounds[1:], num_tokens])]
     return sizes if min(sizes) >= 2 else even(num_tokens, world)
+
+
+def weighted(num_tokens: int, world: int, per_token: float, per_pair: float, weights) -> list[int]:
+    """Contiguous partitions of a fresh prompt of equal predicted work where rank d's queries see the keys of an
+    earlier rank s at weight `weights[s][d]` (CSA: the fraction of them its pruning keeps, averaged over the
+    layers; all 1 is `balanced` with no past) and their own causally: rank d's work is
+    n_d per_token + per_pair (n_d (n_d + 1) / 2 + n_d sum_s weights[s][d] n_s). For a common work W each n_d
+    follows from the ones before it (a quadratic), and the total grows with W: W is bisected until the
+    sizes sum to the prompt. Even partitions where that leaves one under 2 tokens."""
+
+    def sizes(work: float) -> list[float]:
+        out = []
+        for d in range(world):
+            lin = per_token + per_pair * (0.5 + sum(weights[s][d] * n for s, n in enumerate(out)))
+            out.append(2 * work / (lin + math.sqrt(lin * lin + 2 * per_pair * work)))  # the quadratic's root
+        return out
+
+    lo, hi = 0.0, world * (per_token * num_tokens + per_pair * num_tokens * (num_tokens + 1) / 2)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(sizes(mid)) < num_tokens else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    cut = partition_sizes(num_tokens, sizes(hi)) if num_tokens >= world and hi > 0 else []
+    return cut if cut and min(cut) >= 2 else even(num_tokens, world)
+
+
+def weighted_pairs(sizes: list, rank: int, weights) -> float:
+    """The keys rank's queries see under `weighted`'s model: its own causally, every earlier rank's at its weight."""
+    n = sizes[rank]
+    return n * (n + 1) / 2 + n * sum(weights[s][rank] * sizes[s] for s in range(rank))
 
 
 def key_pairs(start: int, end: int, past: int) -> int:

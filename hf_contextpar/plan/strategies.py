@@ -34,6 +34,7 @@ class Rows:
     batch: int = 1
     seqs: list | None = None  # batched decode: per rank, how many sequences it runs
     new: int = 1  # replicated decode: new tokens per sequence
+    kept: Callable | None = None  # CSA: (s, d) -> slots of rank s's block as it travels to rank d (None: kv[s])
 
     @property
     def world(self) -> int:
@@ -51,6 +52,8 @@ class Strategy:
     # whose new K/V it brings a rank: "all" ranks' or the "earlier" ones'; then uneven contiguous partitions can
     # still commit 1/N of the K/V per rank (forward._levelled); None: it moves no token's K/V
     levels: str | None = None
+    # its contiguous partitions may be uneven though it cannot level the K/V: each rank stores its own (CSA)
+    uneven: bool = False
     contiguous: bool = False  # needs contiguous partitions in rank order (sharding.contiguous_plan)
     fresh_only: bool = False  # runs on fresh prompts only: over a non-empty cache the plan runs `over_cache`
     over_cache: str | None = None
@@ -89,6 +92,27 @@ def _runahead_time(c) -> float | None:
     as even partitions' (balanced ones send a little more: their earlier partitions are larger)."""
     chunk = c.T / c.N
     return c.attention + sum(c.message(i * chunk * c.kv_token) for i in range(1, c.N))
+
+
+def _csa_time(c) -> float | None:
+    """CSA's chain (`LayerCost.csa`: its partitions, balanced by default, and the keys each block keeps at its
+    destination's level on this layer): every rank the same work, so the layer's attention over the kept keys
+    divided by N, overlapped with the blocks its incoming link carries one after the other, each at that link's
+    rate (inside a node or between nodes, `LayerCost.hop`). The pipeline's fill (a block's N - 1 hops) is left
+    out: one block's time on the slowest link, small beside the rest at these sizes."""
+    if c.csa is None:
+        return None
+    sizes, kept = c.csa.sizes, c.csa.kept
+    pairs = sum(n * (n + 1) / 2 + n * sum(kept(s, d) for s in range(d)) for d, n in enumerate(sizes))
+    work = 4.0 * c.shape.heads * c.shape.head_dim * pairs / c.m.attn_flops / c.N
+    links = [sum(c.hop(d - 1, d, kept(s, d) * c.kv_token) for s in range(d)) for d in range(1, c.N)]
+    return max(work, max(links, default=0.0))
+
+
+def _csa_traffic(r: Rows) -> tuple:  # the chain's, each block cut to the slots its next rank's level keeps
+    kept = r.kept or (lambda s, d: r.kv[s])
+    sent = sum(kept(s, r.rank + 1) for s in range(r.rank + 1)) * r.kv_row if r.rank < r.world - 1 else 0
+    return sent, sum(kept(s, r.rank) for s in range(r.rank)) * r.kv_row
 
 
 def _ulysses_time(c) -> float:
@@ -200,8 +224,11 @@ for _s in (
         approximate=True,
         moves_queries=True,  # its own pruning, not an indexer's selection
         contiguous=True,
+        uneven=True,
         fresh_only=True,
         over_cache="ring_pass_kv",
+        time=_csa_time,
+        traffic=_csa_traffic,
     ),
     Strategy(
         "decode",

@@ -1,7 +1,8 @@
 """CSPS's communication-efficient sparse attention (CSA, seed 003 sections 3.2.4-3.2.6): the definition.
 
 An *approximate* prefill, opt in only (`apply_context_parallel(model, sparse=CSA(...))`). The prompt is
-cut into N contiguous, even partitions placed on the ranks in topology order (rank = node x ranks per
+cut into N contiguous partitions (balanced by work by default, `partitions.weighted` with `SparseRun.pair_weights`;
+even or a table when asked) placed on the ranks in topology order (rank = node x ranks per
 node + local rank, as torchrun numbers them), so nearer tokens live on nearer ranks. For a query on
 rank d, the keys of partition s belong to level 1 if s = d, else to the smallest topology group holding
 both ranks: level 2 (the node), level 3 (the world, or the rack with three fields), ... A query attends
@@ -244,7 +245,19 @@ class SparseRun:
     csa: CSA
     exact: frozenset  # attention layer indices
     last: int  # the last attention layer (no later layer reads its order)
+    pruning: int = 0  # the full-attention layers that prune (every one but the exact ones)
 
     @staticmethod
     def of(csa: CSA, world: int, attending: list) -> SparseRun:
-        return SparseRun(csa.resolved(world), exact_layers(attending), attending[-1] if attending else -1)
+        exact = exact_layers(attending)
+        return SparseRun(csa.resolved(world), exact, attending[-1] if attending else -1, len(set(attending) - exact))
+
+    def pair_weights(self, world: int, layers: int) -> list:
+        """[s][d]: the share of rank s's keys rank d's queries attend, averaged over the model's `layers` attention
+        layers: every key at the layers that keep all (exact, sliding), the fraction its level keeps at the pruning
+        ones (the work `partitions.weighted` balances; 1 where s >= d, which it does not read)."""
+        csa, share = self.csa, self.pruning / max(layers, 1)
+        return [
+            [1 - share * (1 - csa.fraction(csa.levels(s, d))) if s < d else 1.0 for d in range(world)]
+            for s in range(world)
+        ]

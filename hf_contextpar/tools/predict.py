@@ -114,8 +114,55 @@ def table4_report(partial_bytes: int = 2) -> str:
     return "\n".join(lines)
 
 
+def csa_keeps(text: str) -> list:
+    """--csa: '0.78,0.6:0.6' -> [0.78, (0.6, 0.6)] (CSA's keep: one fraction, or one per level from 2 up)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        keep = tuple(fractions(item.replace(":", ",")))
+        out.append(keep[0] if len(keep) == 1 else keep)
+    return out
+
+
+def csa_rows(T: int, N: int, shape: Shape, m: Machine, tp: int, keeps, node_gpus: int, node_hardware) -> list[str]:
+    """Approximate (CSA, issue 41) rows of a fresh prefill: keep-all on the same chain and placement, then each keep
+    setting, against ring pass-KV. Ranks per node: node_gpus / tp; node_hardware: the link inside a node (m is
+    the one between nodes), or None (m everywhere)."""
+    from ..plan.costmodel import predict_csa
+    from ..sparse.csa import CSA, SparseRun
+
+    per_node = max(1, node_gpus // tp)
+    if N % per_node:
+        return [f"| {N} | {N * tp} | csa | - | | | | {N} ranks do not fill nodes of {per_node} |"]
+    node = (per_node, machine_of(node_hardware)) if node_hardware else None
+    full = [i for i in range(shape.layers) if (shape.windows[i] if i < len(shape.windows) else None) is None]
+    ring = predict_ttft("ring_pass_kv", T, N, shape, m, 0)
+    ring_bytes = traffic_per_rank("ring_pass_kv", T, 0, N, shape)
+    lines = []
+    for keep in [(1.0, 1.0, 1.0), *keeps]:
+        csa = CSA(keep=keep, topology=(N // per_node, per_node))
+        run = SparseRun.of(csa, N, full)
+        ttft, sent = predict_csa(T, N, shape, m, run, node)
+        levels = ", ".join(f"L{v}={run.csa.fraction(v):g}" for v in run.csa.used_levels())
+        what = "keep-all, same chain" if keep == (1.0, 1.0, 1.0) else levels
+        lines.append(
+            f"| {N} | {N * tp} | csa ({what}) | {format_seconds(ttft)} ({ttft / ring - 1:+.0%} vs pass-KV) | | | "
+            f"{format_bytes(sent)} ({sent / ring_bytes - 1:+.0%}) | approximate |"
+        )
+    return lines
+
+
 def report(
-    model: str, hardware: str, worlds, lengths, miss_rates, dtype: str = "bfloat16", tp: int = 1, partial_bytes: int = 4
+    model: str,
+    hardware: str,
+    worlds,
+    lengths,
+    miss_rates,
+    dtype: str = "bfloat16",
+    tp: int = 1,
+    partial_bytes: int = 4,
+    csa=(),
+    node_gpus: int = 8,
+    node_hardware: str | None = None,
 ) -> str:
     m = machine_of(hardware)
     shape = replace(shape_of_dtype(model, dtype, tp), partial_bytes=partial_bytes)
@@ -156,6 +203,8 @@ def report(
                         f"{format_bytes(traffic_per_rank(s, T, P, N, shape)) if N > 1 else '0'} | "
                         f"{'<- auto' if s == pick else ''} |"
                     )
+                if csa and N > 1 and P == 0:
+                    lines += csa_rows(T, N, shape, m, tp, csa, node_gpus, node_hardware)
             lines.append("")
         for N in worlds:
             if N > 1:
@@ -197,6 +246,19 @@ def add_arguments(p: argparse.ArgumentParser):
         help="dtype of pass-Q's partial outputs sent home: float32 is what hf-contextpar sends, bfloat16 Meta's",
     )
     p.add_argument(
+        "--csa",
+        type=csa_keeps,
+        default=None,
+        help="APPROXIMATE: add CSA rows (issue 41) for fresh prefills, one per setting (comma-separated): a level-2 "
+        "keep fraction, each farther level half (0.78), or one per level from 2 up joined by ':' (0.78:0.78: CSPS's "
+        "zero-loss drop of 22%% at every level), beside keep-all CSA and ring pass-KV",
+    )
+    p.add_argument(
+        "--node-hardware",
+        help="with --csa: the link inside a node (a preset, e.g. h100-nvlink); --hardware is then the one between "
+        "nodes, and --node-gpus / --tp ranks share a node (default: --hardware everywhere)",
+    )
+    p.add_argument(
         "--table4",
         action="store_true",
         help="print the Meta CP paper's Table 4 (405B, 128K, 4 nodes) next to the prediction and exit",
@@ -223,6 +285,9 @@ def run(args) -> str:
         args.dtype,
         args.tp,
         2 if args.partials == "bfloat16" else 4,
+        csa=args.csa or (),
+        node_gpus=args.node_gpus,
+        node_hardware=args.node_hardware,
     )
     print(text)
     return text
