@@ -38,7 +38,7 @@ NAME = "hf_contextpar_csa_reference"
 def csa_reference(model, csa: CSA, world: int, partitions=None):
     """Within the block, `model` (unpatched, one process) attends as `world` ranks running `csa` would.
     partitions: the sizes a fresh prompt of T tokens is cut into: a callable T -> sizes (the distributed run's
-    `get_runtime(model).partitions`, called before that run's prefill: balanced ones follow its measurements), a
+    `get_runtime(model).partitions`: the balanced default is the same in every run), a
     list (one prompt length), a PartitionTable (or its dict), or None: even (`kvr_partitions="even"`)."""
     refuse_layers(model.config)
     from transformers import AttentionInterface

@@ -49,7 +49,7 @@ from .model.shape import model_shape
 from .outputs import gather_outputs
 from .plan.choice import choose
 from .plan.forward import ForwardPlan, Policy, build_plan
-from .plan.partitions import MeasuredWork, balanced, key_pairs, weighted, weighted_pairs
+from .plan.partitions import MeasuredWork, balanced, key_pairs, weighted
 from .settings import Settings
 from .sparse.csa import SparseRun, full_layers
 
@@ -228,8 +228,8 @@ class ContextParallelRuntime:
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
         # balanced partitions learn from measured compute (MeasuredWork); not under TP, whose peers of one CP rank
-        # must cut the same partitions and would each measure their own times
-        measure = self.balanced and plan.sized and self.tp == 1
+        # must cut the same partitions and would each measure their own times, nor under CSA (model terms only)
+        measure = self.balanced and plan.sized and self.tp == 1 and plan.algorithm != "csa"
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         self._entered = True
@@ -309,11 +309,14 @@ class ContextParallelRuntime:
 
     def _balanced(self, num_new: int, past: int) -> list[int]:
         """Contiguous partitions of equal work: a token's, plus a term per key its queries see, as measured. Under
-        CSA a query sees only the kept keys of an earlier partition at the pruning layers (`pair_weights`)."""
-        (per_token, per_pair), (a, b) = self._work_terms(), self.work.scales()
+        CSA a query sees only the kept keys of an earlier partition at the pruning layers (`pair_weights`), and the
+        terms are the cost model's, never the measured scales: CSA's answer depends on its partitions, so the same
+        prompt must cut the same way in every run (and in its one-process reference)."""
+        per_token, per_pair = self._work_terms()
         if self._sparse(past):
             weights = self.sparse.pair_weights(self.world, self.attention_layers)
-            return weighted(num_new, self.world, a * per_token, b * per_pair, weights)
+            return weighted(num_new, self.world, per_token, per_pair, weights)
+        a, b = self.work.scales()
         return balanced(num_new, self.world, past, a * per_token, b * per_pair)
 
     def partitions(self, num_new: int, past: int = 0) -> list[int] | None:
@@ -337,11 +340,7 @@ class ContextParallelRuntime:
         start, end = int(rows[0]), int(rows[-1]) + 1
         busy = time.perf_counter() - started[0] - (self.comm.stats.wait_s - started[1])
         per_token, per_pair = self._work_terms()
-        pairs = key_pairs(start, end, plan.past)
-        if plan.algorithm == "csa":  # the keys its pruning keeps, as `_balanced` counts them
-            sizes = [len(r) for r in plan.shards.token_rows]
-            pairs = weighted_pairs(sizes, self.rank, self.sparse.pair_weights(self.world, self.attention_layers))
-        mine = [per_token * (end - start), per_pair * pairs, busy]
+        mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
         mine = torch.tensor(mine, dtype=torch.float64, device=next(self.model.parameters()).device)
         self.work.add(self.comm.all_gather(mine, "control").tolist())
 

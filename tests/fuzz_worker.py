@@ -379,8 +379,8 @@ def _within_csa(case: dict, r: random.Random) -> None:
         case["user_code"] = None
     if case["padding"] == "packed":
         case["padding"] = "none"
-    # placement decides levels: a pruning case's reference cuts the partitions the run does, so they are even or a
-    # table's (front-loaded); balanced ones follow the run's measured times (keep-all cases draw them: exact)
+    # placement decides levels: a pruning case's reference cuts the partitions the run does, which the case names
+    # when they are even or a table's (front-loaded); keep-all cases draw the balanced default too (exact)
     if case["partitions"] in (None, "balanced") and csa_fits(case) and not csa_keeps_all(case):
         case["partitions"] = r.choice(
             ["even", dict(world=case["n"], entries={"16": [2.0**-i for i in range(case["n"])]})]
