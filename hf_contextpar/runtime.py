@@ -23,6 +23,7 @@ import torch
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
+from .attention.indexed import History as IndexHistory
 from .attention.indexed import check_indexed
 from .attention.indexed import gather_keys as gather_index_keys
 from .attention.step import Step
@@ -221,6 +222,7 @@ class ContextParallelRuntime:
         step = Step(plan, self.comm, cache, self.num_layers, **layer_reads)
         if cache is not None and self.indexed:
             cache.index_exchange = functools.partial(gather_index_keys, step)
+            cache.layout.index_positions = IndexHistory(step, cache, kwargs["position_ids"])
         self._record(plan, inputs)
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep

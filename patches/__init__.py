@@ -137,6 +137,16 @@ DSA_FAMILIES = [
         reference_attn="eager",
         fp64_tolerance=1e-5,
     ),
+    # Qwen4-Exp's QSA: a block indexer that hands its top blocks as the indexer's mask narrowed (attention/__init__.py
+    # `_narrowed`) and keeps the whole sequence's position ids on its first indexed cache layer (indexed.History),
+    # beside Gated DeltaNet layers whose states pass down the ranks
+    FamilyPatch(
+        "qwen4_exp_text",
+        "Qwen4-Exp (text): QSA block-indexed attention beside Gated DeltaNet layers, hyper-connections, MoE",
+        indexed=True,
+        recurrent=True,
+        fp32_tolerance=2e-3,
+    ),
 ]
 
 for _patch in [
@@ -285,12 +295,6 @@ NOT_CHAINED = {
     ),
 }
 NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
-NOT_CHAINED["qwen4_exp_text"] = (
-    "its QSA indexer scores blocks of indexer_compress_ratio keys and hands its top blocks to the attention as a 4D "
-    "boolean mask (not indices=), and the model keeps the whole sequence's position ids on its first indexed cache "
-    "layer (indexer_position_ids), taking a forward's query positions as the last of them, which on a rank are not "
-    "its own columns (registered as indexed and chained, the sharded cache has no indexer_position_ids)"
-)
 NOT_CHAINED["deepseek_v4"] = (
     "its compressed layers append compressed entries (one per 4 or 128 tokens, from compressors that keep the "
     "unfinished group in their cache layer: buffer_kv, overlap_kv, entry_count) to the sliding window's K/V after the "

@@ -45,8 +45,9 @@ def context_parallel_attention(
     """What every attention layer of a patched model calls: the running plan's algorithm over this rank's
     K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
-    _refuse(step, module, attention_mask, dropout, kwargs)
-    select = _selection(step, module, kwargs.get("indices"))
+    narrowed = _narrowed(step, module, attention_mask, kwargs.get("indices"))
+    _refuse(step, module, None if narrowed is not None else attention_mask, dropout, kwargs)
+    select = _selection(step, module, kwargs.get("indices"), narrowed)
     expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
     if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
         expanded = None
@@ -117,9 +118,31 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
         )
 
 
-def _selection(step, module, indices):
+def _narrowed(step, module, attention_mask, indices):
+    """Qwen4-Exp's QSA hands its block top-k as the indexer's mask narrowed to the kept keys (a 4D bool, not
+    indices=): on an indexed layer without indices, a (B, 1, Tq, T) bool within the indexer's mask is that layer's
+    selection, (B, Tq, T); None otherwise (the mask is then refused or ignored as any other)."""
+    if (
+        step is None
+        or not step.indexed
+        or indices is not None
+        or getattr(module, "layer_idx", None) not in step.indexed
+    ):
+        return None
+    ours = step.state.get("indexer_mask")
+    if ours is None or attention_mask is ours or not isinstance(attention_mask, torch.Tensor):
+        return None
+    if attention_mask.dtype != torch.bool or attention_mask.shape != ours.shape:
+        return None
+    if bool((attention_mask & ~ours.to(attention_mask.device)).any()):  # a key the indexer's mask hid: not ours
+        return None
+    return attention_mask[:, 0]
+
+
+def _selection(step, module, indices, narrowed=None):
     """Indexed attention (attention/indexed.py): the (B, Tq, T) keys the layer's indexer kept for this rank's
-    queries, for an algorithm that keeps the queries on their rank; anything else is refused, never approximated."""
+    queries (as indices=, or as the indexer's mask narrowed: `_narrowed`), for an algorithm that keeps the queries
+    on their rank; anything else is refused, never approximated."""
     if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
         if indices is not None:
             raise UnsupportedModelError(
@@ -127,17 +150,17 @@ def _selection(step, module, indices):
                 "this layer no indexed_attention layer: this model cannot run exactly under context parallelism."
             )
         return None
-    if indices is None:
+    if indices is None and narrowed is None:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {module.layer_idx}) is an indexed-attention layer that gave its attention "
-            "no top-k selection (indices=): hf-contextpar would attend to every key instead of the selected ones."
+            "no top-k selection (indices=, or its indexer's mask narrowed to the kept keys): hf-contextpar would attend to every key instead of the selected ones."
         )
     if STRATEGIES[step.algorithm].moves_queries:
         raise UnsupportedModelError(
             f"the {step.algorithm!r} algorithm moves queries between ranks, where their indexer's selection is not: "
             "indexed attention (DSA) runs ring pass-KV, all-gather KV or KV-Runahead, and replicated decode."
         )
-    return indexed.selection(step, indices)
+    return indexed.selection(step, indices) if indices is not None else narrowed
 
 
 def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):

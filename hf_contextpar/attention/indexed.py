@@ -109,3 +109,38 @@ def gather_keys(step, cache, keys: torch.Tensor, layer: int) -> torch.Tensor:
     if plan.storage is not None:
         cache.index_keys[layer] = full[:, plan.storage.cols[comm.rank].to(full.device)]
     return full
+
+
+POSITIONS = "positions"  # the key of the position history among the cache's index keys
+
+
+class History:
+    """Qwen4-Exp's position history (`indexer_position_ids` on its first indexed cache layer): the model reads it,
+    appends its forward's own position ids and takes the query positions as the last of them, the keys' by global
+    column (its block starts). So the history it reads is every column's positions in global order, this forward's
+    new ones included (each rank's share of the past stored 1/N with the index keys, gathered as they are): the
+    model's rotary table is then every column's then this rank's queries', and both lookups are one process's.
+    Its 3 rows (MRoPE's) are the text positions on every row, as the model makes them from 2D ids."""
+
+    rows = 3
+
+    def __init__(self, step, cache, local: torch.Tensor):
+        self.step, self.cache, self.local = step, cache, local  # local: this rank's new position ids (B, Tq)
+        self.full = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.full is None:  # once per forward: the model reads it twice and the gather stores this rank's share
+            cols = gather_keys(self.step, self.cache, self.local.unsqueeze(-1), POSITIONS)
+            self.full = cols[..., 0].unsqueeze(0).expand(self.rows, -1, -1)
+        return self.full
+
+    def check(self, value: torch.Tensor):
+        """What the model writes back must be the history then this rank's queries' positions."""
+        full = self()
+        want = torch.cat([full, self.local.unsqueeze(0).expand(self.rows, -1, -1).to(full.device)], dim=-1)
+        if value.shape != want.shape or not torch.equal(value.to(want.device), want):
+            raise PatchStateError(
+                f"the model stored position ids of shape {tuple(value.shape)} on its indexer cache layer, not the "
+                f"whole sequence's then this rank's queries' {tuple(want.shape)}: it keeps its position history "
+                "otherwise than Qwen4-Exp does. Please report this model."
+            )

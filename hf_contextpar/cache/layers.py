@@ -31,6 +31,25 @@ class ShardedLayer(CacheLayerMixin):
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
         self.stashed: list = []  # levelling (forward._levelled): (first column, K/V) of received blocks this rank keeps
 
+    # Qwen4-Exp's QSA keeps the whole sequence's position ids on its first indexed layer and reads query positions
+    # as the last of them: inside a patched forward, every column's (global order) through `layout.index_positions`
+    # (attention/indexed.py `history`), this rank's share stored with the index keys; what the model writes back
+    # is checked, never stored
+    @property
+    def indexer_position_ids(self):
+        history = getattr(self.layout, "index_positions", None)
+        return history() if history is not None else None
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, value):
+        history = getattr(self.layout, "index_positions", None)
+        if history is None:
+            raise PatchStateError(
+                "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
+                "patched model; after remove_context_parallel, start again without it (or with a new cache)."
+            )
+        history.check(value)
+
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
     def record_past(self) -> bool:

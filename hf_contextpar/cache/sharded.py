@@ -181,13 +181,15 @@ class ShardedCache(ChainedStates, Cache):
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
+        if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
+            self.chain.settle(self)
         return self.index_exchange(self, keys, layer_idx)
 
     def end(self, storage, ok: bool = True):
         """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
         failed, forget what it stored."""
         level = self.layout.store.level if self.layout.store is not None else None
-        self.layout.store, self.index_exchange = None, None
+        self.layout.store, self.index_exchange, self.layout.index_positions = None, None, None
         if not ok:  # the index keys as they were before the forward
             self.index_keys = self._index_before
         self._index_before = {}

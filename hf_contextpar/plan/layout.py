@@ -36,6 +36,7 @@ class ShardLayout:
         # DCP (TP ranks sharing a KV head): this rank stores the slots s of its layout columns with
         # s % dcp_size == dcp_index (vLLM's interleave of 1: each rank within a token of the others); (0, 1): all
         self.dcp_index, self.dcp_size = 0, 1
+        self.index_positions = None  # the running forward's position history (attention/indexed.History); None between
 
     def set_dcp(self, index: int, size: int):
         """Store every size-th slot from `index` on (the runtime's DCP group); a cache that holds tokens
