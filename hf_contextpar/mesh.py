@@ -231,6 +231,7 @@ def heads_per_rank(model) -> tuple[int, int] | None:
     QKV `colwise_gather_output`, so neither the config nor a weight's shard says it). Collective over
     the TP group: every rank of it calls this. None where no attention call reached the probe."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     seen = []
 
@@ -239,6 +240,8 @@ def heads_per_rank(model) -> tuple[int, int] | None:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
     AttentionInterface.register(PROBE, probe)
+    # the mask SDPA gets: a model that reads its 4D mask itself (Qwen4-Exp's QSA indexer) runs its 1-token forward
+    AttentionMaskInterface.register(PROBE, AttentionMaskInterface._global_mapping["sdpa"])
     original = model.config._attn_implementation
     device = next(model.parameters()).device
     model.set_attn_implementation(PROBE)

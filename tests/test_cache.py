@@ -371,3 +371,88 @@ def test_index_keys_follow_the_cache_through_beams_crop_and_failure():
         cache.update_indexer(ref[0], 0)
     cache.reset()
     assert cache.index_keys == {}
+
+
+# -- Qwen4-Exp's QSA: its position history (indexer_position_ids) and its narrowed mask as the selection ------------
+class _Ranks:
+    """The Comm of rank `rank` of a simulated world: every other rank's block is cut from the global truth."""
+
+    def __init__(self, rank, world, truth, cols):
+        self.rank, self.world, self.truth, self.cols = rank, world, truth, cols
+
+    def broadcast_blocks(self, mine, shapes):
+        blocks = [mine if r == self.rank else self.truth[:, c].unsqueeze(-1) for r, c in enumerate(self.cols)]
+        return [types.SimpleNamespace(wait=lambda b=b: b) for b in blocks]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_position_history_is_every_column_in_order_then_the_queries(world):
+    """What the model reads is every column's positions in global order (this forward's included), whatever this
+    rank's (head-tail) query columns; what it writes back is checked; each rank stores its own columns' share,
+    which follows a failed forward, beams and crop as the index keys do."""
+    from hf_contextpar.attention.indexed import History
+
+    caches = [ShardedCache(LAYERS, r, world) for r in range(world)]
+    truth = torch.empty(B, 0, dtype=torch.long)
+    for num_new, ok in ((11, True), (4, False), (5, True), (1, True)):
+        past = caches[0].layout.seq_length
+        pos = (torch.arange(past, past + num_new) * 7 + torch.arange(B)[:, None]) % 1000  # not the column numbers
+        new_truth = torch.cat([truth, pos], 1)
+        plans = []
+        for cache in caches:
+            plan = build_plan(Policy(world), cache.layout, batch=B, num_new=num_new, position_ids=pos, padding=None)
+            plans.append(plan)
+            cache.begin(plan.storage)
+        for cache, plan in zip(caches, plans):
+            rank = cache.layout.rank
+            q = plan.shards.q_cols[rank]
+            mine = pos[:, q - past]  # this rank's new tokens' positions (q: global columns)
+            cols = [torch.cat([c, n]) for c, n in zip(cache.layout.cols, plan.shards.q_cols)]
+            comm = _Ranks(rank, world, new_truth, cols)
+            cache.layout.index_positions = History(types.SimpleNamespace(plan=plan, comm=comm), cache, mine)
+            layer = cache.layers[0]
+            seen = layer.indexer_position_ids
+            assert (
+                seen.shape == (3, B, past + num_new)
+                and torch.equal(seen[0], new_truth)
+                and torch.equal(seen[2], seen[0])
+            )
+            model_wrote = torch.cat([seen, mine.expand(3, -1, -1)], dim=-1)  # as the model does
+            assert torch.equal(model_wrote[..., -q.numel() :][0], mine)  # its query slice: this rank's own
+            layer.indexer_position_ids = model_wrote
+            with pytest.raises(hf_contextpar.errors.PatchStateError, match="position ids of shape"):
+                layer.indexer_position_ids = seen
+            for i in range(LAYERS):
+                k = torch.randn(2, B, H, q.numel(), D, dtype=torch.float64)
+                cache.update(k[0], k[1], i)
+        for cache, plan in zip(caches, plans):
+            cache.end(plan.storage, ok)
+            assert cache.layout.index_positions is None and cache.layers[0].indexer_position_ids is None
+        if ok:
+            truth = new_truth
+        for cache in caches:  # this rank's columns' positions only: 1/N of the history
+            held = cache.index_keys["positions"][..., 0]
+            assert torch.equal(held, truth[:, cache.layout.cols[cache.layout.rank]])
+    assert sum(c.index_keys["positions"].shape[1] for c in caches) == truth.shape[1]
+    for cache in caches:
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+        cache.crop(-3)
+        held = cache.index_keys["positions"][..., 0]
+        assert torch.equal(held, truth[[2, 0, 0]][:, : truth.shape[1] - 3][:, cache.layout.cols[cache.layout.rank]])
+
+
+def test_a_narrowed_indexer_mask_is_the_layers_selection():
+    """Qwen4-Exp hands its top blocks as the indexer's mask narrowed: taken as the selection on an indexed layer,
+    never a mask that shows a key the indexer's mask hid, nor on a layer that is not indexed."""
+    from hf_contextpar.attention import _narrowed
+
+    ours = torch.rand(2, 1, 3, 9, generator=torch.Generator().manual_seed(0)) < 0.7
+    step = types.SimpleNamespace(indexed=frozenset({1}), state={"indexer_mask": ours})
+    layer = types.SimpleNamespace(layer_idx=1)
+    kept = ours & (torch.rand(ours.shape, generator=torch.Generator().manual_seed(1)) < 0.5)
+    assert torch.equal(_narrowed(step, layer, kept, None), kept[:, 0])
+    assert _narrowed(step, layer, ours, None) is None  # the mask itself: no selection (DSA's, with indices=)
+    assert _narrowed(step, layer, kept, torch.zeros(2, 3, 1)) is None  # indices given: they are the selection
+    assert _narrowed(step, layer, kept | ~ours, None) is None  # shows a hidden key: refused as a foreign mask
+    assert _narrowed(step, layer, kept.float(), None) is None
+    assert _narrowed(step, types.SimpleNamespace(layer_idx=0), kept, None) is None
