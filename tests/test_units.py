@@ -269,3 +269,21 @@ def test_attend_with_a_selection_over_key_blocks_is_the_masked_whole(window, pad
     seen = ~torch.isneginf(lse)
     assert torch.equal(torch.isneginf(got[1]), ~seen) and (got[0][~seen] == 0).all()
     assert (got[0] - out)[seen].abs().max() < 1e-12 and (got[1] - lse)[seen].abs().max() < 1e-12
+
+
+def test_input_fingerprint_is_its_definition():
+    """The input check's hash (Python for small parts, one dot against cached weights for large ones) equals
+    the five tensor ops it is defined by, wrapping in int64, across the small/large boundary, growing the
+    weights past what an earlier call cached, and for lists of ints; and it tells one changed element."""
+    from hf_contextpar.comm.agreement import _SMALL, _reference_fingerprint, int_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    for sizes in [(1, 4097, 1), (0, _SMALL, _SMALL + 1, 5), (70000, 3), (2, 9000)]:
+        parts = [torch.randint(-(2**62), 2**62, (s,), generator=g) for s in sizes]
+        parts += [torch.ones(2, 3, dtype=torch.bool), torch.randint(0, 9, (70,), dtype=torch.int32, generator=g)]
+        parts += [[3, True, 0], list(range(_SMALL + 4))]
+        assert int_fingerprint(parts) == _reference_fingerprint(parts), sizes
+    mask = torch.ones(1, 5000, dtype=torch.long)
+    before = int_fingerprint([mask])
+    mask[0, 1234] = 0
+    assert int_fingerprint([mask]) != before
