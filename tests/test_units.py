@@ -287,3 +287,18 @@ def test_input_fingerprint_is_its_definition():
     before = int_fingerprint([mask])
     mask[0, 1234] = 0
     assert int_fingerprint([mask]) != before
+
+
+@pytest.mark.parametrize("packed", [torch.float32, torch.float64])
+@pytest.mark.parametrize("same_dtype", [True, False])
+@pytest.mark.parametrize("width", [0, 3])  # a padded output's extra columns, which stay home
+def test_pack_partial_is_its_definition(packed, same_dtype, width):
+    """pack_partial's one-op path (output and LSE already of the packed dtype and shape) and its element-wise
+    path (another dtype, a padded output) both pack the output's first D columns and the LSE in the packed dtype."""
+    g = torch.Generator().manual_seed(1)
+    dtype = packed if same_dtype else torch.bfloat16
+    out, lse = torch.randn(2, 3, 5, 4 + width, generator=g).to(dtype), torch.randn(2, 3, 5, generator=g).to(dtype)
+    want = torch.empty(2, 3, 5, 5, dtype=packed)
+    want[..., :4], want[..., 4] = out[..., :4].to(packed), lse.to(packed)
+    got = pack_partial((out, lse), torch.Size((2, 3, 5, 4)), packed, out.device)
+    assert got.dtype == packed and torch.equal(got, want)
