@@ -86,8 +86,8 @@ class ShardedLayer(CacheLayerMixin):
     def trim(self, by: int):
         """Drop the `by` oldest tokens (a sliding layer, when a forward is committed or the cache
         cropped); a buffer left mostly empty is given back."""
-        if self.kv is None:  # nothing stored yet
-            return
+        if self.kv is None or (by == 0 and self.kv.shape[3] <= max(64, 4 * self.live)):  # nothing to drop or give back
+            return  # (every change of the buffer already took its views: _keep)
         self.first += by
         live = self.live
         if self.kv.shape[3] > max(64, 4 * live):

@@ -271,7 +271,7 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
     continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
     owned, run = decode_owners(new_cols.numel(), rank_tokens(before.cols, batch), policy.interleave, continuing)
-    kv_cols = _append(before.cols, [new_cols[o] for o in owned])
+    kv_cols = _append(before.cols, [new_cols[o] if len(o) < len(new_cols) else new_cols for o in owned])
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
         store=[RankStore(rows=o) for o in owned],

@@ -80,7 +80,16 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
         owned[run[0]].append(t)
         for r in rows:
             r[run[0]] += 1
-    return [torch.tensor(o, dtype=torch.long) for o in owned], run
+    return [_indices(o) for o in owned], run
+
+
+_NONE, _FIRST = torch.empty(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
+
+def _indices(owned: list[int]) -> torch.Tensor:
+    """A rank's token indices as a tensor; a decode step's (none, or its one token) shared, never written to
+    (plans and layouts are read only), as building two tensors a step costs more than placing the token."""
+    return _NONE if not owned else _FIRST if owned == [0] else torch.tensor(owned, dtype=torch.long)
 
 
 def partition_sizes(num_tokens: int, ratios) -> list[int]:
