@@ -282,7 +282,7 @@ class ContextParallelRuntime:
         sizes = self._balanced if self.balanced else sizes
         decode = "replicated" if self.indexed else s.decode  # batched pass-Q decode moves queries (refused at apply)
         return Policy(
-            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, level=self.dcp is None
+            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, rebalance=self.dcp is None
         )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:

@@ -97,7 +97,7 @@ def test_a_new_strategy_is_one_file_and_one_record(monkeypatch):
     toy = Strategy(
         "toy_ring",
         "ring pass-KV without overlap",
-        levels="all",
+        brings_kv="all",
         time=lambda c: (
             (c.N - 1) * (c.attention / c.N + c.message((c.T + c.kept) / c.N * c.kv_token)) + c.attention / c.N
         ),

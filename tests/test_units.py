@@ -35,7 +35,7 @@ def test_head_tail_covers_and_balances(n, t):
         assert plan[0][0] == 0 and plan[0][-1] == t - 1
 
 
-def test_head_tail_keeps_shards_level_over_turns():
+def test_head_tail_keeps_shards_even_over_turns():
     counts = [0, 0, 0]
     for t in [5, 7, 1, 2, 11, 4, 300, 3]:
         plan = head_tail_plan(t, 3, counts)
@@ -44,7 +44,7 @@ def test_head_tail_keeps_shards_level_over_turns():
         assert max(counts) - min(counts) <= 1, counts
 
 
-def test_least_loaded_levels_and_round_robins():
+def test_least_loaded_evens_out_and_round_robins():
     owned, _ = decode_owners(7, [5, 4, 5])
     counts = [5 + len(owned[0]), 4 + len(owned[1]), 5 + len(owned[2])]
     assert max(counts) - min(counts) <= 1

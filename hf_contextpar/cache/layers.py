@@ -29,7 +29,7 @@ class ShardedLayer(CacheLayerMixin):
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
-        self.stashed: list = []  # levelling (forward._levelled): (first column, K/V) of received blocks this rank keeps
+        self.stashed: list = []  # rebalancing (forward._rebalanced): (first column, K/V) of received blocks this rank keeps
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
@@ -149,13 +149,13 @@ class ShardedLayer(CacheLayerMixin):
 
     def stash(self, block: torch.Tensor, cols: torch.Tensor, lo: int, hi: int):
         """Keep the new columns [lo, hi) of another rank's block (its columns `cols`): a copy, so the message
-        buffer can go, placed among this rank's own new tokens by `level` when the forward ends."""
+        buffer can go, placed among this rank's own new tokens by `rebalance` when the forward ends."""
         keep = torch.nonzero((cols >= lo) & (cols < hi)).flatten()
         if keep.numel():
             self.stashed.append((int(cols[keep[0]]), block.index_select(3, keep.to(block.device))))
 
-    def level(self, lo: int, hi: int, start: int, added: int):
-        """End of a levelled prefill: of this forward's `added` own tokens (columns from `start` on) keep those
+    def rebalance(self, lo: int, hi: int, start: int, added: int):
+        """End of a rebalanced prefill: of this forward's `added` own tokens (columns from `start` on) keep those
         in [lo, hi), with the stashed ones in column order, where its own tokens were: what the layer held
         before stays in place (no copy of the whole cache)."""
         if self.kv is None:  # a layer this model never filled (another layer holds its K/V)
@@ -170,7 +170,7 @@ class ShardedLayer(CacheLayerMixin):
         self.stashed = []
         if sum(kv.shape[3] for _, kv in pieces) != hi - lo:
             raise PatchStateError(
-                f"levelling the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
+                f"rebalancing the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
                 "layer's attention did not run the planned algorithm. Please report this model."
             )
         base -= self._reserve(base + hi - lo)
