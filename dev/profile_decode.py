@@ -4,7 +4,7 @@
     python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
-`--length` tokens, one thread a rank; during the patched steps it times each piece of the library's
+`--length` tokens, one thread a rank, passing the growing attention mask as generate() does; during the patched steps it times each piece of the library's
 work with perf_counter: the forward pre-hook (input contract, plan, rank check, input split, cache
 begin), the attention adapter per layer (its kernel, the partial's packing, the all-gather, the
 merge) and the forward hook (cache end). It prints the minimum and the median over steps: on a
@@ -31,6 +31,7 @@ from hf_contextpar.model import contract
 from hf_contextpar.models import tiny_model
 
 TIMES = collections.defaultdict(list)
+MASK = True  # pass the growing attention mask each step, as generate() does (--no-mask: none)
 ORDER = (
     "pre-hook (all)",
     "  input contract",
@@ -80,11 +81,13 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     """Seconds of each of `steps` greedy decode forwards after a prefill of ids."""
     out = model(ids, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    mask = torch.ones(1, ids.shape[1] + 1, dtype=torch.long) if MASK else None  # as generate() passes it
     TIMES.clear()
     for _ in range(steps):
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, past_key_values=cache, use_cache=True, attention_mask=mask)
         token = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1) if MASK else None
         TIMES[name].append(time.perf_counter() - start)
     return dict(TIMES)
 
@@ -122,7 +125,10 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--strategy", default="ring_pass_kv")
     p.add_argument("--plan-only", action="store_true", help="time the decode plan alone, in one process")
+    p.add_argument("--no-mask", action="store_true", help="decode without the attention mask generate() passes")
     args = p.parse_args()
+    global MASK
+    MASK = not args.no_mask
     torch.set_num_threads(1)
     if args.plan_only:
         return plan_only(args.length, args.steps)

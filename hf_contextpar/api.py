@@ -62,7 +62,7 @@ def apply_context_parallel(
         partitions from (KVR-P); "balanced": partitions of equal work (later ranks, whose queries see more
         keys, take fewer tokens), from the cost model scaled to the ranks' measured compute in earlier
         prefills (the default, None; CSA's count the keys its pruning keeps); "even" (KVR-E), only when asked.
-        Every rank keeps 1/N of the KV cache whatever the partitions (the received K/V levels it), but under CSA,
+        Every rank keeps 1/N of the KV cache whatever the partitions (the received K/V rebalances it), but under CSA,
         whose K/V travel pruned, each rank keeps its own partition. CSA's answer depends on them (placement
         decides levels): `get_runtime(model).partitions(T)` says what the next prefill cuts.
     calibration: a Calibration, a dict or a JSON path (default: the file `python -m hf_contextpar

@@ -32,19 +32,17 @@ from .comm.agreement import RankCheck
 from .comm.collectives import Comm
 from .errors import (
     ContextParallelError,
-    HeadsNotDivisibleError,
     PatchStateError,
     UnsupportedInputError,
-    UnsupportedModelError,
 )
-from .mesh import check_cp_group, dcp_of, heads_per_rank, tensor_parallel
+from .mesh import check_cp_group, dcp_of, tensor_parallel
 from .model.contract import (
     InputContract,
     Inputs,
     attention_layers,
-    check_ulysses,
     refuse_candidate_decoding,
 )
+from .model.limits import check_layout
 from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
@@ -60,22 +58,13 @@ class ContextParallelRuntime:
 
     def __init__(self, model, group, rank, world, settings: Settings):
         self.model, self.settings = model, settings
-        decode = settings.decode
         # transformers' tensor parallelism (mesh.py): its group joins every rank agreement, and each
         # rank attends with the heads it holds
         self.tp_group, self.tp = tensor_parallel(model)
         check_cp_group(group, self.tp_group)
         self.shape = model_shape(model)
         dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
-        if dcp is not None and settings.whole_heads:
-            raise HeadsNotDivisibleError(
-                f"strategy='ulysses' splits the KV heads over the context-parallel ranks, and each rank holds one KV "
-                f"head here, shared with {dcp[2] - 1} other TP rank(s) by sequence (DCP): use another strategy."
-            )
         self.dcp = Comm(*dcp) if dcp is not None else None
-        if settings.whole_heads:  # the heads this rank's attention receives, not the config's (dbrx, TP)
-            held = (self.shape.heads, self.shape.kv_heads) if self.tp > 1 else heads_per_rank(model)
-            check_ulysses(model.config, world, held)
         self._last_prefill = None  # (T, P) of the latest prefill: what last_decision re-derives
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
@@ -86,22 +75,11 @@ class ContextParallelRuntime:
         self.num_layers = self.contract.num_layers
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
+        check_layout(model, settings, world, self.shape, self.tp, dcp, self.chain)
         self.work = MeasuredWork()  # balanced partitions' two terms as measured (`balanced`)
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
-        if self.chain and (decode == "ring_pass_q" or dcp is not None):
-            what = (
-                "decode='ring_pass_q' (it moves sequences between ranks)" if dcp is None else "DCP (--tp over KV heads)"
-            )
-            raise UnsupportedModelError(
-                f"{what} is not supported on a model with recurrent layers: their states are whole on every rank "
-                "and pass down the ranks in prefill. Use decode='auto' or 'replicated', and TP up to the KV heads."
-            )
         # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
         self.indexed = check_indexed(model.config, settings, dcp is not None)
-        if settings.sparse is not None and dcp is not None:
-            raise UnsupportedModelError(
-                "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
-            )
         self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
@@ -306,7 +284,7 @@ class ContextParallelRuntime:
         sizes = self._balanced if self.balanced else sizes
         decode = "replicated" if self.indexed else s.decode  # batched pass-Q decode moves queries (refused at apply)
         return Policy(
-            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, level=self.dcp is None
+            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, rebalance=self.dcp is None
         )
 
     def _balanced(self, num_new: int, past: int) -> list[int]:

@@ -326,7 +326,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     case["empty_turn"] = r.random() < 0.05
     # KV-Runahead's (and a hybrid's chain's) partitions: the default (balanced by measured work, uneven), even
     # (KVR-E, now only when asked), or a front-loaded table (halving: each rank keeps an even share of the K/V all
-    # the same, plan._levelled)
+    # the same, plan._rebalanced)
     front = dict(world=n, entries={"16": [2.0**-i for i in range(n)]})
     case["partitions"] = r.choice([None, None, "even", front])
     # what users do around the model (issue 42), drawn last: the cache copied after every turn (the prompt-reuse

@@ -89,14 +89,15 @@ def test_algorithm(case, n, length, heads, mask, dtype, tol):
 def test_a_new_strategy_is_one_file_and_one_record(monkeypatch):
     """A strategy is an algorithm file (tests/toy_strategy.py) and one record: registered, it runs through
     the plan, exact on simulated ranks with its own traffic formula checked, and the cost model predicts it."""
-    from hf_contextpar.plan.costmodel import Machine, Shape, predict_ttft, traffic_per_rank
+    from hf_contextpar.plan.costmodel import Shape, predict_ttft, traffic_per_rank
+    from hf_contextpar.plan.machine import Machine
     from hf_contextpar.plan.strategies import STRATEGIES, Strategy
 
     ring = STRATEGIES["ring_pass_kv"]
     toy = Strategy(
         "toy_ring",
         "ring pass-KV without overlap",
-        levels="all",
+        brings_kv="all",
         time=lambda c: (
             (c.N - 1) * (c.attention / c.N + c.message((c.T + c.kept) / c.N * c.kv_token)) + c.attention / c.N
         ),

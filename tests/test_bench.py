@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch, python  # noqa: E402
 
 from hf_contextpar.plan import costmodel  # noqa: E402
+from hf_contextpar.plan.machine import Machine  # noqa: E402
 
 ROW_FIELDS = [
     "kind",
@@ -235,7 +236,7 @@ def test_torch_ring_peer_skipped_with_note(broken, tmp_path, monkeypatch, capsys
 
 # -- cost model: hand-computed cases ---------------------------------------------------------------
 SHAPE = costmodel.Shape(layers=1, heads=2, kv_heads=1, head_dim=4, linear_weights=100, elem_bytes=4)
-MACHINE = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e2, latency=0.5)
+MACHINE = Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e2, latency=0.5)
 
 
 def test_costmodel_hand_computed():
@@ -261,7 +262,7 @@ def test_costmodel_hand_computed():
     )
     assert costmodel.predict_ttft("no_such_strategy", 8, 2, SHAPE, MACHINE) is None
     # exposed communication: everything above the same prediction with free communication (8 + 0.512)
-    free_comm = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2)
+    free_comm = Machine(attn_flops=1e3, gemm_flops=1e2)
     exposed = costmodel.predict_ttft("ring_pass_kv", 8, 2, SHAPE, MACHINE) - costmodel.predict_ttft(
         "ring_pass_kv", 8, 2, SHAPE, free_comm
     )
@@ -269,12 +270,12 @@ def test_costmodel_hand_computed():
 
 
 def test_costmodel_overlap_and_scaling():
-    free = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2)  # infinite bandwidth, no latency
+    free = Machine(attn_flops=1e3, gemm_flops=1e2)  # infinite bandwidth, no latency
     for n in (2, 3, 4):
         one = costmodel.predict_ttft("ring_pass_kv", 4096, 1, SHAPE, free)
         assert costmodel.predict_ttft("ring_pass_kv", 4096, n, SHAPE, free) == pytest.approx(one / n)
     # compute-bound ring: the KV message hides under a/N, so bandwidth drops out entirely
-    slow_net = costmodel.Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e6, latency=0.0)
+    slow_net = Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e6, latency=0.0)
     T = 4096  # a/N = 4*2*4*T*T/2/2/2/1e3 = 67109 s >> message 2*2048*1*4*4/1e6 = 0.066 s
     assert costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, slow_net) == pytest.approx(
         costmodel.predict_ttft("ring_pass_kv", T, 2, SHAPE, free)

@@ -44,7 +44,7 @@ def _padded_batch(r, n, family):
 
 
 def _batched_decode(r, n, family):
-    """Every sequence's shards stay level; batched pass-Q decode ran exactly where B >= N."""
+    """Every sequence's shards stay even; batched pass-Q decode ran exactly where B >= N."""
     _tokens_identical(r, n, family)
     batched = r["batch"] >= n and not REGISTRY[family].indexed  # indexed attention decodes replicated
     assert r["spread"] <= 1 and (r["pass_q_steps"] >= 8) == batched

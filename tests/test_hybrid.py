@@ -35,7 +35,7 @@ def _check(records, family):
             assert r["tokens_equal"] and r["ranks_agree"], r
         if r["case"] == "no_cache":
             assert r["cache_none"], r
-        if "kv_tokens" in r:  # KV per rank = KV / N after each turn, uneven partitions levelled
+        if "kv_tokens" in r:  # KV per rank = KV / N after each turn, uneven partitions rebalanced
             assert r["kv_tokens"] == r["even"], r
 
 

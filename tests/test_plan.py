@@ -159,24 +159,24 @@ def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
 def test_uneven_partitions_level_what_each_rank_keeps():
     """Uneven contiguous partitions commit the even split: each rank keeps its even range of the new columns,
     from its own tokens and the blocks it receives. KV-Runahead sees only earlier ranks' blocks, so only
-    front-loaded partitions level there; ring pass-KV sees them all (a chain's later turn, over a cache)."""
-    kvr = dict(prefill=lambda t, p: "kv_runahead", level=True)
+    front-loaded partitions rebalance there; ring pass-KV sees them all (a chain's later turn, over a cache)."""
+    kvr = dict(prefill=lambda t, p: "kv_runahead", rebalance=True)
     plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p: [6, 3, 2], **kvr))
     assert [r.tolist() for r in plan.shards.kv_cols] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [r.tolist() for r in plan.storage.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]  # even(11, 3)
-    assert [s.level for s in plan.storage.store] == [(0, 4, 0), (4, 7, 6), (7, 11, 9)]
+    assert [s.rebalance for s in plan.storage.store] == [(0, 4, 0), (4, 7, 6), (7, 11, 9)]
     for sizes in ([2, 3, 6], [4, 3, 4]):  # back-loaded; already even
         plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p, s=sizes: s, **kvr))
         assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
-        assert all(s.level is None for s in plan.storage.store)
-    ring = dict(prefill=lambda t, p: "ring_pass_kv", kvr_sizes=lambda t, p: [2, 3, 6], chain=True, level=True)
+        assert all(s.rebalance is None for s in plan.storage.store)
+    ring = dict(prefill=lambda t, p: "ring_pass_kv", kvr_sizes=lambda t, p: [2, 3, 6], chain=True, rebalance=True)
     layout = ShardLayout(0, 3)
     layout.commit(plan_for(layout, 11, policy=Policy(3, **ring)).storage)
     assert [c.tolist() for c in layout.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]
     plan = plan_for(layout, 11, policy=Policy(3, **ring))  # a later turn: the new columns 11..21
-    assert [s.level for s in plan.storage.store] == [(11, 15, 11), (15, 18, 13), (18, 22, 16)]
+    assert [s.rebalance for s in plan.storage.store] == [(11, 15, 11), (15, 18, 13), (18, 22, 16)]
     assert [c.tolist()[-3:] for c in plan.storage.cols] == [[12, 13, 14], [15, 16, 17], [19, 20, 21]]
-    assert not Policy(3, **{**ring, "level": False}).level
+    assert not Policy(3, **{**ring, "rebalance": False}).rebalance
 
 
 def test_rope_length_is_the_whole_forwards_longest_position():
@@ -227,12 +227,12 @@ def test_kv_interleave_places_runs_of_k_and_keeps_shards_within_k(k, world, batc
         layout.commit(plan.storage)
         if num_new == 1:
             owners.append(int((layout.sequence_counts(batch) - before)[0].argmax()))
-        # a partial prefill levels the ranks' largest shards, so over per-sequence tables (after
+        # a partial prefill evens out the ranks' largest shards, so over per-sequence tables (after
         # batched decode) one sequence can end a token further apart, as with k = 1
         per_sequence = any(c.dim() == 2 for c in layout.cols)
         assert _spread(layout, batch) <= k + per_sequence
         assert stored_columns(layout, batch) == [list(range(layout.seq_length))] * batch
-    # once level, runs of exactly k: the owner changes only every k steps
+    # once even, runs of exactly k: the owner changes only every k steps
     steady = owners[world : world + 2 * k * world]
     changes = [i for i in range(1, len(steady)) if steady[i] != steady[i - 1]]
     assert all((b - a) == k for a, b in zip(changes, changes[1:])), (k, steady)
@@ -305,13 +305,13 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
 
 
 def test_csa_cuts_the_policys_partitions_and_stores_its_own():
-    """CSA (issue 41) runs the policy's contiguous partitions (balanced by default) though it cannot level the K/V:
+    """CSA (issue 41) runs the policy's contiguous partitions (balanced by default) though it cannot rebalance the K/V:
     its blocks travel pruned, so each rank stores its own partition; the prefill is one balanced ones measure."""
-    csa = dict(prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: [6, 3, 2], level=True)
+    csa = dict(prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: [6, 3, 2], rebalance=True)
     plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **csa))
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
-    assert all(s.level is None for s in plan.storage.store) and plan.sized
+    assert all(s.rebalance is None for s in plan.storage.store) and plan.sized
     chained = plan_for(
         ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "kvr_sizes": lambda t, p: [9, 1, 1]}, chain=True)
     )

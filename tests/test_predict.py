@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from hf_contextpar.plan.choice import choose
-from hf_contextpar.plan.costmodel import Machine, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from hf_contextpar.plan.costmodel import kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from hf_contextpar.plan.machine import Machine
 from hf_contextpar.tools.predict import pass_q_threshold, report
 from hf_contextpar.tools.presets import PRESETS, shape_of
 

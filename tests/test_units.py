@@ -35,7 +35,7 @@ def test_head_tail_covers_and_balances(n, t):
         assert plan[0][0] == 0 and plan[0][-1] == t - 1
 
 
-def test_head_tail_keeps_shards_level_over_turns():
+def test_head_tail_keeps_shards_even_over_turns():
     counts = [0, 0, 0]
     for t in [5, 7, 1, 2, 11, 4, 300, 3]:
         plan = head_tail_plan(t, 3, counts)
@@ -44,7 +44,7 @@ def test_head_tail_keeps_shards_level_over_turns():
         assert max(counts) - min(counts) <= 1, counts
 
 
-def test_least_loaded_levels_and_round_robins():
+def test_least_loaded_evens_out_and_round_robins():
     owned, _ = decode_owners(7, [5, 4, 5])
     counts = [5 + len(owned[0]), 4 + len(owned[1]), 5 + len(owned[2])]
     assert max(counts) - min(counts) <= 1
@@ -308,3 +308,36 @@ def test_gather_rows_puts_every_ranks_rows_back_along_the_token_or_batch_dim(sha
         comm.blocks.append(torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *mine.shape[1:]))]))
     local = full.index_select(axis, slots[0])
     assert torch.equal(gather_rows(local, gather, comm, streams), full)
+
+
+def test_input_fingerprint_is_its_definition():
+    """The input check's hash (Python for small parts, one dot against cached weights for large ones) equals
+    the five tensor ops it is defined by, wrapping in int64, across the small/large boundary, growing the
+    weights past what an earlier call cached, and for lists of ints; and it tells one changed element."""
+    from hf_contextpar.comm.agreement import _SMALL, _reference_fingerprint, int_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    for sizes in [(1, 4097, 1), (0, _SMALL, _SMALL + 1, 5), (70000, 3), (2, 9000)]:
+        parts = [torch.randint(-(2**62), 2**62, (s,), generator=g) for s in sizes]
+        parts += [torch.ones(2, 3, dtype=torch.bool), torch.randint(0, 9, (70,), dtype=torch.int32, generator=g)]
+        parts += [[3, True, 0], list(range(_SMALL + 4))]
+        assert int_fingerprint(parts) == _reference_fingerprint(parts), sizes
+    mask = torch.ones(1, 5000, dtype=torch.long)
+    before = int_fingerprint([mask])
+    mask[0, 1234] = 0
+    assert int_fingerprint([mask]) != before
+
+
+@pytest.mark.parametrize("packed", [torch.float32, torch.float64])
+@pytest.mark.parametrize("same_dtype", [True, False])
+@pytest.mark.parametrize("width", [0, 3])  # a padded output's extra columns, which stay home
+def test_pack_partial_is_its_definition(packed, same_dtype, width):
+    """pack_partial's one-op path (output and LSE already of the packed dtype and shape) and its element-wise
+    path (another dtype, a padded output) both pack the output's first D columns and the LSE in the packed dtype."""
+    g = torch.Generator().manual_seed(1)
+    dtype = packed if same_dtype else torch.bfloat16
+    out, lse = torch.randn(2, 3, 5, 4 + width, generator=g).to(dtype), torch.randn(2, 3, 5, generator=g).to(dtype)
+    want = torch.empty(2, 3, 5, 5, dtype=packed)
+    want[..., :4], want[..., 4] = out[..., :4].to(packed), lse.to(packed)
+    got = pack_partial((out, lse), torch.Size((2, 3, 5, 4)), packed, out.device)
+    assert got.dtype == packed and torch.equal(got, want)

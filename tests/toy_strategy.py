@@ -17,5 +17,5 @@ def toy_ring(step, q, kv_local, **attn):
         if hop < world - 1:
             src = (rank - hop - 1) % world
             block = comm.send_recv(block, block_shape(block, step.kv_size(src))).wait()
-            step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
+            step.received(block, src)  # the cache keeps what this rank commits of it (rebalancing)
     return acc.result() or (None, None)

@@ -22,6 +22,6 @@ def allgather_kv(step, q, kv_local, **attn):
         block = blocks[src].wait()
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-        step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
+        step.received(block, src)  # the cache keeps what this rank commits of it (rebalancing)
         blocks[src] = None  # drop each gathered block as soon as it is attended
     return acc.result() or (None, None)

@@ -17,7 +17,7 @@ layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: me
 ranks match in posting order, and its state may go first).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan/forward.py). Uneven partitions
 leave the earlier ranks more K/V; each rank keeps its even share of the columns instead, from its
-own block and those it receives (`forward._levelled`: the algorithm hands each received block to
+own block and those it receives (`forward._rebalanced`: the algorithm hands each received block to
 `Step.received`), so the cache ends 1/N.
 """
 
@@ -54,7 +54,7 @@ def kv_runahead(step, q, kv_local, **attn):
         if i > 0 and not last:
             sends.append(comm.send_next(block))
         if i > 0:
-            step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
+            step.received(block, src)  # the cache keeps what this rank commits of it (rebalancing)
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
     if step.layer + 1 in step.kv_shapes and not step.chained_at(step.layer + 1):

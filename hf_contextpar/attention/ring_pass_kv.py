@@ -25,7 +25,7 @@ def ring_pass_kv(step, q, kv_local, **attn):
             pending = comm.send_recv(block, block_shape(block, step.kv_size(nxt)))
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-        step.received(block, src)  # the cache keeps what this rank commits of it (levelling)
+        step.received(block, src)  # the cache keeps what this rank commits of it (rebalancing)
         if pending is not None:
             block, src = pending.wait(), nxt
     return acc.result() or (None, None)

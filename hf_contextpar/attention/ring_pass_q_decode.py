@@ -2,7 +2,7 @@
 
 With B >= N sequences decoding together, step s gives sequence b to rank (b + s) mod N: each rank
 runs the whole model on about B/N tokens instead of all B, and stores their K/V, so every
-sequence's decode tokens rotate over the ranks and the shards stay level. The query block (one
+sequence's decode tokens rotate over the ranks and the shards stay even. The query block (one
 token per sequence) travels the ring; each rank attends it to its own K/V of those sequences;
 one All2All brings the partial outputs home for the LSE merge. A rank's rows are the strided
 slice start::N, so selecting them from the cache is a view, not a copy.

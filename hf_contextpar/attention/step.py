@@ -121,20 +121,20 @@ class Step:
             self._held[window] = held
         return self._held[window]
 
-    def level(self) -> tuple | None:
-        """The new columns [lo, hi) the running layer keeps of the blocks it receives (levelling, forward._levelled),
+    def rebalance_span(self) -> tuple | None:
+        """The new columns [lo, hi) the running layer keeps of the blocks it receives (rebalancing, forward._rebalanced),
         where the layer stores its own K/V (not another's, shared); else None."""
         store = self.plan.storage.store[self.comm.rank] if self.plan.storage is not None else None
-        if store is None or store.level is None or self.cache is None or self.kv_layer != self.layer:
+        if store is None or store.rebalance is None or self.cache is None or self.kv_layer != self.layer:
             return None
-        return store.level[:2]
+        return store.rebalance[:2]
 
     def received(self, block: torch.Tensor, src: int) -> None:
         """An algorithm hands over rank src's K/V block of the running layer as it arrives; the cache keeps what
-        this rank commits of it (levelling, forward._levelled). The algorithm itself writes nothing."""
-        level = self.level()
-        if level is not None and src != self.comm.rank:
-            self.cache.layers[self.kv_layer].stash(block, self.kv_cols[src], *level)
+        this rank commits of it (rebalancing, forward._rebalanced). The algorithm itself writes nothing."""
+        span = self.rebalance_span()
+        if span is not None and src != self.comm.rank:
+            self.cache.layers[self.kv_layer].stash(block, self.kv_cols[src], *span)
 
     def chained_at(self, layer: int) -> bool:
         """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V)?"""

@@ -29,7 +29,7 @@ class ShardedLayer(CacheLayerMixin):
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
         self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
-        self.stashed: list = []  # levelling (forward._levelled): (first column, K/V) of received blocks this rank keeps
+        self.stashed: list = []  # rebalancing (forward._rebalanced): (first column, K/V) of received blocks this rank keeps
 
     # Qwen4-Exp's QSA keeps the whole sequence's position ids on its first indexed layer and reads query positions
     # as the last of them: inside a patched forward, every column's (global order) through `layout.index_positions`
@@ -105,8 +105,8 @@ class ShardedLayer(CacheLayerMixin):
     def trim(self, by: int):
         """Drop the `by` oldest tokens (a sliding layer, when a forward is committed or the cache
         cropped); a buffer left mostly empty is given back."""
-        if self.kv is None:  # nothing stored yet
-            return
+        if self.kv is None or (by == 0 and self.kv.shape[3] <= max(64, 4 * self.live)):  # nothing to drop or give back
+            return  # (every change of the buffer already took its views: _keep)
         self.first += by
         live = self.live
         if self.kv.shape[3] > max(64, 4 * live):
@@ -168,13 +168,13 @@ class ShardedLayer(CacheLayerMixin):
 
     def stash(self, block: torch.Tensor, cols: torch.Tensor, lo: int, hi: int):
         """Keep the new columns [lo, hi) of another rank's block (its columns `cols`): a copy, so the message
-        buffer can go, placed among this rank's own new tokens by `level` when the forward ends."""
+        buffer can go, placed among this rank's own new tokens by `rebalance` when the forward ends."""
         keep = torch.nonzero((cols >= lo) & (cols < hi)).flatten()
         if keep.numel():
             self.stashed.append((int(cols[keep[0]]), block.index_select(3, keep.to(block.device))))
 
-    def level(self, lo: int, hi: int, start: int, added: int):
-        """End of a levelled prefill: of this forward's `added` own tokens (columns from `start` on) keep those
+    def rebalance(self, lo: int, hi: int, start: int, added: int):
+        """End of a rebalanced prefill: of this forward's `added` own tokens (columns from `start` on) keep those
         in [lo, hi), with the stashed ones in column order, where its own tokens were: what the layer held
         before stays in place (no copy of the whole cache)."""
         if self.kv is None:  # a layer this model never filled (another layer holds its K/V)
@@ -189,7 +189,7 @@ class ShardedLayer(CacheLayerMixin):
         self.stashed = []
         if sum(kv.shape[3] for _, kv in pieces) != hi - lo:
             raise PatchStateError(
-                f"levelling the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
+                f"rebalancing the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
                 "layer's attention did not run the planned algorithm. Please report this model."
             )
         base -= self._reserve(base + hi - lo)

@@ -188,7 +188,7 @@ class ShardedCache(ChainedStates, Cache):
     def end(self, storage, ok: bool = True):
         """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
         failed, forget what it stored."""
-        level = self.layout.store.level if self.layout.store is not None else None
+        rebalance = self.layout.store.rebalance if self.layout.store is not None else None
         self.layout.store, self.index_exchange, self.layout.index_positions = None, None, None
         if not ok:  # the index keys as they were before the forward
             self.index_keys = self._index_before
@@ -196,8 +196,8 @@ class ShardedCache(ChainedStates, Cache):
         if ok:
             before = [layer.held_dropped() for layer in self.kv_layers]
             self.layout.commit(storage)
-            for layer, live in zip(self.kv_layers, self._sizes) if level is not None else ():  # even shares
-                layer.level(*level, layer.live - live)
+            for layer, live in zip(self.kv_layers, self._sizes) if rebalance is not None else ():  # even shares
+                layer.rebalance(*rebalance, layer.live - live)
             self._trim(before)
         else:
             for layer, live in zip(self.kv_layers, self._sizes):

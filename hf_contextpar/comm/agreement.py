@@ -27,10 +27,45 @@ def fingerprint(t: torch.Tensor | None) -> int:
 
 
 def int_fingerprint(tensors) -> int:
-    """One order-sensitive hash of integer tensors' contents, read as one vector: five ops whatever
-    their number (the input check runs before every decode step). Callers fix the boundaries (the
-    shapes go into the check beside it)."""
-    flat = torch.cat([t.reshape(-1).long() for t in tensors])
+    """One order-sensitive hash of integer tensors' contents, read as one vector v (1-based i): the sum of
+    v_i * (i * 1000003 + 7919) in int64 arithmetic (wrapping). Callers fix the boundaries (the shapes go
+    into the check beside it). This runs before every decode step, over a mask as long as the sequence:
+    small tensors are summed in plain Python, each large one in one dot product against cached weights
+    (no concatenation, no weights built per call); `_reference_fingerprint` is the same hash in tensor ops."""
+    total, offset = 0, 0
+    for t in tensors:  # a list of ints reads as a 1D tensor of them
+        n = len(t) if isinstance(t, list) else t.numel()
+        if n <= _SMALL:
+            w = offset * 1000003 + 7919
+            values = t if isinstance(t, list) else t.reshape(-1).tolist()
+            total += sum(int(v) * (w + 1000003 * (j + 1)) for j, v in enumerate(values))
+        elif n:
+            t = torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t
+            v, w = t.reshape(-1).long(), _weights(offset, n, t.device)
+            total += int(v.dot(w) if v.device.type == "cpu" else (v * w).sum())  # CUDA's dot takes floats only
+        offset += n
+    total &= (1 << 64) - 1  # as int64 wraps
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+_SMALL = 32  # up to this many elements, tolist() and Python beat a tensor op
+_WEIGHTS: dict = {}  # device -> int64 weights i * 1000003 + 7919 for i = 1, 2, ... (grown by doubling)
+
+
+def _weights(offset: int, n: int, device) -> torch.Tensor:
+    """The fingerprint's weights of elements offset + 1 .. offset + n."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < offset + n:
+        size = max(4096, 2 * (offset + n))
+        w = _WEIGHTS[device] = torch.arange(1, size + 1, device=device) * 1000003 + 7919
+    return w[offset : offset + n]
+
+
+def _reference_fingerprint(tensors) -> int:
+    """int_fingerprint as its definition reads, in five tensor ops (what tests compare it with)."""
+    flat = torch.cat(
+        [(torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t).reshape(-1).long() for t in tensors]
+    )
     w = torch.arange(1, flat.numel() + 1, device=flat.device) * 1000003 + 7919
     return int((flat * w).sum())
 
@@ -137,7 +172,7 @@ class RankCheck:
                 ids is not None,
                 mask is not None,
                 len(sizing),
-                int_fingerprint([*ints, position_ids, torch.tensor(sizing, dtype=torch.long)]),
+                int_fingerprint([*ints, position_ids, [int(v) for v in sizing]]),
                 fingerprint(inputs.embeds),
             ]
         )

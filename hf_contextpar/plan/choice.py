@@ -9,7 +9,7 @@ All2All home). The paper's rules stay available as planner_rule:
 - "empirical": App. D's h(T,P) = a log T + b log(T/(T+P)) + c, pass-KV iff h > 0, with
   coefficients refit from measured timings by `fit_h`.
 C and BW are machine facts: `python -m hf_contextpar calibrate` measures them and saves them;
-without a calibration file the defaults in `costmodel.DEFAULTS` are used. Every rank uses rank
+without a calibration file the defaults in `machine.DEFAULTS` are used. Every rank uses rank
 0's calibration (agreed in `apply_context_parallel`), so every rank chooses the same.
 """
 
@@ -19,7 +19,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from .costmodel import PAPER_H, Machine, Shape, model_ring_times
+from .costmodel import Shape, model_ring_times
+from .machine import PAPER_H, Machine
 
 logger = logging.getLogger(__name__)
 

@@ -59,14 +59,14 @@ class Gather:
 
 
 @dataclass(frozen=True)
-class RankStore:
+class RankCommit:
     """Which of the K/V a rank computes in this forward it keeps."""
 
     rows: torch.Tensor | None = None  # ascending indices into the rank's new tokens; None: all of them
     slots: tuple | None = None  # batched decode: (sequence indices, slot of each in the rank's buffer)
-    # uneven contiguous partitions' levelling (`_levelled`): (lo, hi, start) keeps the new columns [lo, hi), from the
-    # blocks it receives and its own (which start at column `start`), so every rank commits an even share
-    level: tuple | None = None
+    # uneven contiguous partitions' rebalancing (`_rebalanced`): (lo, hi, start) keeps the new columns [lo, hi), from
+    # the blocks it receives and its own (which start at column `start`), so every rank commits an even share
+    rebalance: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Policy:
     kvr_sizes: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
     chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
-    level: bool = False  # uneven contiguous partitions commit an even share of the K/V per rank (not under DCP)
+    rebalance: bool = False  # uneven contiguous partitions commit an even share of the K/V per rank (not under DCP)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Shards:
 class Storage:
     """What the cache stores in this forward and the layout it commits when the forward ends."""
 
-    store: list  # per rank: RankStore
+    store: list  # per rank: RankCommit
     cols: list  # per rank: the layout's columns once committed (Shards.kv_cols)
     seq_length: int
     batch: int
@@ -149,9 +149,9 @@ class ForwardPlan:
 
     @property
     def sized(self) -> bool:
-        """Contiguous partitions the policy's sizes may cut unevenly (a chain, or a strategy whose K/V levels:
-        KV-Runahead, CSA): the prefills whose busy times balanced partitions learn from (runtime._measure)."""
-        return self.contiguous and (self.chained or uneven(self.algorithm))
+        """Contiguous partitions the policy's sizes may cut unevenly (a chain, KV-Runahead, CSA): the prefills whose
+        busy times balanced partitions learn from (runtime._measure; CSA's cut from the model's terms alone)."""
+        return self.contiguous and (self.chained or STRATEGIES[self.algorithm].cuts_unevenly)
 
 
 @dataclass(frozen=True)
@@ -233,13 +233,13 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     shards = Shards(token_rows=rows, seq_rows=None, q_cols=q_cols, kv_cols=kv_cols)
     contiguous = policy.chain or STRATEGIES[algorithm].contiguous
     flat = all(c.dim() == 1 for c in before.cols)
-    levelled = _levelled(q_cols, algorithm) if policy.level and contiguous and flat else None
-    store, kept = levelled or ([RankStore()] * policy.world, q_cols)
+    rebalanced = _rebalanced(q_cols, algorithm) if policy.rebalance and contiguous and flat else None
+    store, kept = rebalanced or ([RankCommit()] * policy.world, q_cols)
     storage = dict(store=store, cols=_append(before.cols, kept), rotation=before.rotation, run=None)
     return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
 
 
-def _levelled(q_cols, algorithm: str):
+def _rebalanced(q_cols, algorithm: str):
     """Uneven contiguous partitions (balanced ones, a table's) leave the earlier ranks more K/V. But a rank
     sees every other rank's new block under ring pass-KV and all-gather KV, and every earlier one under
     KV-Runahead, so it can keep its even range of the new columns with no message more (KV-Runahead:
@@ -247,11 +247,11 @@ def _levelled(q_cols, algorithm: str):
     (stores, each rank's new columns), or None where the partitions are even or it cannot."""
     starts, ends = [int(c[0]) for c in q_cols], [int(c[-1]) + 1 for c in q_cols]
     bounds = [starts[0] + b for b in (0, *itertools.accumulate(even(ends[-1] - starts[0], len(q_cols))))]
-    levels = STRATEGIES[algorithm].levels
-    earlier_only = levels == "earlier" and any(b > e for b, e in zip(bounds[1:], ends))
-    if starts == bounds[:-1] or earlier_only or levels is None:
+    brings = STRATEGIES[algorithm].brings_kv
+    earlier_only = brings == "earlier" and any(b > e for b, e in zip(bounds[1:], ends))
+    if starts == bounds[:-1] or earlier_only or brings is None:
         return None
-    store = [RankStore(level=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
+    store = [RankCommit(rebalance=(a, b, s)) for a, b, s in zip(bounds, bounds[1:], starts)]
     return store, [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -271,10 +271,10 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
     continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
     owned, run = decode_owners(new_cols.numel(), rank_tokens(before.cols, batch), policy.interleave, continuing)
-    kv_cols = _append(before.cols, [new_cols[o] for o in owned])
+    kv_cols = _append(before.cols, [new_cols[o] if len(o) < len(new_cols) else new_cols for o in owned])
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
-        store=[RankStore(rows=o) for o in owned],
+        store=[RankCommit(rows=o) for o in owned],
         cols=kv_cols,
         rotation=before.rotation,
         run=("decode", *run) if run is not None else None,
@@ -303,19 +303,15 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     if past and STRATEGIES[algorithm].fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
         algorithm = STRATEGIES[algorithm].over_cache
     if policy.chain or STRATEGIES[algorithm].contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
-        # uneven only where the K/V can be levelled (_levelled; pass-Q and Ulysses move no whole K/V) or the strategy
-        # stores its own partitions (CSA)
-        sizes = policy.kvr_sizes(num_new, past) if policy.kvr_sizes is not None and uneven(algorithm) else None
+        # uneven only where the K/V can be rebalanced (pass-Q and Ulysses move no whole K/V) or the strategy stores its
+        # own partitions (CSA)
+        uneven = policy.kvr_sizes is not None and STRATEGIES[algorithm].cuts_unevenly
+        sizes = policy.kvr_sizes(num_new, past) if uneven else None
         least = 2 if policy.chain else 0  # a chained rank's recurrent mixers need >= 2 tokens
         return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= least else even(num_new, policy.world))
     if STRATEGIES[algorithm].over_tables and any(c.dim() == 2 for c in cols):
         algorithm = STRATEGIES[algorithm].over_tables  # after batched decode no single column order exists
     return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
-
-
-def uneven(algorithm: str) -> bool:
-    """Its contiguous partitions may be cut unevenly (the policy's sizes): it levels the K/V, or stores its own."""
-    return STRATEGIES[algorithm].levels is not None or STRATEGIES[algorithm].uneven
 
 
 def _append(cols, new_cols):
@@ -334,7 +330,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
     ahead of that sequence's smallest shard). A new offset is taken only if every sequence's token
     then lands on one of the ranks holding the fewest of that sequence's tokens, so every sequence's
     shards stay within `interleave` tokens. Right after an uneven prefill the few replicated steps
-    that level the shards come first."""
+    that even out the shards come first."""
     world = policy.world
     if policy.decode == "replicated" or policy.chain:  # recurrent states: every rank holds them all
         return None, None
@@ -361,7 +357,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
 
 def _place_per_sequence(cols, col: int, seq_rows, batch: int):
     """One new column per sequence; rank r stores it for the sequences seq_rows[r], in the slot
-    after that sequence's last filled one. Returns the new (B, slots) tables and each rank's RankStore."""
+    after that sequence's last filled one. Returns the new (B, slots) tables and each rank's RankCommit."""
     new_cols, store = [], []
     for rows, c in zip(seq_rows, cols):
         c = c.expand(batch, -1).clone() if c.dim() == 1 else c.clone()
@@ -376,7 +372,7 @@ def _place_per_sequence(cols, col: int, seq_rows, batch: int):
             c = torch.cat([c, c.new_full((batch, need - c.shape[1]), -1)], dim=1)
         c[idx, slots] = col
         new_cols.append(c)
-        store.append(RankStore(slots=(idx, slots)))
+        store.append(RankCommit(slots=(idx, slots)))
     return new_cols, store
 
 

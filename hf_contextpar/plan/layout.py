@@ -28,7 +28,7 @@ class ShardLayout:
         self.seq_length = 0  # committed global length (tokens of finished forwards)
         self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
         self.run = None  # the decode run left open (plan.Storage.run), continued by the next decode step
-        self.store = None  # the running forward's forward.RankStore for this rank; None between forwards
+        self.store = None  # the running forward's forward.RankCommit for this rank; None between forwards
         # per sliding window: how many leading slots of each rank's columns its layers have dropped
         self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
         self.record_past = False  # generate()'s assisted decoding: keep everything until crop()

@@ -184,7 +184,7 @@ class PartitionTable:
 def search(num_tokens: int, world: int, measure, points: int = 5, min_stride: int | None = None):
     """KVR-S: hierarchical grid search of the partition minimising `measure(sizes) -> seconds`.
 
-    The world-1 inner boundaries start at the even split; each level tries `points` positions per
+    The world-1 inner boundaries start at the even split; each round tries `points` positions per
     boundary (stride apart, centred on the best so far), keeps the best and halves the stride,
     down to `min_stride` tokens (default: about 1% of the context). Every measured partition is
     remembered, so the even split counts as a candidate and the result is never slower than it

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-def level_shares(num_tokens: int, counts: list[int]) -> list[int]:
+def even_shares(num_tokens: int, counts: list[int]) -> list[int]:
     """How many of `num_tokens` new tokens each rank takes: floor or ceil of T/N, the extra ones
     going to the ranks that hold the fewest tokens (lowest rank on ties), so shards that were
     within one token of each other stay so, turn after turn."""
@@ -31,10 +31,10 @@ def head_tail_plan(num_tokens: int, world_size: int, counts: list[int] | None = 
 
     The tokens are cut into 2N contiguous chunks laid out as head_0 .. head_{N-1}, tail_{N-1} ..
     tail_0, and rank i takes head_i and tail_i: chunks i and 2N-1-i. Rank i's share (see
-    `level_shares`, given the tokens each rank already caches) is split evenly between its head
+    `even_shares`, given the tokens each rank already caches) is split evenly between its head
     and its tail, so every rank gets the same slice of the causal triangle.
     """
-    shares = level_shares(num_tokens, counts or [0] * world_size)
+    shares = even_shares(num_tokens, counts or [0] * world_size)
     heads = [(s + 1) // 2 for s in shares]
     tails = [s - h for s, h in zip(shares, heads)]
     sizes = heads + tails[::-1]
@@ -62,7 +62,7 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
     counts: tokens per rank, or (batch, world) per sequence (after batched decode). `run` is the
     (rank, tokens placed) of the run the previous decode forward left open, or None. Returns (per
     rank, the indices of the new tokens it stores; the open run after them). With interleave 1
-    every token goes to the least-loaded rank: round-robin once the shards are level, levelling
+    every token goes to the least-loaded rank: round-robin once the shards are even, rebalancing
     them after an uneven prefill. Shards within `interleave` tokens of each other stay so.
     """
     # plain Python over the distinct rows (one while every sequence holds the same columns): this runs
@@ -80,7 +80,16 @@ def decode_owners(num_tokens: int, counts, interleave: int = 1, run=None):
         owned[run[0]].append(t)
         for r in rows:
             r[run[0]] += 1
-    return [torch.tensor(o, dtype=torch.long) for o in owned], run
+    return [_indices(o) for o in owned], run
+
+
+_NONE, _FIRST = torch.empty(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
+
+def _indices(owned: list[int]) -> torch.Tensor:
+    """A rank's token indices as a tensor; a decode step's (none, or its one token) shared, never written to
+    (plans and layouts are read only), as building two tensors a step costs more than placing the token."""
+    return _NONE if not owned else _FIRST if owned == [0] else torch.tensor(owned, dtype=torch.long)
 
 
 def partition_sizes(num_tokens: int, ratios) -> list[int]:

@@ -2,7 +2,7 @@
 
 A strategy is one algorithm file in `attention/` (a function of (step, local Q, this rank's K/V block)
 returning (out, LSE)) and one `Strategy` record here. Everything else reads the record: the plan
-(contiguous partitions, levelling, what runs over a cache), the attention registry (which function,
+(contiguous partitions, rebalancing, what runs over a cache), the attention registry (which function,
 whether its block may be a view of the cache), the cost model (`time`), `predict` and the tests
 (`traffic`), `apply_context_parallel`'s choices and head checks, the self-test and the census.
 
@@ -50,9 +50,9 @@ class Strategy:
     summary: str
     prefill: bool = True
     # whose new K/V it brings a rank: "all" ranks' or the "earlier" ones'; then uneven contiguous partitions can
-    # still commit 1/N of the K/V per rank (forward._levelled); None: it moves no token's K/V
-    levels: str | None = None
-    # its contiguous partitions may be uneven though it cannot level the K/V: each rank stores its own (CSA)
+    # still commit 1/N of the K/V per rank (forward._rebalanced); None: it moves no token's K/V
+    brings_kv: str | None = None
+    # its contiguous partitions may be uneven though it cannot rebalance the K/V: each rank stores its own (CSA)
     uneven: bool = False
     contiguous: bool = False  # needs contiguous partitions in rank order (sharding.contiguous_plan)
     fresh_only: bool = False  # runs on fresh prompts only: over a non-empty cache the plan runs `over_cache`
@@ -70,6 +70,11 @@ class Strategy:
     time: Callable | None = None  # (LayerCost) -> one layer's attention seconds with its messages, or None
     traffic: Callable | None = None  # (Rows) -> bytes (sent, received) of one layer on that rank
     algorithm: str = ""  # "module:function" (a module relative to hf_contextpar.attention); "": ".{name}:{name}"
+
+    @property
+    def cuts_unevenly(self) -> bool:
+        """Its contiguous partitions may be cut unevenly (the policy's sizes): it rebalances the K/V, or stores its own."""
+        return self.brings_kv is not None or self.uneven
 
     def load(self) -> Callable:
         """The algorithm's function (imported here, so the plan never imports the attention package)."""
@@ -177,7 +182,7 @@ for _s in (
     Strategy(
         "ring_pass_kv",
         "Meta Alg. 2: K/V blocks travel the ring, overlapped with attention",
-        levels="all",
+        brings_kv="all",
         time=_ring_kv_time,
         traffic=_ring_kv_traffic,
     ),
@@ -192,14 +197,14 @@ for _s in (
     Strategy(
         "allgather_kv",
         "Llama 3 / vLLM: all-gather every rank's K/V, then attend",
-        levels="all",
+        brings_kv="all",
         time=lambda c: c.message((c.N - 1) * (c.T + c.kept) / c.N * c.kv_token) + c.attention,
         traffic=_allgather_traffic,
     ),
     Strategy(
         "kv_runahead",
         "KV-Runahead: contiguous partitions, the K/V prefix passed down a point-to-point chain",
-        levels="earlier",
+        brings_kv="earlier",
         contiguous=True,
         fresh_only=True,
         over_cache="ring_pass_kv",

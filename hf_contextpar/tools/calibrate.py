@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..attention.kernels import attend
 from ..cache.sharded import cache_argument, returned_cache
 from ..plan.choice import choose, empirical_h, fit_h
-from ..plan.costmodel import Machine, Shape
+from ..plan.costmodel import Shape
+from ..plan.machine import Machine
 
 
 def sync(device):

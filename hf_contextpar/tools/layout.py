@@ -23,7 +23,8 @@ Memory is in GB of 1e9 bytes (`--gpu-memory`), the tables print GiB.
 from __future__ import annotations
 
 from ..plan.choice import choose
-from ..plan.costmodel import Machine, kv_bytes_per_rank, predict_ttit
+from ..plan.costmodel import kv_bytes_per_rank, predict_ttit
+from ..plan.machine import Machine
 from .presets import DTYPE_BYTES, PRESETS, machine_of, shape_of
 
 HEADROOM = 0.9  # of a GPU's memory for weights and KV cache; the rest for activations and workspace

@@ -22,7 +22,8 @@ from dataclasses import replace
 
 from ..cliargs import fractions, positive_int, positive_ints
 from ..plan.choice import choose
-from ..plan.costmodel import Machine, Shape, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from ..plan.costmodel import Shape, kv_bytes_per_rank, predict_ttft, predict_ttit, traffic_per_rank
+from ..plan.machine import Machine
 from ..plan.strategies import prefill_names
 from .layout import format_bytes, format_seconds
 from .presets import DTYPE_BYTES, GEOMETRIES, PRESETS, machine_of, shape_of_dtype, tp_replicas

@@ -10,7 +10,8 @@ import os
 
 from ..errors import ContextParallelError
 from ..model.shape import config_windows
-from ..plan.costmodel import Machine, Shape
+from ..plan.costmodel import Shape
+from ..plan.machine import Machine
 
 # Achieved attention FLOP/s: Flash Attention 3, 8K causal on one H100 (540 TF/s, Meta CP paper App. A);
 # linear layers at Meta's achieved 502 TF/s per H100 at 1M tokens (App. A); HBM3 3.35 TB/s (H100 SXM
