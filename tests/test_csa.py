@@ -116,7 +116,7 @@ def test_balanced_csa_partitions_equalise_the_pruned_work():
     """CSA's default partitions (issue 41): equal predicted work per rank where a query sees only the kept keys of an
     earlier partition at the pruning layers (`SparseRun.pair_weights`, `partitions.weighted`). Keeping all, they
     are the exact chain's balanced ones; pruning, the later ranks take more than they would exact."""
-    from hf_contextpar.plan.partitions import balanced, even, weighted, weighted_pairs
+    from hf_contextpar.plan.partitions import balanced, even, weighted
     from hf_contextpar.sparse.csa import SparseRun
 
     ones = [[1.0] * 4] * 4
@@ -128,7 +128,9 @@ def test_balanced_csa_partitions_equalise_the_pruned_work():
     w = run.pair_weights(4, 6)  # 3 of 6 layers prune: rank 1 sees rank 0 (L2, 0.6) at 1 - 0.5 x 0.4
     assert w[0][1] == pytest.approx(0.8) and w[0][2] == w[1][2] == w[0][3] == pytest.approx(1 - 0.5 * 0.7)
     sizes = weighted(16384, 4, 1.0, 1e-2, w)
-    work = [sizes[d] + 1e-2 * weighted_pairs(sizes, d, w) for d in range(4)]
+    # the work `weighted` equalises: rank d's tokens, its own keys causally, every earlier rank's at its weight
+    pairs = [n * (n + 1) / 2 + n * sum(w[s][d] * sizes[s] for s in range(d)) for d, n in enumerate(sizes)]
+    work = [sizes[d] + 1e-2 * pairs[d] for d in range(4)]
     assert max(work) / min(work) < 1.01 and sum(sizes) == 16384
     exact = weighted(16384, 4, 1.0, 1e-2, ones)
     assert sizes[0] < exact[0] and all(s > e for s, e in zip(sizes[1:], exact[1:]))  # later ranks see fewer keys

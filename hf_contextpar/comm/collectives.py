@@ -60,8 +60,15 @@ def release_groups() -> None:
         comm.close_shm()
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def broadcast_bytes(mine: torch.Tensor, shapes: list, rank: int) -> tuple[int, int]:
+    """(sent, received) of broadcasting every rank's block at its exact size (`Comm.broadcast_blocks`): this rank's
+    block to each of the others, and every other rank's block from it."""
+    received = mine.element_size() * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != rank)
+    return nbytes(mine) * (len(shapes) - 1), received
 
 
 class Comm:
@@ -163,9 +170,7 @@ class Comm:
             ops.append(dist.P2POp(dist.irecv, recv, self._prev, self.group))
         with self._guard("ring send/recv", op):
             works = dist.batch_isend_irecv(ops) if ops else []
-        self._record(
-            "attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0
-        )
+        self._record("attention", op, nbytes(send) if send is not None else 0, nbytes(recv) if recv is not None else 0)
         return Pending(self, works, recv, op)
 
     def all_gather(self, t: torch.Tensor, tag: str = "attention") -> torch.Tensor:
@@ -180,19 +185,19 @@ class Comm:
             else:
                 out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
                 _all_gather_flat(out, flat, group=self.group)
-        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        self._record(tag, "all_gather", nbytes(t) * (self.world - 1), nbytes(t) * (self.world - 1))
         return out.view(self.world, *t.shape)
 
     def _all_gather_riding(self, t: torch.Tensor, flat: torch.Tensor, tag: str) -> torch.Tensor:
         """`all_gather(t)` with the pending input fingerprint appended to every rank's bytes."""
-        (fingerprint, verify), n = self._rider, _nbytes(flat)
+        (fingerprint, verify), n = self._rider, nbytes(flat)
         self._rider = self._gate = None
         with self._guard("all_gather", "all_gather", tag):
             both = torch.cat([flat.view(torch.uint8), fingerprint.view(torch.uint8)])
             out = self.shm.all_gather(both).view(self.world, -1)
         verify(out[:, n:].contiguous().view(fingerprint.dtype))
         self._record(tag, "all_gather", n * (self.world - 1), n * (self.world - 1))
-        self._record("control", "all_gather", *(2 * [_nbytes(fingerprint) * (self.world - 1)]))
+        self._record("control", "all_gather", *(2 * [nbytes(fingerprint) * (self.world - 1)]))
         return out[:, :n].contiguous().view(t.dtype).view(self.world, *t.shape)
 
     def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> Pending:
@@ -209,7 +214,7 @@ class Comm:
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
         with self._guard("all_gather", "all_gather", tag):
             work = _all_gather_flat(out, flat, group=self.group, async_op=True)
-        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        self._record(tag, "all_gather", nbytes(t) * (self.world - 1), nbytes(t) * (self.world - 1))
         return Pending(self, [work], out.view(self.world, *t.shape), "all_gather", tag)
 
     def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list[Pending]:
@@ -230,13 +235,7 @@ class Comm:
                 with self._guard("broadcast", "broadcast"):
                     works = [dist.broadcast(buf, self._global[r], group=self.group, async_op=True)]
             out.append(Pending(self, works, buf, "broadcast"))
-        esize = mine.element_size()
-        self._record(
-            "attention",
-            "broadcast",
-            _nbytes(mine) * (self.world - 1),
-            esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank),
-        )
+        self._record("attention", "broadcast", *broadcast_bytes(mine, shapes, self.rank))
         return out
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:

@@ -73,12 +73,6 @@ def weighted(num_tokens: int, world: int, per_token: float, per_pair: float, wei
     return cut if cut and min(cut) >= 2 else even(num_tokens, world)
 
 
-def weighted_pairs(sizes: list, rank: int, weights) -> float:
-    """The keys rank's queries see under `weighted`'s model: its own causally, every earlier rank's at its weight."""
-    n = sizes[rank]
-    return n * (n + 1) / 2 + n * sum(weights[s][rank] * sizes[s] for s in range(rank))
-
-
 def key_pairs(start: int, end: int, past: int) -> int:
     """Keys the queries of tokens [start, end) of a forward over `past` cached tokens see: the work
     `balanced`'s attention term counts."""

@@ -30,7 +30,7 @@ import time
 import torch
 
 from ...cache import blocks
-from ...comm.collectives import CommStats
+from ...comm.collectives import CommStats, broadcast_bytes, nbytes
 from ...errors import ContextParallelError
 
 
@@ -40,10 +40,6 @@ class SimulationError(ContextParallelError):
 
 class _Aborted(Exception):
     """Raised in a waiting rank once another rank has failed (reported as that rank's error)."""
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class SimulatedWorld:
@@ -164,9 +160,7 @@ class SimulatedComm:
                 recv_index = sim.posted_recvs[self.rank][prv]
                 sim.posted_recvs[self.rank][prv] += 1
                 sim.cond.notify_all()
-        self._record(
-            "attention", op, _nbytes(send) if send is not None else 0, _nbytes(recv) if recv is not None else 0
-        )
+        self._record("attention", op, nbytes(send) if send is not None else 0, nbytes(recv) if recv is not None else 0)
 
         def finish():
             if posted_send is not None:
@@ -229,7 +223,7 @@ class SimulatedComm:
     def all_gather_start(self, t: torch.Tensor, tag: str = "attention") -> _Pending:
         """`all_gather` posted without waiting; `wait()` returns the (world, *t.shape) stack."""
         index = self._post("all_gather", t.contiguous().clone())
-        self._record(tag, "all_gather", _nbytes(t) * (self.world - 1), _nbytes(t) * (self.world - 1))
+        self._record(tag, "all_gather", nbytes(t) * (self.world - 1), nbytes(t) * (self.world - 1))
 
         def finish():
             parts = self._collect(index, "all_gather")
@@ -247,13 +241,7 @@ class SimulatedComm:
         """Every rank's block to every rank at its exact size; `wait()` on entry r returns rank r's block."""
         mine = mine.contiguous()
         index = self._post("broadcast", mine)
-        esize = mine.element_size()
-        self._record(
-            "attention",
-            "broadcast",
-            _nbytes(mine) * (self.world - 1),
-            esize * sum(int(torch.Size(s).numel()) for r, s in enumerate(shapes) if r != self.rank),
-        )
+        self._record("attention", "broadcast", *broadcast_bytes(mine, shapes, self.rank))
 
         def block(r):
             if r == self.rank:
