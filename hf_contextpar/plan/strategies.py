@@ -53,7 +53,7 @@ class Strategy:
     # still commit 1/N of the K/V per rank (forward._rebalanced); None: it moves no token's K/V
     brings_kv: str | None = None
     # its contiguous partitions may be uneven though it cannot rebalance the K/V: each rank stores its own (CSA)
-    uneven: bool = False
+    stores_own_partition: bool = False
     contiguous: bool = False  # needs contiguous partitions in rank order (sharding.contiguous_plan)
     fresh_only: bool = False  # runs on fresh prompts only: over a non-empty cache the plan runs `over_cache`
     over_cache: str | None = None
@@ -74,7 +74,7 @@ class Strategy:
     @property
     def cuts_unevenly(self) -> bool:
         """Its contiguous partitions may be cut unevenly (the policy's sizes): it rebalances the K/V, or stores its own."""
-        return self.brings_kv is not None or self.uneven
+        return self.brings_kv is not None or self.stores_own_partition
 
     def load(self) -> Callable:
         """The algorithm's function (imported here, so the plan never imports the attention package)."""
@@ -229,7 +229,7 @@ for _s in (
         approximate=True,
         moves_queries=True,  # its own pruning, not an indexer's selection
         contiguous=True,
-        uneven=True,
+        stores_own_partition=True,
         fresh_only=True,
         over_cache="ring_pass_kv",
         time=_csa_time,
