@@ -347,3 +347,24 @@ def test_torch_ring_peer_wrong_logits_fail_loudly(tmp_path, monkeypatch, capsys)
     assert row["strategy"] == "torch_ring_allgather" and not row["logits_ok"] and row["logits_max_abs_diff"] == 0.0
     assert "**FAILED**" in capsys.readouterr().out
     assert not next(t for t in report["targets"] if "logits within" in t["target"])["met"]
+
+
+def test_kv_bytes_counts_the_indexer_keys_on_one_process():
+    """The bench's KV bound compares a rank's cache with one process's: with indexed attention (DSA) both
+    sides must count the indexer's keys (transformers keeps them beside K/V, `update_indexer`), or a rank
+    holding half of them reads as over the bound (16K, N = 2: 44 MiB against 72 / 2)."""
+    import torch
+
+    from hf_contextpar.models import tiny_model
+    from hf_contextpar.tools.bench.measure import kv_bytes
+
+    model = tiny_model("deepseek_v32", dtype=torch.float32)
+    c = model.config
+    T = 40
+    with torch.no_grad():
+        cache = model(torch.randint(0, 200, (1, T)), use_cache=True).past_key_values
+    latent = T * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    indexer = T * c.index_head_dim * 4
+    k, v = cache.layers[0].keys, cache.layers[0].values
+    assert k.nbytes + v.nbytes == latent  # the latent K/V (values empty): what the bench counted before
+    assert kv_bytes(cache) == c.num_hidden_layers * (latent + indexer)

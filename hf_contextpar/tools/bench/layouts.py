@@ -31,12 +31,7 @@ from ...errors import ContextParallelError
 from ...mesh import dcp_of
 from ...models import DTYPES, load, tiny_model
 from ..tpload import load_tp, weight_bytes
-
-
-def kv_bytes(cache) -> int:
-    if hasattr(cache, "local_nbytes"):
-        return cache.local_nbytes()
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+from .measure import kv_bytes
 
 
 @torch.no_grad()

@@ -48,11 +48,13 @@ def _peak(device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss()[1]
 
 
-def _kv_bytes(cache) -> int:
+def kv_bytes(cache) -> int:
+    """The attention cache's bytes on this rank: K/V and, for indexed attention (DSA), the indexer's keys,
+    which transformers' cache layers keep beside them (`update_indexer`) and our sharded cache counts too."""
     if hasattr(cache, "local_nbytes"):
         return cache.local_nbytes()
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    parts = (getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values", "indexer_keys"))
+    return sum(t.nbytes for t in parts if isinstance(t, torch.Tensor))
 
 
 def _median(xs):
@@ -111,7 +113,7 @@ def decode(cache, token, model, *, new_tokens: int, stats=None, barrier=None, de
         ttit_all_s=steps,
         decode_comm_wait_s=_median(waits) if waits else 0.0,
         tokens=tokens,
-        kv_bytes=_kv_bytes(cache),
+        kv_bytes=kv_bytes(cache),
         state_bytes=state_nbytes(cache),  # recurrent layers' conv and recurrent states (whole on every rank)
     )
 
