@@ -368,3 +368,21 @@ def test_kv_bytes_counts_the_indexer_keys_on_one_process():
     k, v = cache.layers[0].keys, cache.layers[0].values
     assert k.nbytes + v.nbytes == latent  # the latent K/V (values empty): what the bench counted before
     assert kv_bytes(cache) == c.num_hidden_layers * (latent + indexer)
+
+
+def test_comm_stats_count_received_bytes_per_operation():
+    """The bench reports the indexer's keys apart (op index_keys): CommStats counts received bytes per op."""
+    from hf_contextpar.comm.collectives import CommStats
+    from hf_contextpar.tools.bench.report import _index_key_lines
+
+    s = CommStats()
+    s.record("ring_shift", 10, 30)
+    s.record("index_keys", 0, 12)
+    s.record("index_keys", 0, 8)
+    assert s.received_by_op == {"ring_shift": 30, "index_keys": 20} and s.bytes_received == 50
+    row = dict(strategy="ring_pass_kv", N=2, length=16, bytes_received_per_rank=[50, 40])
+    row["bytes_received_by_op_per_rank"] = [dict(s.received_by_op), {"index_keys": 10}]
+    assert "(40% of its bytes)" in _index_key_lines([row])[1]
+    assert _index_key_lines([dict(row, bytes_received_by_op_per_rank=[{"ring_shift": 30}])]) == []
+    s.reset()
+    assert s.received_by_op == {}

@@ -102,7 +102,7 @@ def gather_keys(step, cache, keys: torch.Tensor, layer: int) -> torch.Tensor:
         )
     cols = [torch.cat([before, new]) for before, new in zip(layout.cols, plan.shards.q_cols)]
     b, _, d = keys.shape
-    pending = comm.broadcast_blocks(torch.cat([held, keys], dim=1), [(b, c.numel(), d) for c in cols])
+    pending = comm.broadcast_blocks(torch.cat([held, keys], dim=1), [(b, c.numel(), d) for c in cols], op="index_keys")
     full = keys.new_empty((b, plan.past + plan.num_new, d))
     for c, block in zip(cols, pending):
         full[:, c.to(full.device)] = block.wait()

@@ -33,11 +33,13 @@ class CommStats:
     calls: dict = field(default_factory=dict)
     wait_s: float = 0.0  # seconds blocked in communication (exposed), all operations
     waits: dict = field(default_factory=dict)  # the same per operation
+    received_by_op: dict = field(default_factory=dict)  # bytes received per operation
 
     def record(self, op: str, sent: int, received: int):
         self.bytes_sent += sent
         self.bytes_received += received
         self.calls[op] = self.calls.get(op, 0) + 1
+        self.received_by_op[op] = self.received_by_op.get(op, 0) + received
 
     def add_wait(self, op: str, seconds: float):
         self.wait_s += seconds
@@ -48,6 +50,7 @@ class CommStats:
         self.wait_s = 0.0
         self.calls.clear()
         self.waits.clear()
+        self.received_by_op.clear()
 
 
 _live: weakref.WeakSet[Comm] = weakref.WeakSet()  # every Comm, for release_groups()
@@ -217,13 +220,13 @@ class Comm:
         self._record(tag, "all_gather", nbytes(t) * (self.world - 1), nbytes(t) * (self.world - 1))
         return Pending(self, [work], out.view(self.world, *t.shape), "all_gather", tag)
 
-    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple]) -> list[Pending]:
+    def broadcast_blocks(self, mine: torch.Tensor, shapes: list[tuple], op: str = "broadcast") -> list[Pending]:
         """Every rank's block to every rank at its exact size: an all-gather of unequal blocks.
 
         Rank r's block goes out by one broadcast rooted at r, straight from its buffer (no padding,
         no staging copy); all N are posted at once and `wait()` on entry r returns rank r's block,
         so a caller can work on the blocks that have landed while the rest are in flight.
-        shapes[r]: rank r's block shape, known to every rank.
+        shapes[r]: rank r's block shape, known to every rank. op: the name its bytes and waits are counted under.
         """
         self.settle()
         mine = mine.contiguous()
@@ -232,10 +235,10 @@ class Comm:
             buf = mine if r == self.rank else torch.empty(shape, dtype=mine.dtype, device=mine.device)
             works = []
             if buf.numel() > 0:
-                with self._guard("broadcast", "broadcast"):
+                with self._guard("broadcast", op):
                     works = [dist.broadcast(buf, self._global[r], group=self.group, async_op=True)]
-            out.append(Pending(self, works, buf, "broadcast"))
-        self._record("attention", "broadcast", *broadcast_bytes(mine, shapes, self.rank))
+            out.append(Pending(self, works, buf, op))
+        self._record("attention", op, *broadcast_bytes(mine, shapes, self.rank))
         return out
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:

@@ -79,6 +79,7 @@ def prefill(model, ids, *, stats=None, barrier=None, device):
         comm_wait_by_op_s={},
         bytes_sent=0,
         bytes_received=0,
+        bytes_received_by_op={},
     )
     if stats is not None:
         res.update(
@@ -86,6 +87,7 @@ def prefill(model, ids, *, stats=None, barrier=None, device):
             comm_wait_by_op_s=dict(stats.waits),
             bytes_sent=stats.bytes_sent,
             bytes_received=stats.bytes_received,
+            bytes_received_by_op=dict(stats.received_by_op),
         )
     return res, returned_cache(out), token
 
@@ -153,6 +155,7 @@ class Samples:
             comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
             bytes_sent=self.prefills[-1]["bytes_sent"],
             bytes_received=self.prefills[-1]["bytes_received"],
+            bytes_received_by_op=self.prefills[-1]["bytes_received_by_op"],
         )
 
 
@@ -181,6 +184,7 @@ class PeerSamples:
                 comm_wait_by_op_s=dict(peer.stats.waits),
                 bytes_sent=peer.stats.bytes_sent,
                 bytes_received=peer.stats.bytes_received,
+                bytes_received_by_op=dict(peer.stats.received_by_op),
             )
         )
         if last:
@@ -206,6 +210,7 @@ class PeerSamples:
             comm_wait_by_op_s={op: _median([p["comm_wait_by_op_s"].get(op, 0.0) for p in self.prefills]) for op in ops},
             bytes_sent=self.prefills[-1]["bytes_sent"],
             bytes_received=self.prefills[-1]["bytes_received"],
+            bytes_received_by_op=self.prefills[-1]["bytes_received_by_op"],
         )
 
 

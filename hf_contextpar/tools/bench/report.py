@@ -200,6 +200,7 @@ def format_report(report) -> str:
                 for r in states
             ),
         ]
+    lines += _index_key_lines(report["rows"])
     lines += [
         "",
         "TTFT: slowest rank, median of repeats; CPU: that rank's process CPU time (all its threads). "
@@ -219,6 +220,19 @@ def format_report(report) -> str:
     for t in report.get("targets", []):
         lines.append(f"- {'met' if t['met'] else 'MISSED'}: {t['target']}: {t['figure']}")
     return "\n".join(lines) + "\n"
+
+
+def _index_key_lines(rows) -> list:
+    """Indexed attention (DSA): what the indexer's keys cost in a prefill, beside the attention's own bytes."""
+    index = [r for r in rows if max(p.get("index_keys", 0) for p in r.get("bytes_received_by_op_per_rank") or [{}])]
+    if not index:
+        return []
+    parts = []
+    for r in index:
+        got = max(p.get("index_keys", 0) for p in r["bytes_received_by_op_per_rank"])
+        share = got / max(max(r["bytes_received_per_rank"]), 1)
+        parts.append(f"{r['strategy']} N={r['N']} T={r['length']}: {_mib(got):.2f} MiB ({share:.0%} of its bytes)")
+    return ["", "Indexer keys received per rank in the prefill (DSA, op index_keys): " + ", ".join(parts)]
 
 
 def _peer_table(rows) -> list[str]:

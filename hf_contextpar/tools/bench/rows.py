@@ -39,6 +39,7 @@ def make_row(kind, strategy, world, length, threads, per_rank: list[dict]):
         "bytes_received",
         "comm_wait_s",
         "comm_wait_by_op_s",
+        "bytes_received_by_op",
         "decode_comm_wait_s",
         "ttft_cpu_s",
     ):

@@ -237,11 +237,11 @@ class SimulatedComm:
 
         return _Pending(self, "all_gather", finish, tag)
 
-    def broadcast_blocks(self, mine: torch.Tensor, shapes: list) -> list:
+    def broadcast_blocks(self, mine: torch.Tensor, shapes: list, op: str = "broadcast") -> list:
         """Every rank's block to every rank at its exact size; `wait()` on entry r returns rank r's block."""
         mine = mine.contiguous()
         index = self._post("broadcast", mine)
-        self._record("attention", "broadcast", *broadcast_bytes(mine, shapes, self.rank))
+        self._record("attention", op, *broadcast_bytes(mine, shapes, self.rank))
 
         def block(r):
             if r == self.rank:
