@@ -429,7 +429,8 @@ def csa_refuses(case: dict) -> bool:
 
 def indexed(case: dict) -> bool:
     """A family with indexed attention (DSA): its queries stay with their indexer's selection."""
-    return case["family"] in REGISTRY and REGISTRY[case["family"]].indexed
+    family = REGISTRY.get(model_type(case["family"]))  # a geometry's name is not its family's
+    return family is not None and family.indexed
 
 
 def describe(case: dict) -> str:

@@ -191,6 +191,21 @@ GEOMETRIES: dict[str, dict] = {
             original_max_position_embeddings=4096,
         ),
     ),
+    # DeepSeek-V3.2-Exp (685B): V3's MLA (as above, 16 of its 128 heads) with DSA: the lightning indexer's 64
+    # heads of 128 (the checkpoint's), its top-k 4 (the checkpoint's 2,048 of a 128K context is 1/64; these
+    # prompts of 17-37 tokens keep 1/4 to 1/9 of their keys, so the selection cuts every shard)
+    "deepseek_v32_685b": dict(
+        model_type="deepseek_v32",
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        first_k_dense_replace=2,
+        mlp_layer_types=["dense", "dense"],
+        initializer_range=0.05,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=4,
+    ),
     # Llama 4 Scout: 40 / 8 / 128, chunks of 8192 and temperature-tuning floor 8192 (both scaled to 32), NoPE
     # every 4th layer (here every 2nd), QK L2-norm, llama3 x16 scaling; dense MLPs (its router is fp32)
     "llama4_scout": dict(
@@ -241,6 +256,7 @@ GEOMETRIES: dict[str, dict] = {
 # Gemma-2's window, Gemma-3's local window, Phi-3's longrope switch (original_max_position_embeddings),
 # gpt-oss's window, Llama 4's chunk and temperature floor, Gemma 3n's and Gemma 4's windows.
 GEOMETRY_THRESHOLD = {
+    "deepseek_v32_685b": 16,  # not a threshold: lengths 17, 21, 37 and a greedy run from 12 tokens
     "gemma2_9b": 32,
     "gemma3_4b": 24,
     "phi3_mini_128k": 64,
