@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, llama4_text, mamba1, minimax, opt
+from . import bamba, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -230,6 +230,13 @@ for _patch in [
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
     FamilyPatch("opt", "OPT: learned absolute positions read off the attention mask", apply=opt.apply),
+    # JetMoE repeats its K/V (tiled) to its top_k x Hkv query heads after the cache update: patches/jetmoe.py attends
+    # once with the cache's K/V and the query heads permuted into GQA order (the same pairing of heads)
+    FamilyPatch(
+        "jetmoe",
+        "JetMoE: a mixture of attention heads (top-k query experts over shared K/V heads), MoE",
+        apply=jetmoe.apply,
+    ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention

@@ -22,7 +22,8 @@ _SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_s
 REGISTERED = {
     # two attention calls per layer, each on half of V (differential attention)
     "registered_diffllama": ("diffllama", dict(_SMALL, num_attention_heads=4, num_key_value_heads=2)),
-    # K/V repeated to every head after the cache update: attention sees other tensors than the cache's
+    # K/V repeated to every head after the cache update: attention sees other tensors than the cache's (without
+    # the library's patches/jetmoe.py, which the scenario drops: the structural guard catches the model as it is)
     "registered_jetmoe": (
         "jetmoe",
         dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, num_local_experts=2),
@@ -51,6 +52,7 @@ def registered(scenario):
 
     model_type, config = REGISTERED[scenario]
     patches.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
+    patches.BUILTIN -= {model_type}  # nor this: a listed family's entry (jetmoe's patch) replaced by a bare one
     patches.register(patches.FamilyPatch(model_type, "registered by hand"))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()
