@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, jetmoe, llama4_text, mamba1, minimax, opt
+from . import bamba, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -236,6 +236,13 @@ for _patch in [
         "jetmoe",
         "JetMoE: a mixture of attention heads (top-k query experts over shared K/V heads), MoE",
         apply=jetmoe.apply,
+    ),
+    # HRM runs each stack layer's attention once per cycle, in cache slot layer_idx + cycle_offset: patches/hrm_text.py
+    # gives each call the slot as its layer_idx (and refuses a prefix_lm bidirectional block from token_type_ids)
+    FamilyPatch(
+        "hrm_text",
+        "HRM (text): hierarchical H/L cycles of two stacks, each cycle's attention in a cache slot of its own",
+        apply=hrm_text.apply,
     ),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
