@@ -56,13 +56,17 @@ def _forward(self, hidden_states, attention_mask=None, position_embeddings=None,
 
 
 def apply(model):
-    """Give every JetMoeAttention the forward above (an instance attribute over the class's); returns undo()."""
-    modules = [m for m in model.modules() if type(m).__name__ == "JetMoeAttention"]
-    for module in modules:
+    """Give every JetMoeAttention the forward above (an instance attribute over the class's) and GQA's group size
+    (the model sets 1: it repeats the K/V itself; hf-contextpar's attention reads the groups off the shapes, an eager
+    or SDPA attention off this); returns undo()."""
+    modules = [(m, m.num_key_value_groups) for m in model.modules() if type(m).__name__ == "JetMoeAttention"]
+    for module, _ in modules:
         module.forward = types.MethodType(_forward, module)
+        module.num_key_value_groups = module.top_k
 
     def undo():
-        for module in modules:
+        for module, groups in modules:
             module.__dict__.pop("forward", None)
+            module.num_key_value_groups = groups
 
     return undo
