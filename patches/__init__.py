@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
+from . import bamba, diffllama, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -236,6 +236,13 @@ for _patch in [
         "jetmoe",
         "JetMoE: a mixture of attention heads (top-k query experts over shared K/V heads), MoE",
         apply=jetmoe.apply,
+    ),
+    # DiffLlama attends twice, with two halves of V: patches/diffllama.py attends once with both side by side, the
+    # second half expanded from the cache's V on every rank (expand_kv, as MLA's latent); Ulysses refused
+    FamilyPatch(
+        "diffllama",
+        "DiffLlama: differential attention (two softmax maps' difference), as one call over both value halves",
+        apply=diffllama.apply,
     ),
     # HRM runs each stack layer's attention once per cycle, in cache slot layer_idx + cycle_offset: patches/hrm_text.py
     # gives each call the slot as its layer_idx (and refuses a prefix_lm bidirectional block from token_type_ids)

@@ -20,7 +20,7 @@ from hf_contextpar.models import tiny_model
 # on every rank (at apply or at the first forward), never give another answer than one process
 _SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=256)
 REGISTERED = {
-    # two attention calls per layer, each on half of V (differential attention)
+    # two attention calls per layer, each on half of V (differential attention; without patches/diffllama.py)
     "registered_diffllama": ("diffllama", dict(_SMALL, num_attention_heads=4, num_key_value_heads=2)),
     # K/V repeated to every head after the cache update: attention sees other tensors than the cache's (without
     # the library's patches/jetmoe.py, which the scenario drops: the structural guard catches the model as it is)
@@ -52,7 +52,7 @@ def registered(scenario):
 
     model_type, config = REGISTERED[scenario]
     patches.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
-    patches.BUILTIN -= {model_type}  # nor this: a listed family's entry (jetmoe's patch) replaced by a bare one
+    patches.BUILTIN -= {model_type}  # nor this: a listed family's entry (its patch) replaced by a bare one
     patches.register(patches.FamilyPatch(model_type, "registered by hand"))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()

@@ -1,4 +1,4 @@
-"""The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, patches/hrm_text.py), on one
+"""The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py), on one
 process with transformers' own attention: the patched model computes what the unpatched one does (the multi-process
 census and its sweeps check them under context parallelism), and what a patch refuses it refuses."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_contextpar.patches import hrm_text, jetmoe
+from hf_contextpar.patches import diffllama, hrm_text, jetmoe
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_contextpar.errors import UnsupportedInputError
@@ -17,9 +17,11 @@ CONFIGS = {
     "jetmoe": dict(
         _SMALL, num_attention_heads=6, num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=3
     ),
+    # 4 KV heads: the two value halves are heads (0, 1) and (2, 3), each repeated twice
+    "diffllama": dict(_SMALL, num_attention_heads=8, num_key_value_heads=4, head_dim=16),
     "hrm_text": dict(_SMALL, num_attention_heads=4, head_dim=16, H_cycles=2, L_cycles=2),
 }
-PATCHES = {"jetmoe": jetmoe.apply, "hrm_text": hrm_text.apply}
+PATCHES = {"jetmoe": jetmoe.apply, "hrm_text": hrm_text.apply, "diffllama": diffllama.apply}
 
 
 def _model(family, attn):
@@ -30,7 +32,9 @@ def _model(family, attn):
 
 
 # JetMoE's patch sets GQA's group size, which eager and SDPA read; HRM's only renumbers the layer's cache slot
-@pytest.mark.parametrize("family, attn", [("jetmoe", "eager"), ("jetmoe", "sdpa"), ("hrm_text", "sdpa")])
+@pytest.mark.parametrize(
+    "family, attn", [("jetmoe", "eager"), ("jetmoe", "sdpa"), ("hrm_text", "sdpa"), ("diffllama", "sdpa")]
+)
 def test_a_patched_layer_computes_what_the_model_does(family, attn):
     model = _model(family, attn)
     ids = torch.randint(1, 256, (2, 23), generator=torch.Generator().manual_seed(1))

@@ -17,7 +17,7 @@ from contextvars import ContextVar
 import torch
 
 from ..cache.blocks import pack_kv
-from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from ..errors import CacheMismatchError, HeadsNotDivisibleError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
 from . import indexed, latent
 from .kernels import acc_dtype
@@ -48,9 +48,7 @@ def context_parallel_attention(
     narrowed = _narrowed(step, module, attention_mask, kwargs.get("indices"))
     _refuse(step, module, None if narrowed is not None else attention_mask, dropout, kwargs)
     select = _selection(step, module, kwargs.get("indices"), narrowed)
-    expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
-    if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
-        expanded = None
+    expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
     idx = module.layer_idx if module.layer_idx is not None else source  # Zamba's shared block: the layer it updated
@@ -116,6 +114,22 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "attention (masks built from each block's global columns) cannot take: this model cannot run exactly "
             "under context parallelism."
         )
+
+
+def _expansion(step, module, key, value):
+    """A layer that attends with its `expand_kv` of what it cached (attention/latent.py: MLA's latent, DiffLlama's
+    two value halves side by side): the record of that expansion, else None. An expansion may mix the KV heads
+    (DiffLlama's does), so a strategy that splits them between ranks is refused (MLA is refused so at apply)."""
+    expanded = latent.take(module)
+    if expanded is None or not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
+        return None
+    if STRATEGIES[step.algorithm].whole_heads:
+        raise HeadsNotDivisibleError(
+            f"{type(module).__name__} (layer {module.layer_idx}) attends with an expansion of its cached K/V over all "
+            f"its KV heads (expand_kv), which the {step.algorithm!r} strategy, splitting the KV heads between ranks, "
+            "cannot compute: use strategy='auto' or any ring strategy."
+        )
+    return expanded
 
 
 def _narrowed(step, module, attention_mask, indices):
