@@ -11,7 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -78,6 +78,9 @@ def run(scenario: str, batched: bool):
     rank = int(os.environ["RANK"])
     timeout = float(os.environ.get("CP_TIMEOUT", "60"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    from hf_contextpar import patches
+
+    saved = dict(patches.REGISTRY), patches.BUILTIN, dict(patches.INEXACT)  # the next scenario gets them back
     try:
         if scenario in REGISTERED:
             model = hf_contextpar.apply_context_parallel(registered(scenario), timeout=timeout)
@@ -89,8 +92,24 @@ def run(scenario: str, batched: bool):
         print(f"RESULT {type(e).__name__} {e}", flush=True)
         return
     finally:
+        patches.REGISTRY.clear()
+        patches.REGISTRY.update(saved[0])
+        patches.BUILTIN, patches.INEXACT = saved[1], saved[2]
         if scenario in REGISTERED and dist.is_initialized() and not batched:
             dist.destroy_process_group()
+    if scenario == "diffllama_ulysses":  # its expansion of the cached V mixes KV heads (patches/diffllama.py)
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("diffllama", **REGISTERED["registered_diffllama"][1])
+        try:
+            model = hf_contextpar.apply_context_parallel(
+                AutoModelForCausalLM.from_config(config).eval(), timeout=timeout, strategy="ulysses"
+            )
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4)
+            print("RESULT no error", flush=True)
+        except hf_contextpar.ContextParallelError as e:
+            print(f"RESULT {type(e).__name__} {e}", flush=True)
+        return
     if scenario in DSA_REFUSED:  # indexed attention: what would move a query away from its indexer's selection
         try:
             hf_contextpar.apply_context_parallel(tiny_model("deepseek_v32"), timeout=timeout, **DSA_REFUSED[scenario])
