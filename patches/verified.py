@@ -140,7 +140,7 @@ NOT_VERIFIED = {
     "cpmant": "refused at apply: CpmAntForCausalLM does not take an attention implementation from transformers' Attent…",
     "deepseek_v4": "refused at apply: this model (deepseek_v4) has ['compressed_sparse_attention', 'heavily_compressed…",
     "doge": "refused at apply: model_type 'doge' cannot run under context parallelism with hf-contextpar, registered o…",
-    "dory": "refused at first forward: this model updates one cache layer twice in a forward; hf-contextpar's sharded…",
+    "dory": "refused at apply: model_type 'dory' cannot run under context parallelism with hf-contextpar, registered o…",
     "falcon": "refused at apply: FalconForCausalLM does not take an attention implementation from transformers' Attent…",
     "gemma4_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and shared_…",
     "gemma4_unified_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and…",
