@@ -47,6 +47,9 @@ class FamilyPatch:
     # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
     # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
     indexed: bool = False
+    # its attention has no window of its own (full causal) while the cache its config makes keeps sliding layers
+    # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
+    cache_window: bool = False
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -243,6 +246,13 @@ for _patch in [
         "diffllama",
         "DiffLlama: differential attention (two softmax maps' difference), as one call over both value halves",
         apply=diffllama.apply,
+    ),
+    # Moshi's decoder attends with a full causal mask, but DynamicCache(config) keeps its layers as sliding windows
+    # of config.sliding_window (3000): one process attends to a forward's every token and the cache's last 2999
+    FamilyPatch(
+        "moshi",
+        "Moshi (text decoder): full causal attention over sliding-window cache layers (their last 2999 tokens)",
+        cache_window=True,
     ),
     # HRM runs each stack layer's attention once per cycle, in cache slot layer_idx + cycle_offset: patches/hrm_text.py
     # gives each call the slot as its layer_idx (and refuses a prefix_lm bidirectional block from token_type_ids)

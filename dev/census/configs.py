@@ -90,6 +90,9 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": dict(expert_ffn_hidden_size=32, ffn_hidden_size=64, zero_expert_num=2, moe_topk=2),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    # its attention is full causal over what its cache layers hold, sliding windows of sliding_window (3000): a
+    # window shorter than the prompt, so that decode and the second turn attend over a cache that has dropped tokens
+    "moshi": dict(sliding_window=24),
     "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8, mamba_head_dim=16),
     "qwen4_exp": dict(text_config=QSA),
     "qwen4_exp_text": QSA,

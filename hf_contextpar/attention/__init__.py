@@ -192,7 +192,10 @@ def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
             f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
             "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
         )
-    if chunk is None and layer.window is not None and sliding_window != layer.window:
+    # a family whose attention has no window of its own over sliding cache layers (FamilyPatch.cache_window: Moshi)
+    # attends to whatever its cache layer holds, as one process does: the last window - 1 tokens and this forward's
+    allowed = (layer.window, None) if step.cache_window else (layer.window,)
+    if chunk is None and layer.window is not None and sliding_window not in allowed:
         raise CacheMismatchError(
             f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
             f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
