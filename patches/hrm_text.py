@@ -15,6 +15,8 @@ a forward is refused (`UnsupportedInputError`, before any collective, from the r
 
 from __future__ import annotations
 
+import inspect
+
 from hf_contextpar.errors import UnsupportedInputError
 
 
@@ -33,6 +35,9 @@ def _slotted(module, forward):
 
 def _refuse_prefix_block(model, args, kwargs):
     types = kwargs.get("token_type_ids")
+    if types is None and args:  # passed by position
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+        types = dict(zip(names, args)).get("token_type_ids")
     if types is not None and getattr(model.config, "prefix_lm", False) and bool((types == 1).any()):
         raise UnsupportedInputError(
             "token_type_ids marks a bidirectional prefix block (HRM's prefix_lm): hf-contextpar's attention is causal "

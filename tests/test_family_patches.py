@@ -4,6 +4,8 @@ census and its sweeps check them under context parallelism), and what a patch re
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hf_contextpar.patches import diffllama, hrm_text, jetmoe
@@ -62,4 +64,8 @@ def test_hrm_refuses_a_prefix_block():
         model(ids, token_type_ids=torch.zeros_like(ids))  # no block: causal, as ours
         with pytest.raises(UnsupportedInputError, match="bidirectional prefix block"):
             model(ids, token_type_ids=torch.ones_like(ids))
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+        by_position = [torch.ones_like(ids) if n == "token_type_ids" else None for n in names]
+        with pytest.raises(UnsupportedInputError, match="bidirectional prefix block"):
+            model(ids, *by_position[1 : names.index("token_type_ids") + 1])
     undo()
