@@ -233,34 +233,19 @@ for _patch in [
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
     FamilyPatch("opt", "OPT: learned absolute positions read off the attention mask", apply=opt.apply),
-    # JetMoE repeats its K/V (tiled) to its top_k x Hkv query heads after the cache update: patches/jetmoe.py attends
-    # once with the cache's K/V and the query heads permuted into GQA order (the same pairing of heads)
+    # a layer that calls its attention otherwise, given one call with its cache layer's K/V (patches/<family>.py):
+    # JetMoE tiles its K/V to its top_k x Hkv query heads (the query heads go into GQA order instead), DiffLlama
+    # attends twice, on two halves of V (once over both side by side, expanded per block: Ulysses refused), HRM
+    # runs each stack layer's attention once per cycle, each in its cache slot (the slot as its layer_idx)
     FamilyPatch(
-        "jetmoe",
-        "JetMoE: a mixture of attention heads (top-k query experts over shared K/V heads), MoE",
-        apply=jetmoe.apply,
+        "jetmoe", "JetMoE: a mixture of attention heads (top-k query experts over shared K/V)", apply=jetmoe.apply
     ),
-    # DiffLlama attends twice, with two halves of V: patches/diffllama.py attends once with both side by side, the
-    # second half expanded from the cache's V on every rank (expand_kv, as MLA's latent); Ulysses refused
     FamilyPatch(
-        "diffllama",
-        "DiffLlama: differential attention (two softmax maps' difference), as one call over both value halves",
-        apply=diffllama.apply,
+        "diffllama", "DiffLlama: differential attention, one call over both value halves", apply=diffllama.apply
     ),
-    # Moshi's decoder attends with a full causal mask, but DynamicCache(config) keeps its layers as sliding windows
-    # of config.sliding_window (3000): one process attends to a forward's every token and the cache's last 2999
-    FamilyPatch(
-        "moshi",
-        "Moshi (text decoder): full causal attention over sliding-window cache layers (their last 2999 tokens)",
-        cache_window=True,
-    ),
-    # HRM runs each stack layer's attention once per cycle, in cache slot layer_idx + cycle_offset: patches/hrm_text.py
-    # gives each call the slot as its layer_idx (and refuses a prefix_lm bidirectional block from token_type_ids)
-    FamilyPatch(
-        "hrm_text",
-        "HRM (text): hierarchical H/L cycles of two stacks, each cycle's attention in a cache slot of its own",
-        apply=hrm_text.apply,
-    ),
+    FamilyPatch("hrm_text", "HRM (text): H/L cycles of two stacks, a cache slot per cycle", apply=hrm_text.apply),
+    # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
+    FamilyPatch("moshi", "Moshi (text decoder): full causal attention over sliding cache layers", cache_window=True),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
