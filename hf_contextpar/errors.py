@@ -12,7 +12,7 @@ class UnsupportedModelError(ContextParallelError, ValueError):
 
 class HeadsNotDivisibleError(UnsupportedModelError):
     """strategy="ulysses" where the heads cannot be split over the ranks: N does not divide the query and KV
-    head counts, or the layer caches one latent for all heads (MLA)."""
+    head counts, the layer caches one latent for all heads (MLA), or it expands its cached K/V across heads."""
 
 
 class UnsupportedInputError(ContextParallelError, ValueError):

@@ -197,6 +197,7 @@ class ContextParallelRuntime:
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         layer_reads = dict(kv_shapes=self.kv_shapes, dcp=self.dcp, sparse=self.sparse, indexed=self.indexed)
+        layer_reads["cache_window"] = self.contract.cache_window
         step = Step(plan, self.comm, cache, self.num_layers, **layer_reads)
         if cache is not None and self.indexed:
             cache.index_exchange = functools.partial(gather_index_keys, step)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, llama4_text, mamba1, minimax, opt
+from . import bamba, diffllama, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -47,6 +47,9 @@ class FamilyPatch:
     # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
     # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
     indexed: bool = False
+    # its attention has no window of its own (full causal) while the cache its config makes keeps sliding layers
+    # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
+    cache_window: bool = False
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -230,6 +233,19 @@ for _patch in [
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
     FamilyPatch("opt", "OPT: learned absolute positions read off the attention mask", apply=opt.apply),
+    # a layer that calls its attention otherwise, given one call with its cache layer's K/V (patches/<family>.py):
+    # JetMoE tiles its K/V to its top_k x Hkv query heads (the query heads go into GQA order instead), DiffLlama
+    # attends twice, on two halves of V (once over both side by side, expanded per block: Ulysses refused), HRM
+    # runs each stack layer's attention once per cycle, each in its cache slot (the slot as its layer_idx)
+    FamilyPatch(
+        "jetmoe", "JetMoE: a mixture of attention heads (top-k query experts over shared K/V)", apply=jetmoe.apply
+    ),
+    FamilyPatch(
+        "diffllama", "DiffLlama: differential attention, one call over both value halves", apply=diffllama.apply
+    ),
+    FamilyPatch("hrm_text", "HRM (text): H/L cycles of two stacks, a cache slot per cycle", apply=hrm_text.apply),
+    # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
+    FamilyPatch("moshi", "Moshi (text decoder): full causal attention over sliding cache layers", cache_window=True),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
@@ -330,6 +346,16 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 # user's register() replaces an entry, so a check in one would not hold). Doge's tiny census model hides it: A is
 # zero-initialized, a constant bias that softmax ignores; with A ~ N(0, 1) a registered doge was 8.6 off at N = 2
 INEXACT = {
+    # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
+    # cache modes at the first recurrent layer's second loop (attending with K/V no update of its layer returned)
+    "dory": (
+        "its recurrent layers run n_recurrent_loops times in one forward, and a loop after the first attends with "
+        "K/V no cache layer of the model's config returned: recurrent_kv_cache_mode='per_loop' appends copies of "
+        "the recurrent cache layers to the cache during the forward and writes each loop to its copy, 'last_loop' "
+        "has the earlier loops attend over the cache's stored keys read directly plus their own tokens, never "
+        "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
+        "shard layers added inside one, nor attend with K/V it did not store"
+    ),
     "doge": (
         "its dynamic mask attention adds a learned per-key bias (exp(A * softplus(dt_proj(V)))) to the attention "
         "scores and hands it to the attention function as attention_mask; hf-contextpar's attention builds its "

@@ -11,7 +11,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -20,9 +20,10 @@ from hf_contextpar.models import tiny_model
 # on every rank (at apply or at the first forward), never give another answer than one process
 _SMALL = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=256)
 REGISTERED = {
-    # two attention calls per layer, each on half of V (differential attention)
+    # two attention calls per layer, each on half of V (differential attention; without patches/diffllama.py)
     "registered_diffllama": ("diffllama", dict(_SMALL, num_attention_heads=4, num_key_value_heads=2)),
-    # K/V repeated to every head after the cache update: attention sees other tensors than the cache's
+    # K/V repeated to every head after the cache update: attention sees other tensors than the cache's (without
+    # the library's patches/jetmoe.py, which the scenario drops: the structural guard catches the model as it is)
     "registered_jetmoe": (
         "jetmoe",
         dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, num_local_experts=2),
@@ -51,6 +52,7 @@ def registered(scenario):
 
     model_type, config = REGISTERED[scenario]
     patches.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
+    patches.BUILTIN -= {model_type}  # nor this: a listed family's entry (its patch) replaced by a bare one
     patches.register(patches.FamilyPatch(model_type, "registered by hand"))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()
@@ -76,6 +78,9 @@ def run(scenario: str, batched: bool):
     rank = int(os.environ["RANK"])
     timeout = float(os.environ.get("CP_TIMEOUT", "60"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    from hf_contextpar import patches
+
+    saved = dict(patches.REGISTRY), patches.BUILTIN, dict(patches.INEXACT)  # the next scenario gets them back
     try:
         if scenario in REGISTERED:
             model = hf_contextpar.apply_context_parallel(registered(scenario), timeout=timeout)
@@ -87,8 +92,24 @@ def run(scenario: str, batched: bool):
         print(f"RESULT {type(e).__name__} {e}", flush=True)
         return
     finally:
+        patches.REGISTRY.clear()
+        patches.REGISTRY.update(saved[0])
+        patches.BUILTIN, patches.INEXACT = saved[1], saved[2]
         if scenario in REGISTERED and dist.is_initialized() and not batched:
             dist.destroy_process_group()
+    if scenario == "diffllama_ulysses":  # its expansion of the cached V mixes KV heads (patches/diffllama.py)
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("diffllama", **REGISTERED["registered_diffllama"][1])
+        try:
+            model = hf_contextpar.apply_context_parallel(
+                AutoModelForCausalLM.from_config(config).eval(), timeout=timeout, strategy="ulysses"
+            )
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=4)
+            print("RESULT no error", flush=True)
+        except hf_contextpar.ContextParallelError as e:
+            print(f"RESULT {type(e).__name__} {e}", flush=True)
+        return
     if scenario in DSA_REFUSED:  # indexed attention: what would move a query away from its indexer's selection
         try:
             hf_contextpar.apply_context_parallel(tiny_model("deepseek_v32"), timeout=timeout, **DSA_REFUSED[scenario])

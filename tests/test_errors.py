@@ -88,6 +88,7 @@ def _scenario_lines(scenario: str, request) -> tuple[list, list]:
         ("registered_jetmoe", "UnsupportedModelError", "other keys or values than a cache layer returned"),
         ("registered_gpt_neo", "UnsupportedModelError", "AttentionInterface"),
         ("registered_doge", "UnsupportedModelError", "score bias or mask of its own"),
+        ("diffllama_ulysses", "HeadsNotDivisibleError", "expansion of its cached K/V over all its KV heads"),
         ("dsa_pass_q", "UnsupportedModelError", "strategy='ring_pass_q' (it moves queries between ranks)"),
         ("dsa_decode_pass_q", "UnsupportedModelError", "decode='ring_pass_q' (batched pass-Q decode moves"),
     ],

@@ -53,6 +53,9 @@ OVERRIDES: dict[str, dict] = {
     "codegen": dict(rotary_dim=8),
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
+    # one input, two recurrent (looped twice) and one output layer: the generic 2 layers with its default 8 + 8
+    # input and output layers ran both layers twice, updating each cache layer twice (an artefact of the config)
+    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1),
     # its attention sizes are per layer (per_layer_config: the DSA layer's and the sliding MLA layer's), which the
     # generic keys do not reach (49M parameters): MLA_SIZES on both layers, a window shorter than the prompt
     "dots3_note_text": dict(
@@ -87,6 +90,9 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     "longcat_flash": dict(expert_ffn_hidden_size=32, ffn_hidden_size=64, zero_expert_num=2, moe_topk=2),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
+    # its attention is full causal over what its cache layers hold, sliding windows of sliding_window (3000): a
+    # window shorter than the prompt, so that decode and the second turn attend over a cache that has dropped tokens
+    "moshi": dict(sliding_window=24),
     "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8, mamba_head_dim=16),
     "qwen4_exp": dict(text_config=QSA),
     "qwen4_exp_text": QSA,

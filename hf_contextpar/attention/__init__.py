@@ -17,7 +17,7 @@ from contextvars import ContextVar
 import torch
 
 from ..cache.blocks import pack_kv
-from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
+from ..errors import CacheMismatchError, HeadsNotDivisibleError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
 from . import indexed, latent
 from .kernels import acc_dtype
@@ -48,9 +48,7 @@ def context_parallel_attention(
     narrowed = _narrowed(step, module, attention_mask, kwargs.get("indices"))
     _refuse(step, module, None if narrowed is not None else attention_mask, dropout, kwargs)
     select = _selection(step, module, kwargs.get("indices"), narrowed)
-    expanded = latent.take(module)  # a latent (MLA) layer: key, value are its expansion of what it cached
-    if expanded is not None and not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
-        expanded = None
+    expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
     idx = module.layer_idx if module.layer_idx is not None else source  # Zamba's shared block: the layer it updated
@@ -118,6 +116,22 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
         )
 
 
+def _expansion(step, module, key, value):
+    """A layer that attends with its `expand_kv` of what it cached (attention/latent.py: MLA's latent, DiffLlama's
+    two value halves side by side): the record of that expansion, else None. An expansion may mix the KV heads
+    (DiffLlama's does), so a strategy that splits them between ranks is refused (MLA is refused so at apply)."""
+    expanded = latent.take(module)
+    if expanded is None or not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
+        return None
+    if STRATEGIES[step.algorithm].whole_heads:
+        raise HeadsNotDivisibleError(
+            f"{type(module).__name__} (layer {module.layer_idx}) attends with an expansion of its cached K/V over all "
+            f"its KV heads (expand_kv), which the {step.algorithm!r} strategy, splitting the KV heads between ranks, "
+            "cannot compute: use strategy='auto' or any ring strategy."
+        )
+    return expanded
+
+
 def _narrowed(step, module, attention_mask, indices):
     """Qwen4-Exp's QSA hands its block top-k as the indexer's mask narrowed to the kept keys (a 4D bool, not
     indices=): on an indexed layer without indices, a (B, 1, Tq, T) bool within the indexer's mask is that layer's
@@ -178,7 +192,10 @@ def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
             f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
             "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
         )
-    if chunk is None and layer.window is not None and sliding_window != layer.window:
+    # a family whose attention has no window of its own over sliding cache layers (FamilyPatch.cache_window: Moshi)
+    # attends to whatever its cache layer holds, as one process does: the last window - 1 tokens and this forward's
+    allowed = (layer.window, None) if step.cache_window else (layer.window,)
+    if chunk is None and layer.window is not None and sliding_window not in allowed:
         raise CacheMismatchError(
             f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
             f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "

@@ -63,6 +63,8 @@ class Step:
     sparse: SparseRun | None = None  # the approximate mode's settings (CSA), where one was asked for
     # indexed attention (DSA)'s layers: their indexer scores every column (attention/indexed.py); empty: none
     indexed: frozenset = frozenset()
+    # the family's attention has no window and attends to all its sliding cache layers hold (FamilyPatch.cache_window)
+    cache_window: bool = False
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers

@@ -185,6 +185,7 @@ class InputContract:
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
         family = REGISTRY.get(model.config.model_type)
         self.raw_mask = family is not None and family.raw_mask  # the mask multiplies the input: one column a token
+        self.cache_window = family is not None and family.cache_window  # full attention over sliding cache layers
         # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
         self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)

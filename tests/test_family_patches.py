@@ -1,0 +1,71 @@
+"""The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py), on one
+process with transformers' own attention: the patched model computes what the unpatched one does (the multi-process
+census and its sweeps check them under context parallelism), and what a patch refuses it refuses."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hf_contextpar.patches import diffllama, hrm_text, jetmoe
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_contextpar.errors import UnsupportedInputError
+
+_SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_size=256)
+CONFIGS = {
+    # 3 experts of 2 KV heads per token: query head k * Hkv + j attends with KV head j (tiled, not GQA's order)
+    "jetmoe": dict(
+        _SMALL, num_attention_heads=6, num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=3
+    ),
+    # 4 KV heads: the two value halves are heads (0, 1) and (2, 3), each repeated twice
+    "diffllama": dict(_SMALL, num_attention_heads=8, num_key_value_heads=4, head_dim=16),
+    "hrm_text": dict(_SMALL, num_attention_heads=4, head_dim=16, H_cycles=2, L_cycles=2),
+}
+PATCHES = {"jetmoe": jetmoe.apply, "hrm_text": hrm_text.apply, "diffllama": diffllama.apply}
+
+
+def _model(family, attn):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **CONFIGS[family])
+    config._attn_implementation = attn
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+# JetMoE's patch sets GQA's group size, which eager and SDPA read; HRM's only renumbers the layer's cache slot
+@pytest.mark.parametrize(
+    "family, attn", [("jetmoe", "eager"), ("jetmoe", "sdpa"), ("hrm_text", "sdpa"), ("diffllama", "sdpa")]
+)
+def test_a_patched_layer_computes_what_the_model_does(family, attn):
+    model = _model(family, attn)
+    ids = torch.randint(1, 256, (2, 23), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        undo = PATCHES[family](model)
+        ours = model(ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        undo()
+        back = model(ids, attention_mask=mask).logits
+    # eager attention gives the pad rows of a left-padded row NaN, on both sides
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12, equal_nan=True)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_hrm_refuses_a_prefix_block():
+    model = _model("hrm_text", "sdpa")
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    undo = hrm_text.apply(model)
+    with torch.no_grad():
+        model(ids, token_type_ids=torch.zeros_like(ids))  # no block: causal, as ours
+        with pytest.raises(UnsupportedInputError, match="bidirectional prefix block"):
+            model(ids, token_type_ids=torch.ones_like(ids))
+        names = list(inspect.signature(type(model).forward).parameters)[1:]
+        by_position = [torch.ones_like(ids) if n == "token_type_ids" else None for n in names]
+        with pytest.raises(UnsupportedInputError, match="bidirectional prefix block"):
+            model(ids, *by_position[1 : names.index("token_type_ids") + 1])
+    undo()
