@@ -31,6 +31,7 @@ events: list[tuple[str, int, float]] = []  # (write / leave / need / kv, layer, 
 def _record():
     chain, states = recurrent.StateChain, recurrent.ChainedStates
     enter, settle, wrote, update = chain.enter, chain.settle, chain.wrote, states.update
+    conv = states.update_conv_state
 
     def on_enter(self, cache, layer_idx):
         if layer_idx != self.current:
@@ -55,11 +56,19 @@ def _record():
             events.append(("kv", layer_idx, now()))
         return update(self, key_states, value_states, layer_idx, *args, **kwargs)
 
+    def on_conv(self, conv_states, layer_idx, *args, **kwargs):
+        if self.chain is not None and self.chain.receive:
+            events.append(("conv", layer_idx, now()))
+        return conv(self, conv_states, layer_idx, *args, **kwargs)
+
     chain.enter, chain.settle, chain.wrote, states.update = on_enter, on_settle, on_wrote, on_update
+    states.update_conv_state = on_conv
 
 
-def replay(first: dict, second: dict, send_at: str) -> tuple[float, float]:
-    """(TTFT, rank 1's waits) when rank 0 sends a layer's states at `send_at` ("write" or "leave")."""
+def replay(first: dict, second: dict, send_at: str, need_at: str = "need") -> tuple[float, float]:
+    """(TTFT, rank 1's waits) when rank 0 sends a layer's states at `send_at` ("write" or "leave") and rank 1
+    waits for them at `need_at` ("need": its first touch of the layer; "conv": its conv-state write, after its
+    input projections, which a mixer that reads both states first would need a placeholder state for)."""
     ready, kv = {}, {}
     for kind, layer, t in first["events"]:
         if kind == send_at:
@@ -69,7 +78,7 @@ def replay(first: dict, second: dict, send_at: str) -> tuple[float, float]:
     clock = prev = waits = 0.0
     for kind, layer, t in second["events"]:
         clock, prev = clock + (t - second["start"] - prev), t - second["start"]
-        gate = ready.get(layer) if kind == "need" else kv.get(layer) if kind == "kv" else None
+        gate = ready.get(layer) if kind == need_at else kv.get(layer) if kind == "kv" else None
         if gate is not None and gate > clock:
             waits, clock = waits + gate - clock, gate
     clock += second["end"] - second["start"] - prev
@@ -102,14 +111,14 @@ def main(length: int = 16384, repeats: int = 3):
     if dist.get_rank() == 0:
         print(f"one process: {one:.3f} CPU s")
         for i, (first, second) in enumerate(zip(ranks[0][1:], ranks[1][1:])):
-            (moved, moved_wait), (written, written_wait) = (
-                replay(first, second, "leave"),
-                replay(first, second, "write"),
-            )
+            moved, moved_wait = replay(first, second, "leave")
+            written, written_wait = replay(first, second, "write")
+            late, late_wait = replay(first, second, "write", need_at="conv")
             print(
                 f"prefill {i}: busy {first['end'] - first['start']:.3f} / {second['end'] - second['start']:.3f} s; sent "
                 f"when the forward moves on {moved:.3f} s (rank 1 waits {moved_wait:.3f}) = {one / moved:.3f}x; at the "
-                f"recurrent write {written:.3f} s (waits {written_wait:.3f}) = {one / written:.3f}x"
+                f"recurrent write {written:.3f} s (waits {written_wait:.3f}) = {one / written:.3f}x; and waited for at "
+                f"the conv write {late:.3f} s (waits {late_wait:.3f}) = {one / late:.3f}x"
             )
     dist.destroy_process_group()
 
