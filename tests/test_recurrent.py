@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -177,6 +178,37 @@ def test_a_layer_used_twice_is_refused():
     with pytest.raises(UnsupportedModelError, match="used again"):
         cache.has_previous_state(0, 0)
     assert layer_states(cache.layers[0]) == {}
+
+
+class _Sends:
+    """A last rank's comm stand-in: counts the state messages posted to the next rank."""
+
+    rank, world = 0, 2
+
+    def __init__(self):
+        self.posted = []
+
+    def send_next(self, t, op):
+        self.posted.append(op)
+        return SimpleNamespace(wait=lambda: None, done=lambda: True)
+
+
+def test_a_layers_states_go_at_its_recurrent_write():
+    """A one-state layer's states go to the next rank at the write of its recurrent state (its last write), before
+    the layer's output projection and MLP run; a state written after that is refused on every rank alike."""
+    model = recurrent_model("qwen3_next")
+    comm = _Sends()
+    cache = ChainCache(config=model.config)
+    cache.begin_chain(comm, receive=False, send=True)
+    cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
+    assert comm.posted == []  # the conv state alone is not final
+    cache.update_recurrent_state(torch.zeros(1, 2, 3, 3), 0)
+    assert comm.posted == ["state_send"] * 2  # header and payload, before the forward leaves layer 0
+    cache.get_conv_state(0)  # reading it again is fine, and sends nothing more
+    assert len(comm.posted) == 2
+    with pytest.raises(UnsupportedModelError, match="after its recurrent state"):
+        cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
+    cache.drop_chain()
 
 
 def test_mamba1_scan_continues_from_the_passed_state():

@@ -13,8 +13,10 @@ continue a multi-token forward from a cached state exactly (chunked prefill equa
 5e-14 in fp64, the models' fp32 internals run in fp64: Qwen3-Next, Qwen3.5, Granite 4.0-H,
 Nemotron-H). So the chain lives in the cache, `ChainedStates`, and the models' own mixers run
 unchanged: a chained rank's first touch of a layer receives the state (a header, then the payload),
-and a layer's states go to the next rank once the forward moves to another layer or ends (only
-then are they final, whatever the mixer updates: a conv-only layer sends its conv state alone).
+and a layer's states go to the next rank as soon as they are final: at the write of the recurrent state
+of a one-state layer (every mixer we run writes its conv state before it, and once), else once the
+forward moves to another layer or ends (a conv-only layer sends its conv state alone). So the next
+rank's wait ends before this rank's output projection, norms and MLP of that layer, not after them.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class StateChain:
         self.comm, self.receive, self.send = comm, receive, send
         self.visited: set[int] = set()  # recurrent layers this forward has touched
         self.sent: set[int] = set()  # layers whose outgoing state is posted
+        self.final: set[int] = set()  # layers whose states were final before the forward left them (sent early)
         self.current: int | None = None  # the recurrent layer the forward is in
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
         self.token = None  # the ContextVar token of `_running` while this chain runs (ChainedStates.begin_chain)
@@ -146,6 +149,19 @@ class StateChain:
             states = unpack(header, payload) if nbytes else {}
             load_states(cache.layers[layer_idx], states)
             self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
+
+    def wrote(self, cache, layer_idx: int, recurrent: bool) -> None:
+        """The mixer wrote a state of `layer_idx`. The recurrent state of a one-state layer is its last write (its
+        conv state comes before it): send now, ahead of the layer's output projection and MLP. Every rank keeps the
+        same books (a write after that raises alike on every rank, before the next rank could use a stale state)."""
+        if layer_idx in self.final:
+            raise UnsupportedModelError(
+                f"recurrent layer {layer_idx} wrote a state after its recurrent state in one forward; the state chain "
+                "sends a one-state layer's states at that write."
+            )
+        if recurrent and cache.layers[layer_idx].number_of_states == 1:
+            self.final.add(layer_idx)
+            self._flush(cache)
 
     def settle(self, cache) -> None:
         """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
@@ -227,11 +243,19 @@ class ChainedStates:
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
         self._enter(layer_idx)
-        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        out = super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+        self._wrote(layer_idx, recurrent=False)
+        return out
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         self._enter(layer_idx)
-        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        out = super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        self._wrote(layer_idx, recurrent=True)
+        return out
+
+    def _wrote(self, layer_idx, recurrent: bool):
+        if self.chain is not None and is_recurrent(self.layers[layer_idx]):
+            self.chain.wrote(self, layer_idx, recurrent)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         self._enter(layer_idx)
