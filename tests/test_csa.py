@@ -136,3 +136,79 @@ def test_balanced_csa_partitions_equalise_the_pruned_work():
     assert sizes[0] < exact[0] and all(s > e for s, e in zip(sizes[1:], exact[1:]))  # later ranks see fewer keys
     assert weighted(16384, 4, 1.0, 0.0, w) == [4096] * 4  # no attention term: even
     assert weighted(5, 4, 1.0, 1.0, w) == even(5, 4)  # a partition under 2 tokens: even
+
+
+def _simulated_csa(n: int, sizes: list, window, keep, layers: int, gen):
+    """CSA's algorithm on n simulated ranks (one process, hf_contextpar.tools.selftest.simulated) over `layers`
+    layers, full-attention ones (`window` None: the middle ones prune at `keep`) or sliding ones: every rank's
+    outputs, the whole-sequence reference for the same Q, K, V and padding, and the ranks' communicators."""
+    from hf_contextpar.attention.csa import csa
+    from hf_contextpar.cache.sharded import ShardLayout
+    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.sparse.csa import SparseRun
+    from hf_contextpar.tools.selftest.simulated import run_algorithm, shard_inputs
+    from hf_contextpar.tools.selftest.spec import SCALE, make_padding, reference
+
+    total, batch = sum(sizes), 2
+    valid = make_padding(batch, total, gen)
+    policy = Policy(n, prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: list(sizes))
+    plan = build_plan(
+        policy,
+        ShardLayout(0, n),
+        batch=batch,
+        num_new=total,
+        position_ids=torch.arange(total).expand(batch, -1),
+        padding=valid,
+    )
+    assert plan.algorithm == "csa" and [len(r) for r in plan.shards.token_rows] == sizes
+    q = torch.randn(batch, 4, total, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    run = SparseRun.of(CSA(keep=keep, topology=f"{n}x1", observe=3), n, list(range(layers)) if window is None else [])
+
+    def algorithm(step, q, kv, **attn):
+        step.sparse = run
+        return csa(step, q, kv, **attn)
+
+    qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)
+    outs, comms = run_algorithm(plan, qs, kvs, scale=SCALE, window=window, algorithm=algorithm, num_layers=layers)
+    return plan, outs, reference(q, k, v, valid, SCALE, window, None), comms
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("window", [2, 3, 9])
+def test_a_sliding_layer_sends_the_window_tail_and_stays_exact(n, window):
+    """CSA runs a sliding-window layer exact, sending each rank only the window - 1 columns before its partition (the
+    tail; window 9 over partitions of 3 to 5 tokens: the tail spans ranks, forwarded from the one before): every
+    rank's (out, LSE), padding included, equals whole-sequence attention in fp64."""
+    from hf_contextpar.tools.selftest.simulated import local_rows
+
+    sizes = [5, 3, 4, 3][:n]
+    plan, outs, (ref_out, ref_lse), comms = _simulated_csa(n, sizes, window, 0.5, 2, torch.Generator().manual_seed(n))
+    starts = [sum(sizes[:r]) for r in range(n)]
+    row = 2 * 2 * 2 * 8 * 8  # K and V, batch 2, 2 KV heads of 8, fp64
+    for r in range(n):
+        for out, lse in outs[r]:
+            torch.testing.assert_close(out, local_rows(plan, r, ref_out), atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(lse, local_rows(plan, r, ref_lse), atol=1e-12, rtol=1e-12)
+        sent = min(window - 1, starts[r + 1]) * row if r < n - 1 else 0
+        assert comms[r].tagged["attention"].bytes_sent == 2 * sent  # two layers
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_keep_all_csa_posting_receives_ahead_is_exact(n):
+    """Three full-attention layers of keep-all CSA (the middle one prunes, keeping every real token, in importance
+    order) with the next layer's receives posted during each (the simulated ranks' block geometry is known): every
+    rank's (out, LSE) equals whole-sequence attention in fp64, and the pruned layer sends no padding."""
+    from hf_contextpar.tools.selftest.simulated import local_rows
+
+    sizes = [6, 4, 5, 3][:n]
+    plan, outs, (ref_out, ref_lse), comms = _simulated_csa(
+        n, sizes, None, (1.0, 1.0), 3, torch.Generator().manual_seed(7)
+    )
+    for r in range(n):
+        assert len(outs[r]) == 3
+        for out, lse in outs[r]:
+            torch.testing.assert_close(out, local_rows(plan, r, ref_out), atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(lse, local_rows(plan, r, ref_lse), atol=1e-12, rtol=1e-12)
+    if n > 1:
+        assert comms[0].tagged["attention"].bytes_sent < 3 * sizes[0] * 2 * 2 * 2 * 8 * 8  # padding stayed home

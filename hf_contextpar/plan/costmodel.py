@@ -36,7 +36,7 @@ N = 1 is the unpatched model: L (linear + A).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .machine import Machine
 from .strategies import STRATEGIES, Rows
@@ -186,8 +186,9 @@ def predict_csa(T: int, N: int, shape: Shape, m: Machine, run, node: tuple | Non
     """(TTFT seconds, attention bytes one rank sends, mean over the ranks) of a fresh prefill under CSA (`run`: a
     sparse.csa.SparseRun for N ranks, its layer indices those of `shape`'s layers) on its default partitions,
     balanced by this model's own terms (`partitions.weighted`). node: (ranks per node, the Machine inside a
-    node), m the link between nodes (hierarchical bandwidth); None: m everywhere. Sliding layers run ring
-    pass-KV (exact, the window's traffic), the exact full layers (the first and last) keep every key."""
+    node), m the link between nodes (hierarchical bandwidth); None: m everywhere. Sliding layers run exact, each
+    rank's window attention beside one message of the window - 1 columns before its partition; the exact full layers
+    (the first and last) keep every key."""
     from .partitions import weighted
 
     csa, layers = run.csa, shape.layers
@@ -203,10 +204,11 @@ def predict_csa(T: int, N: int, shape: Shape, m: Machine, run, node: tuple | Non
     total, sent = PER_FORWARD_COLLECTIVES * m.latency, 0.0
     linear = 2.0 * shape.linear_weights * T / N / m.gemm_flops  # balanced: every rank the mean of all work
     for (window, prunes), count in kinds.items():
-        if window is not None:
+        if window is not None:  # exact: rank d receives the window - 1 columns before its partition, from d - 1
             c = LayerCost(T, 0, N, shape, m, window, node=node)
-            one = replace(shape, layers=1, windows=(window,))
-            time, nbytes = STRATEGIES["ring_pass_kv"].time(c), traffic_per_rank("ring_pass_kv", T, 0, N, one)
+            tails = [min(window - 1, sum(sizes[:d])) * kv_row for d in range(1, N)]
+            time = max(c.attention, max((c.hop(d, d + 1, b) for d, b in enumerate(tails)), default=0.0))
+            nbytes = sum(tails) / N
         else:
             frac = [[csa.fraction(csa.levels(s, d)) if prunes and s < d else 1.0 for d in range(N)] for s in range(N)]
             c = LayerCost(T, 0, N, shape, m, csa=CsaLayer(sizes, frac), node=node)

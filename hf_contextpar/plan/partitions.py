@@ -15,6 +15,7 @@ builds and saves one for a model and N on the running machine.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 import math
@@ -49,6 +50,13 @@ def balanced(num_tokens: int, world: int, past: int, per_token: float, per_pair:
 
 
 def weighted(num_tokens: int, world: int, per_token: float, per_pair: float, weights) -> list[int]:
+    """`_weighted`, remembered: a pure function of its arguments, which a CSA prefill's plan asks for every forward
+    (its bisection costs about as much as the rest of the plan)."""
+    return list(_weighted(num_tokens, world, per_token, per_pair, tuple(tuple(map(float, w)) for w in weights)))
+
+
+@functools.lru_cache(maxsize=256)
+def _weighted(num_tokens: int, world: int, per_token: float, per_pair: float, weights: tuple) -> tuple:
     """Contiguous partitions of a fresh prompt of equal predicted work where rank d's queries see the keys of an
     earlier rank s at weight `weights[s][d]` (CSA: the fraction of them its pruning keeps, averaged over the
     layers; all 1 is `balanced` with no past) and their own causally: rank d's work is
@@ -70,7 +78,7 @@ def weighted(num_tokens: int, world: int, per_token: float, per_pair: float, wei
         if hi - lo <= 1e-12 * hi:
             break
     cut = partition_sizes(num_tokens, sizes(hi)) if num_tokens >= world and hi > 0 else []
-    return cut if cut and min(cut) >= 2 else even(num_tokens, world)
+    return tuple(cut if cut and min(cut) >= 2 else even(num_tokens, world))
 
 
 def key_pairs(start: int, end: int, past: int) -> int:

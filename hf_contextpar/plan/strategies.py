@@ -232,6 +232,7 @@ for _s in (
         stores_own_partition=True,
         fresh_only=True,
         over_cache="ring_pass_kv",
+        posts_ahead=True,
         time=_csa_time,
         traffic=_csa_traffic,
     ),

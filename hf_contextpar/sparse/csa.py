@@ -181,18 +181,36 @@ def importance_order(q, k, q_cols, k_cols, row_valid, key_valid, scale, softcap=
     s = torch.matmul(qg, k.to(acc).transpose(-1, -2)) * scale  # (B, Hkv, group x Tq, Tk)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    vis = (k_cols.view(1, -1) <= q_cols.view(-1, 1)).to(q.device)  # (Tq, Tk)
+    s = s.view(b, hkv, h // hkv, tq, -1)
+    # only keys later than the first row's can be hidden from a row, and without padding only they are masked (in
+    # place; the same scores as masking every key)
+    first = _first_late(k_cols, q_cols) if key_valid is None else 0
+    vis = (k_cols[first:].view(1, -1) <= q_cols.view(-1, 1)).to(q.device)  # (Tq, Tk - first)
     vis = vis.view(1, 1, 1, tq, -1)
     if key_valid is not None:
         vis = vis & key_valid.to(q.device).view(b, 1, 1, 1, -1)
-    s = s.view(b, hkv, h // hkv, tq, -1).masked_fill(~vis, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key (padding) gives nothing
+    s[..., first:].masked_fill_(~vis, -math.inf)
+    p = torch.softmax(s, dim=-1)
+    if key_valid is not None or not _every_row_sees(q_cols, k_cols):  # a row that sees no key gives nothing
+        p = p.nan_to_num(0.0)
     if row_valid is not None:
         p = p * row_valid.to(q.device, acc).view(b, 1, 1, tq, 1)
     score = p.sum(dim=(2, 3))  # (B, Hkv, Tk)
     if key_valid is not None:
         score = score.masked_fill(~key_valid.to(q.device).view(b, 1, -1), -math.inf)
     return torch.sort(score, dim=-1, descending=True, stable=True).indices
+
+
+def _first_late(k_cols: torch.Tensor, q_cols: torch.Tensor) -> int:
+    """Where k_cols (ascending) pass the earliest query column: every row sees the keys before it. 0 unless sorted."""
+    if k_cols.numel() < 2 or q_cols.numel() == 0 or not bool((k_cols[1:] >= k_cols[:-1]).all()):
+        return 0
+    return int(torch.searchsorted(k_cols, q_cols.min().view(1), right=True))
+
+
+def _every_row_sees(q_cols: torch.Tensor, k_cols: torch.Tensor) -> bool:
+    """Without padding, does every query row see a key (the earliest one)? Then no row's softmax is 0 / 0."""
+    return q_cols.numel() == 0 or (k_cols.numel() > 0 and int(q_cols.min()) >= int(k_cols.min()))
 
 
 def observed_rows(length: int, observe: int) -> slice:
@@ -246,11 +264,24 @@ class SparseRun:
     exact: frozenset  # attention layer indices
     last: int  # the last attention layer (no later layer reads its order)
     pruning: int = 0  # the full-attention layers that prune (every one but the exact ones)
+    attending: tuple = ()  # the full-attention layers, in order
 
     @staticmethod
     def of(csa: CSA, world: int, attending: list) -> SparseRun:
         exact = exact_layers(attending)
-        return SparseRun(csa.resolved(world), exact, attending[-1] if attending else -1, len(set(attending) - exact))
+        last = attending[-1] if attending else -1
+        return SparseRun(csa.resolved(world), exact, last, len(set(attending) - exact), tuple(attending))
+
+    def prunes(self, layer: int) -> bool:
+        """Does full-attention layer `layer` prune (else it keeps every key)? A function of the layer alone, so a
+        rank can size a layer's messages before it runs (posting its receives ahead)."""
+        return layer in self.attending and layer not in self.exact
+
+    def ranks_for(self, layer: int) -> bool:
+        """Does the next full-attention layer after `layer` prune, so that it reads the importance order `layer`
+        ranks its keys by? (The last one, and one before an exact layer, rank nothing: nothing reads it.)"""
+        later = [a for a in self.attending if a > layer]
+        return bool(later) and self.prunes(later[0])
 
     def pair_weights(self, world: int, layers: int) -> list:
         """[s][d]: the share of rank s's keys rank d's queries attend, averaged over the model's `layers` attention
