@@ -40,6 +40,27 @@ def _longrope_factors(dim_half: int):
 
 _PHI3_SHORT, _PHI3_LONG = _longrope_factors(96 // 2)
 
+# DeepSeek-V3's attention (below): its DSA successor V3.2 keeps it and adds the indexer
+_DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=64,
+    first_k_dense_replace=2,
+    initializer_range=0.05,
+    max_position_embeddings=163840,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=40.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        original_max_position_embeddings=4096,
+    ),
+)
+
 GEOMETRIES: dict[str, dict] = {
     # 32 heads / 8 KV / 128, theta 5e5, llama3 scaling (a static frequency remap: no position threshold)
     "llama31_8b": dict(
@@ -172,36 +193,14 @@ GEOMETRIES: dict[str, dict] = {
     # DeepSeek-V3 / R1 / Kimi-K2: MLA with V3's latent ranks (q 1536, kv 512) and head sizes (128 + 64 RoPE
     # keys, 128 values), YaRN x40 with mscale; 16 heads of V3's 128 (each head is a 1536 x 192 slice of
     # q_b_proj); dense MLPs (V3's router is fp32)
-    "deepseek_v3": dict(
-        model_type="deepseek_v3",
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=64,
-        first_k_dense_replace=2,
-        initializer_range=0.05,
-        max_position_embeddings=163840,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=40.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-            original_max_position_embeddings=4096,
-        ),
-    ),
-    # DeepSeek-V3.2-Exp (685B): V3's MLA (as above, 16 of its 128 heads) with DSA: the lightning indexer's 64
+    "deepseek_v3": _DEEPSEEK_V3,
+    # DeepSeek-V3.2-Exp (685B): V3's MLA and YaRN (as above, 16 of its 128 heads) with DSA: the lightning indexer's 64
     # heads of 128 (the checkpoint's), its top-k 4 (the checkpoint's 2,048 of a 128K context is 1/64; these
     # prompts of 17-37 tokens keep 1/4 to 1/9 of their keys, so the selection cuts every shard)
     "deepseek_v32_685b": dict(
+        _DEEPSEEK_V3,
         model_type="deepseek_v32",
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=64,
-        first_k_dense_replace=2,
         mlp_layer_types=["dense", "dense"],
-        initializer_range=0.05,
         index_n_heads=64,
         index_head_dim=128,
         index_topk=4,
