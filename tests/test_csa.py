@@ -68,6 +68,19 @@ def test_layers_csa_does_not_define_are_refused_at_apply(family):
         hf_contextpar.apply_context_parallel(tiny_model(family, attn_implementation="eager"), sparse=CSA(keep=0.5))
 
 
+@pytest.mark.parametrize("family", ["diffllama", "hrm_text", "jetmoe", "moshi"])
+def test_families_whose_patch_attends_otherwise_are_refused_at_apply(family):
+    """Their family patches change how the layers attend (head experts, value halves, cycles, windowless sliding
+    layers): CSA's pruning and reference are not defined for them (the fuzz found DiffLlama's and HRM's CSA off
+    their references by 1.9 and 3.3), so CSA is refused; exact runs are not (the census verifies them)."""
+    from hybrids import census_family_config
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(census_family_config(family), attn_implementation="sdpa")
+    with pytest.raises(UnsupportedModelError, match="not defined for"):
+        hf_contextpar.apply_context_parallel(model, sparse=CSA(keep=0.5))
+
+
 def test_sparse_is_never_a_strategy_and_must_be_a_csa():
     assert "csa" not in hf_contextpar.api.STRATEGIES
     with pytest.raises(ValueError, match="sparse must be"):

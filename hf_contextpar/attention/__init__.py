@@ -119,10 +119,17 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
 def _expansion(step, module, key, value):
     """A layer that attends with its `expand_kv` of what it cached (attention/latent.py: MLA's latent, DiffLlama's
     two value halves side by side): the record of that expansion, else None. An expansion may mix the KV heads
-    (DiffLlama's does), so a strategy that splits them between ranks is refused (MLA is refused so at apply)."""
+    (DiffLlama's does), so a strategy that splits them between ranks is refused, and CSA, which prunes plain blocks,
+    is too (MLA is refused both ways at apply, from its config)."""
     expanded = latent.take(module)
     if expanded is None or not (_same_view(key, expanded.k) and _same_view(value, expanded.v)):
         return None
+    if step.sparse is not None:  # CSA prunes and ranks plain K/V blocks; its reference attends them so
+        raise UnsupportedModelError(
+            f"sparse=CSA(...) prunes plain K/V blocks, but {type(module).__name__} (layer {module.layer_idx}) attends "
+            "with an expansion of its cached K/V (expand_kv), which CSA does not define. Run it exact (leave sparse "
+            "unset)."
+        )
     if STRATEGIES[step.algorithm].whole_heads:
         raise HeadsNotDivisibleError(
             f"{type(module).__name__} (layer {module.layer_idx}) attends with an expansion of its cached K/V over all "

@@ -30,6 +30,7 @@ from ..errors import (
 from ..patches import NOT_CHAINED, REGISTRY
 from ..patches import resolve as resolve_family
 from ..plan.costmodel import ulysses_fits
+from ..sparse.csa import refuse_family as refuse_sparse_family
 from ..sparse.csa import refuse_layers as refuse_sparse_layers
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -60,6 +61,7 @@ def check_model(model, sparse: bool = False):
     _refuse_wrapper(model)
     config = model.config
     if sparse:
+        refuse_sparse_family(REGISTRY.get(config.model_type))
         refuse_sparse_layers(config)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(

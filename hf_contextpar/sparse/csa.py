@@ -235,7 +235,7 @@ def full_layers(config) -> list:
 
 def refuse_layers(config) -> None:
     """What CSA does not define: chunked attention, attention sinks, a latent (MLA) cache, K/V shared across
-    layers, or no full-attention layer to prune. Refused at apply, with what to do."""
+    layers, or no full-attention layer to prune (a family whose patch makes its layers attend otherwise: `refuse_family`). Refused at apply, with what to do."""
     text = config.get_text_config(decoder=True)
     why = []
     if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
@@ -252,6 +252,17 @@ def refuse_layers(config) -> None:
         raise UnsupportedModelError(
             f"sparse=CSA(...) prunes full causal attention layers (sliding-window ones run exact); this model has "
             f"{', '.join(why)}. Run it exact (leave sparse unset)."
+        )
+
+
+def refuse_family(family) -> None:
+    """A family whose patch makes its attention layers attend otherwise (FamilyPatch.csa False: JetMoE's head
+    experts, DiffLlama's value halves, HRM's cycles, Moshi's windowless sliding layers): CSA's pruning and its
+    one-process reference are not defined for them. Refused at apply."""
+    if family is not None and not family.csa:
+        raise UnsupportedModelError(
+            f"sparse=CSA(...) is not defined for {family.model_type} ({family.description}): its family patch "
+            "makes its attention layers attend otherwise than CSA prunes. Run it exact (leave sparse unset)."
         )
 
 
