@@ -7,8 +7,8 @@ reproduces it, e.g.
 
 Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, so it is the same
 case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
-few opted in through `hf_contextpar.patches.register`, and the real-checkpoint geometries of
-tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
+few opted in through `hf_contextpar.patches.register`, the families exact through a family patch that the census
+verifies (tests/hybrids.py PATCHED, on its tiny configs), and the real-checkpoint geometries of tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
 padding, prompt lengths, 1 to 3 turns and a generation mode per turn, the cache copied between turns (deep
 copy, pickle, torch.save) and user code around the model (a custom attention function, a layer calling SDPA
 itself, register() of the family: refused by type, or exact). Rank 0 runs the unpatched model (the
@@ -103,6 +103,8 @@ from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 from hybrids import (
     BEAMS_REFUSED,  # noqa: E402
+    PATCHED,  # noqa: E402
+    census_family_config,  # noqa: E402
     hybrid_config,  # noqa: E402
 )
 from hybrids import FAMILIES as HYBRIDS  # noqa: E402
@@ -233,6 +235,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     u = r.random()
     family = (
         r.choice(REGISTERED)
+        if u < 0.45
+        else r.choice(PATCHED)
         if u < 0.5
         else r.choice(sorted(OPTED_IN))
         if u < 0.62
@@ -243,7 +247,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
     ropes = (
         ["default"]
-        if family in GEOMETRIES or family in HYBRIDS
+        if family in GEOMETRIES or family in HYBRIDS or family in PATCHED
         else ["default", "longrope"]
         if family == "phi3"
         else [x for x in ROPES if x != "longrope"]
@@ -413,13 +417,17 @@ def csa_keeps_all(case: dict) -> bool:
 @functools.cache
 def csa_families() -> tuple:
     """The fuzz's families CSA runs (a full-attention layer, no layer kind it refuses), in a fixed order."""
-    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *sorted(GEOMETRIES)]
+    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *PATCHED, *sorted(GEOMETRIES)]
     return tuple(f for f in every if not csa_refuses(dict(family=f, rope="default")))
 
 
 def csa_refuses(case: dict) -> bool:
     """The family has a layer kind CSA does not define (chunked attention, sinks, MLA, shared K/V, no full
-    attention): refused at apply with an UnsupportedModelError."""
+    attention, a family patch that makes its layers attend otherwise): refused at apply with an
+    UnsupportedModelError."""
+    family = REGISTRY.get(model_type(case["family"]))
+    if family is not None and not family.csa:
+        return True
     try:
         refuse_csa_layers(build_config(case["family"], case["rope"], case.get("window")))
     except hf_contextpar.UnsupportedModelError:
@@ -471,6 +479,8 @@ def build_config(family: str, rope: str = "default", window: int | None = None, 
         config = geometry_config(family)
     elif family in HYBRIDS:  # their realistic layer mix (tests/hybrids.py)
         config = hybrid_config(family)
+    elif family in PATCHED:  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
+        config = census_family_config(family)
     else:
         config = _family_config(family, rope)
         if window and getattr(config, "sliding_window", None):
@@ -921,7 +931,9 @@ def ulysses_fits(case: dict) -> bool:
     latent = getattr(config, "kv_lora_rank", None) is not None
     if getattr(config, "num_attention_heads", None) is None:  # no attention layer (Mamba2): nothing to split
         return True
-    return not latent and config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
+    if latent or case["family"] == "diffllama":  # DiffLlama's expansion of its cached V mixes the KV heads: refused
+        return False
+    return config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
 
 
 def decode_rows_of(turn: dict, rows: int) -> int:
@@ -992,7 +1004,7 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
         )
         if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
             hf_contextpar.get_runtime(cp).comm.close_shm()
-        if case["strategy"] == "ulysses" and not ulysses_fits(case):
+        if case["strategy"] == "ulysses" and not ulysses_fits(case) and case["family"] != "diffllama":  # at its forward
             rec.update(outcome="fail", detail="expected HeadsNotDivisibleError for Ulysses, got none")
             return rec
         rows = case["batch"]

@@ -57,10 +57,21 @@ FAMILIES = list(LAYOUT)
 BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the beams (patches/minimax.py)
 
 
+BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
+# families exact through a family patch (patches/: diffllama.py, hrm_text.py, jetmoe.py; Moshi's cache_window) and
+# verified by the census alone: the fuzz draws them with the census's tiny configs
+PATCHED = ["diffllama", "hrm_text", "jetmoe", "moshi"]
+
+
+def census_family_config(family: str):
+    """The census's tiny config of `family` with the byte tokenizer's ids."""
+    return AutoConfig.for_model(family, **{**_known(tiny_config(family)), **BYTE_IDS})
+
+
 def hybrid_config(family: str):
     config = tiny_config(family)
     kw = {**_known(config), **SIZES.get(family, {})}
-    kw.update(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
+    kw.update(BYTE_IDS)
     layout = LAYOUT[family]
     if layout is None:
         keys = ("hybrid_layer_ids", "layers_block_type", "attn_layer_period", "attn_layer_offset")
