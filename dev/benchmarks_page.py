@@ -4,14 +4,17 @@
 
 The template's line `<!-- report -->` is replaced by the markdown report that `python -m hf_contextpar.bench
 --report docs/bench.json` prints, its title dropped and its sections one level down, so that it sits under one
-of the template's sections. Figures are regenerated, never typed (tests/test_docs.py checks the page)."""
+of the template's sections. Each line `<!-- table: PATH -->` becomes the table of the simulated-rank GPU run in
+PATH (dev/gpu/simulated_ranks.py). Figures are regenerated, never typed (tests/test_docs.py checks the page)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
+from dev.gpu.simulated_ranks import markdown as gpu_table
 from hf_contextpar.tools.bench.report import format_report
 
 REPORT_MARKER = "<!-- report -->"
@@ -26,7 +29,17 @@ def page(json_path: str, template_path: str) -> str:
         raise ValueError(f"{template_path} must hold the line {REPORT_MARKER!r} exactly once")
     body = md.split("\n", 1)[1].lstrip("\n")  # without "# hf-contextpar benchmark"
     body = "\n".join("#" + line if line.startswith("#") else line for line in body.split("\n"))
-    return template.replace(REPORT_MARKER + "\n", body)
+    return re.sub(
+        r"^<!-- table: (\S+) -->\n",
+        lambda m: _gpu_table(m[1]),
+        template.replace(REPORT_MARKER + "\n", body),
+        flags=re.M,
+    )
+
+
+def _gpu_table(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return gpu_table(json.load(f))
 
 
 def main(argv=None):

@@ -386,3 +386,31 @@ def test_comm_stats_count_received_bytes_per_operation():
     assert _index_key_lines([dict(row, bytes_received_by_op_per_rank=[{"ring_shift": 30}])]) == []
     s.reset()
     assert s.received_by_op == {}
+
+
+def test_simulated_ranks_on_the_fake_group(tmp_path):
+    """dev/gpu/simulated_ranks.py (the one-GPU model-level figures) on CPU: each rank of N = 2 runs alone on
+    torch's fake process group, whose all-gather must hand back this rank's tensor (else the script stops):
+    rank 0 and rank 1 each hold half the KV cache, the prefill ran a prefill strategy and sent its blocks,
+    decode ran, and the docs' table renders from the JSON."""
+    import subprocess
+
+    from dev.gpu.simulated_ranks import markdown
+
+    out = tmp_path / "sim.json"
+    args = ["--geometry", "tiny", "--lengths", "301", "--worlds", "2", "--dtype", "fp32", "--repeats", "1"]
+    cmd = [sys.executable, "-m", "dev.gpu.simulated_ranks", *args, "--new-tokens", "3", "--json", str(out)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__))
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    one = row["one"]["kv_bytes"]
+    for r in row["ranks"]:
+        assert abs(r["kv_bytes"] - one / 2) <= one / 301, r  # 150 or 151 of 301 tokens
+        assert r["algorithms"]["decode"] == 2 and r["bytes_sent"] > 0
+        assert set(r["algorithms"]) - {"decode"}, r  # and a prefill strategy
+    assert row["prefill_speedup"] > 0 and row["ttit_ratio"] > 0
+    assert "| 301 | 2 |" in markdown(report)
