@@ -8,7 +8,7 @@ reproduces it, e.g.
 Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, so it is the same
 case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
 few opted in through `hf_contextpar.patches.register`, the families exact through a family patch that the census
-verifies (tests/hybrids.py PATCHED, on its tiny configs), and the real-checkpoint geometries of tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
+verifies (tests/hybrids.py CENSUS_CONFIGS, on the census's tiny configs), and the real-checkpoint geometries of tests/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
 padding, prompt lengths, 1 to 3 turns and a generation mode per turn, the cache copied between turns (deep
 copy, pickle, torch.save) and user code around the model (a custom attention function, a layer calling SDPA
 itself, register() of the family: refused by type, or exact). Rank 0 runs the unpatched model (the
@@ -103,7 +103,8 @@ from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 from hybrids import (
     BEAMS_REFUSED,  # noqa: E402
-    PATCHED,  # noqa: E402
+    CENSUS_CHAINED,  # noqa: E402
+    CENSUS_CONFIGS,  # noqa: E402
     census_family_config,  # noqa: E402
     hybrid_config,  # noqa: E402
 )
@@ -236,7 +237,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     family = (
         r.choice(REGISTERED)
         if u < 0.45
-        else r.choice(PATCHED)
+        else r.choice(CENSUS_CONFIGS)
         if u < 0.5
         else r.choice(sorted(OPTED_IN))
         if u < 0.62
@@ -247,7 +248,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
     ropes = (
         ["default"]
-        if family in GEOMETRIES or family in HYBRIDS or family in PATCHED
+        if family in GEOMETRIES or family in HYBRIDS or family in CENSUS_CONFIGS
         else ["default", "longrope"]
         if family == "phi3"
         else [x for x in ROPES if x != "longrope"]
@@ -417,22 +418,30 @@ def csa_keeps_all(case: dict) -> bool:
 @functools.cache
 def csa_families() -> tuple:
     """The fuzz's families CSA runs (a full-attention layer, no layer kind it refuses), in a fixed order."""
-    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *PATCHED, *sorted(GEOMETRIES)]
+    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *CENSUS_CONFIGS, *sorted(GEOMETRIES)]
     return tuple(f for f in every if not csa_refuses(dict(family=f, rope="default")))
+
+
+SHARED_ATTENTION = {"zamba", "zamba2"}  # one attention module (layer_idx None / -1) for several layers: no CSA
 
 
 def csa_refuses(case: dict) -> bool:
     """The family has a layer kind CSA does not define (chunked attention, sinks, MLA, shared K/V, no full
-    attention, a family patch that makes its layers attend otherwise): refused at apply with an
-    UnsupportedModelError."""
+    attention, a family patch that makes its layers attend otherwise, one attention module shared by several
+    layers): refused at apply with an UnsupportedModelError."""
     family = REGISTRY.get(model_type(case["family"]))
-    if family is not None and not family.csa:
+    if (family is not None and not family.csa) or case["family"] in SHARED_ATTENTION:
         return True
     try:
         refuse_csa_layers(build_config(case["family"], case["rope"], case.get("window")))
     except hf_contextpar.UnsupportedModelError:
         return True
     return False
+
+
+def chained(case: dict) -> bool:
+    """A family with recurrent layers, whose states pass down the ranks in prefill (a chain)."""
+    return case["family"] in HYBRIDS or case["family"] in CENSUS_CHAINED
 
 
 def indexed(case: dict) -> bool:
@@ -479,7 +488,7 @@ def build_config(family: str, rope: str = "default", window: int | None = None, 
         config = geometry_config(family)
     elif family in HYBRIDS:  # their realistic layer mix (tests/hybrids.py)
         config = hybrid_config(family)
-    elif family in PATCHED:  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
+    elif family in CENSUS_CONFIGS:  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
         config = census_family_config(family)
     else:
         config = _family_config(family, rope)
@@ -523,7 +532,7 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     # the family's reference kernel (HF runs Gemma2's soft-capping and gpt-oss's sinks only in eager)
     impl = REGISTRY[config.model_type].reference_attn if config.model_type in REGISTRY else "sdpa"
     kw = dict(attn_implementation=impl) if getattr(config, "num_attention_heads", None) else {}  # Mamba2: none
-    if case["family"] in HYBRIDS:  # grouped MoE matmuls have no fp64 CPU kernel
+    if case["family"] in HYBRIDS or case["family"] in CENSUS_CONFIGS:  # grouped MoE matmuls have no fp64 CPU kernel
         kw["experts_implementation"] = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
@@ -560,7 +569,7 @@ def copied(cache, how: str | None):
 def internals(case: dict):
     """A hybrid's fp32 internals (chunked scans, gates) run in fp64 in an fp64 case, on both sides: split at
     other points, they alone would move fp64 logits by ~1e-6."""
-    return Fp64Internals() if case["family"] in HYBRIDS else contextlib.nullcontext()
+    return Fp64Internals() if chained(case) or case["family"] in CENSUS_CONFIGS else contextlib.nullcontext()
 
 
 def first_prompt(case: dict, g: torch.Generator):
@@ -840,11 +849,11 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     attends = getattr(build_config(case["family"]).get_text_config(decoder=True), "num_attention_heads", None)
     if type(exc) is hf_contextpar.UnsupportedModelError and user in ("custom_attention", "bypass") and attends:
         return True  # at apply (a custom attention function) or at the first forward (a layer calling SDPA itself)
-    hybrid = case["family"] in HYBRIDS
-    if isinstance(exc, hf_contextpar.UnsupportedModelError) and hybrid:  # batched pass-Q would move states
-        return case["decode"] == "ring_pass_q"
-    if isinstance(exc, hf_contextpar.UnsupportedModelError) and indexed(case):  # at apply: a query would leave the
-        return case["decode"] == "ring_pass_q" or case["strategy"] == "ring_pass_q"  # rank its top-k was chosen on
+    hybrid = chained(case)
+    if isinstance(exc, hf_contextpar.UnsupportedModelError) and (hybrid or indexed(case)):
+        # at apply: batched pass-Q decode would move states; a query would leave the rank its top-k was chosen on
+        moves_queries = case["strategy"] in ("ring_pass_q", "ulysses")
+        return case["decode"] == "ring_pass_q" or (indexed(case) and moves_queries)
     if (
         type(exc) is hf_contextpar.UnsupportedInputError
         and hybrid

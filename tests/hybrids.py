@@ -44,7 +44,8 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "lfm3": dict(layer_types=["conv"] * 3 + ["full_attention"]),
     "bamba": dict(attn_layer_indices=[3]),
     "falcon_h1": None,  # every layer runs attention and Mamba2 side by side
-    "zamba2": None,  # Mamba2 layers and a shared attention block
+    # Mamba2 layers and shared attention blocks (layer_idx -1): two hybrid layers, so a block's second call is met
+    "zamba2": dict(layer_types=["linear_attention", "hybrid"] * 2, hybrid_layer_ids=[1, 3]),
     "mamba2": None,  # recurrent layers alone
     "jamba": None,  # Mamba1 layers beside attention, MoE (patches/mamba1.py: its scan continued from the state)
     # lightning attention (patches/minimax.py: its own cache class's state); attention first: one process reads the
@@ -58,14 +59,33 @@ BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the 
 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
-# families exact through a family patch (patches/: diffllama.py, hrm_text.py, jetmoe.py; Moshi's cache_window) and
-# verified by the census alone: the fuzz draws them with the census's tiny configs
-PATCHED = ["diffllama", "hrm_text", "jetmoe", "moshi"]
+# registered families with no tiny config of their registry entry, verified by the census: exact through a family
+# patch (patches/: diffllama.py, hrm_text.py, jetmoe.py; Moshi's cache_window), DSA-indexed (axk2, hy_v4,
+# qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
+# tiny configs.
+CENSUS_CONFIGS = [
+    "axk2",
+    "bailing_hybrid",
+    "diffllama",
+    "dots3_note_text",
+    "hrm_text",
+    "hy_v4",
+    "jetmoe",
+    "moshi",
+    "qwen4_exp_text",
+    "zamba",
+    "zaya",
+]
+CENSUS_CHAINED = ["bailing_hybrid", "qwen4_exp_text", "zamba", "zaya"]  # of those, the ones with recurrent layers
 
 
 def census_family_config(family: str):
-    """The census's tiny config of `family` with the byte tokenizer's ids."""
-    return AutoConfig.for_model(family, **{**_known(tiny_config(family)), **BYTE_IDS})
+    """The census's tiny config of `family` (the one it verified) with the byte tokenizer's ids."""
+    config = tiny_config(family)
+    text = config.get_text_config(decoder=True)
+    for key, value in BYTE_IDS.items():
+        setattr(text, key, value)
+    return config
 
 
 def hybrid_config(family: str):

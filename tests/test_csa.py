@@ -81,6 +81,19 @@ def test_families_whose_patch_attends_otherwise_are_refused_at_apply(family):
         hf_contextpar.apply_context_parallel(model, sparse=CSA(keep=0.5))
 
 
+@pytest.mark.parametrize("family", ["zamba", "zamba2"])
+def test_an_attention_module_shared_by_several_layers_is_refused_at_apply(family):
+    """Zamba's and Zamba2's shared transformer block: one attention module (layer_idx None, or -1) serves several
+    layers, which CSA's per-layer pruning and its reference cannot tell apart (the fuzz found Zamba's pruned CSA
+    off its reference by 1.28): refused structurally, at apply."""
+    from hybrids import census_family_config
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(census_family_config(family), attn_implementation="sdpa")
+    with pytest.raises(UnsupportedModelError, match="no layer index of its own"):
+        hf_contextpar.apply_context_parallel(model, sparse=CSA(keep=0.5))
+
+
 def test_sparse_is_never_a_strategy_and_must_be_a_csa():
     assert "csa" not in hf_contextpar.api.STRATEGIES
     with pytest.raises(ValueError, match="sparse must be"):

@@ -51,7 +51,8 @@ def context_parallel_attention(
     expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
-    idx = module.layer_idx if module.layer_idx is not None else source  # Zamba's shared block: the layer it updated
+    idx = own_index(module)
+    idx = idx if idx is not None else source  # Zamba's and Zamba2's shared block: the layer it updated
     step.attended.add(idx)
     step.sources.add(source % len(step.cache.layers) if step.cache is not None else source)  # Zamba2's: -1
     chunk = chunk_size(module)
@@ -247,10 +248,14 @@ def chunk_size(module) -> int | None:
 def _source_layer(step, module, key, value) -> int:
     """The cache layer whose K/V these are (the module's own, or, where a model shares KV across layers as
     Gemma 3n and Gemma 4 do, the earlier layer that stored them; for a module shared by several layers, with no
-    layer_idx of its own (Zamba's), the layer it updated), checked structurally: the K/V a cache layer's update
-    returned in this forward, each layer attending once. Anything else is refused."""
-    idx = module.layer_idx
+    layer index of its own (Zamba's None, Zamba2's -1), the layer it updated), checked structurally: the K/V a cache layer's update
+    returned in this forward, each layer attending once. Anything else is refused. Without a cache, a forward
+    every rank runs whole ("local": fewer tokens than ranks) attends this forward's whole K/V, whichever layer
+    calls: a shared module's call then counts as a layer of its own (-1, -2, ...), for `check_attended`'s count."""
+    idx = own_index(module)
     layers = step.cache.layers if step.cache is not None else None
+    if idx is None and layers is None and step.algorithm == "local":
+        return -1 - len(step.attended)
     source = idx
     if layers is not None and (idx is None or not _handed(layers[idx], key, value)):  # the tensors a layer returned
         source = next(
@@ -266,6 +271,12 @@ def _source_layer(step, module, key, value) -> int:
             "hf_contextpar.patches.register() entry."
         )
     return source
+
+
+def own_index(module) -> int | None:
+    """The module's own layer index; None for a module shared by several layers (Zamba's None, Zamba2's -1)."""
+    idx = module.layer_idx
+    return idx if idx is not None and idx >= 0 else None
 
 
 def _handed(layer, key, value) -> bool:

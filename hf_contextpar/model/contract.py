@@ -32,6 +32,7 @@ from ..patches import resolve as resolve_family
 from ..plan.costmodel import ulysses_fits
 from ..sparse.csa import refuse_family as refuse_sparse_family
 from ..sparse.csa import refuse_layers as refuse_sparse_layers
+from ..sparse.csa import refuse_shared_modules
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain
@@ -63,6 +64,7 @@ def check_model(model, sparse: bool = False):
     if sparse:
         refuse_sparse_family(REGISTRY.get(config.model_type))
         refuse_sparse_layers(config)
+        refuse_shared_modules(model)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."

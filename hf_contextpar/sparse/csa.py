@@ -266,6 +266,26 @@ def refuse_family(family) -> None:
         )
 
 
+def refuse_shared_modules(model) -> None:
+    """An attention module with no layer index of its own (None, or Zamba2's -1) serves several layers (Zamba's
+    and Zamba2's shared transformer block): CSA decides per layer which keys a layer keeps, and its one-process
+    reference cannot tell that module's layers apart. Refused at apply, structurally (the fuzz found Zamba's
+    pruned CSA off its reference by 1.28)."""
+    shared = sorted({type(m).__name__ for m in model.modules() if _unindexed(m)})
+    if shared:
+        raise UnsupportedModelError(
+            f"sparse=CSA(...) decides per layer which keys each attention layer keeps; this model's {', '.join(shared)} "
+            "has no layer index of its own (one module shared by several layers), so CSA cannot tell its layers "
+            "apart. Run it exact (leave sparse unset)."
+        )
+
+
+def _unindexed(module) -> bool:
+    """An attention module (by transformers' naming) whose layer_idx is None or negative."""
+    idx = getattr(module, "layer_idx", 0)
+    return type(module).__name__.endswith("Attention") and (idx is None or idx < 0)
+
+
 @dataclass(frozen=True)
 class SparseRun:
     """What a patched model's forwards read of its approximate mode: the settings, resolved at apply, and
