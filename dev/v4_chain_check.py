@@ -115,50 +115,68 @@ def chained(model, ids, mask, cuts, entries=None):
     return torch.cat(outs, 1), (gathered.worst if gathered is not None else 0.0), cache
 
 
+PARTITIONS = {  # the cuts between simulated ranks' spans of the 61-token prompt
+    "N=2": [31],
+    "N=3": [21, 41],
+    "N=4": [16, 31, 46],
+    "N=4, spans shorter than a group": [2, 4, 6],
+    "N=4, cuts inside CSA and HCA groups": [9, 26, 43],
+    # HCA drops its block_bias for a 1-token forward (decode): over the gathered entries that span sees later
+    # ones. Expected to differ: the plan must give every chained rank at least 2 tokens (it does for hybrids)
+    "N=4, a 1-token span (expected to differ)": [3, 5, 6],
+}
+
+
+def prompt():
+    """(ids, mask, next token): two rows of 61 tokens, the second left-padded by 7, and a decode step's token."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, 61), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    return ids, mask, torch.randint(3, 256, (2, 1), generator=g)
+
+
+def check(model, cuts, padded: bool) -> dict:
+    """Max |logit diff| against one process: the spans chained with the gathered entries ("gathered"), their own
+    entries against the one forward's ("entries"), a plain chunked prefill ("plain"), the decode step after the
+    chained prefill against one process's step over its own cache ("decode"). Run it under Fp64Internals for the
+    fp64-exact claim."""
+    ids, mask, nxt = prompt()
+    m = mask if padded else None
+    whole, entries = record_entries(model, ids, m)
+    gathered, worst, cache = chained(model, ids, m, cuts, entries)
+    plain, _, _ = chained(model, ids, m, cuts)
+    rows = m.bool() if m is not None else torch.ones_like(ids, dtype=torch.bool)
+    full_ids = torch.cat([ids, nxt], 1)
+    fm = torch.cat([m, torch.ones_like(nxt)], 1) if m is not None else None
+    pos = position_ids(full_ids, fm)[:, -1:]
+    kw = dict(attention_mask=fm) if fm is not None else {}
+    with torch.no_grad():  # one process: the whole prompt, then the step over its cache (generate's)
+        ref_cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=m, position_ids=position_ids(ids, m), cache=ref_cache)
+        one = model(nxt, cache=ref_cache, position_ids=pos, **kw).logits[:, -1]
+        step = model(nxt, cache=cache, position_ids=pos, **kw).logits[:, -1]
+    return dict(
+        gathered=(gathered - whole).abs().amax(-1)[rows].max().item(),
+        entries=worst,
+        plain=(plain - whole).abs().amax(-1)[rows].max().item(),
+        decode=(step - one).abs().max().item(),
+    )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--as-shipped", action="store_true", help="keep the model's fp32 internals (no Fp64Internals)")
     args = p.parse_args(argv)
     model = tiny_v4()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 256, (2, 61), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0  # a left-padded row
-    mode = contextlib.nullcontext() if args.as_shipped else Fp64Internals()
-    partitions = {
-        "N=2": [31],
-        "N=3": [21, 41],
-        "N=4": [16, 31, 46],
-        "N=4, spans shorter than a group": [2, 4, 6],
-        "N=4, cuts inside CSA and HCA groups": [9, 26, 43],
-        # HCA drops its block_bias for a 1-token forward (decode): over the gathered entries that span sees later
-        # ones. Expected to differ: the plan must give every chained rank at least 2 tokens (it does for hybrids)
-        "N=4, a 1-token span (expected to differ)": [3, 5, 6],
-    }
-    with mode:
+    with contextlib.nullcontext() if args.as_shipped else Fp64Internals():
         for padded in (False, True):
-            m = mask if padded else None
-            whole, entries = record_entries(model, ids, m)
-            for what, cuts in partitions.items():
-                gathered, worst, cache = chained(model, ids, m, cuts, entries)
-                plain, _, _ = chained(model, ids, m, cuts)
-                rows = m.bool() if m is not None else torch.ones_like(ids, dtype=torch.bool)
-                a = (gathered - whole).abs().amax(-1)[rows].max().item()
-                b = (plain - whole).abs().amax(-1)[rows].max().item()
-                nxt = torch.randint(3, 256, (2, 1), generator=g)
-                full_ids = torch.cat([ids, nxt], 1)
-                fm = torch.cat([m, torch.ones_like(nxt)], 1) if m is not None else None
-                pos = position_ids(full_ids, fm)[:, -1:]
-                kw = dict(attention_mask=fm) if fm is not None else {}
-                with torch.no_grad():  # one process: the whole prompt, then the step over its cache (generate's)
-                    ref_cache = DynamicCache(config=model.config)
-                    model(ids, attention_mask=m, position_ids=position_ids(ids, m), cache=ref_cache)
-                    one = model(nxt, cache=ref_cache, position_ids=pos, **kw).logits[:, -1]
-                    step = model(nxt, cache=cache, position_ids=pos, **kw).logits[:, -1]
-                c = (step - one).abs().max().item()
+            for what, cuts in PARTITIONS.items():
+                d = check(model, cuts, padded)
                 print(
-                    f"{'padded' if padded else 'plain '} {what:38s} chained+gathered {a:.1e} (own entries vs the "
-                    f"one forward's {worst:.1e}); plain chunked prefill {b:.1e}; decode step after it {c:.1e}"
+                    f"{'padded' if padded else 'plain '} {what:41s} chained+gathered {d['gathered']:.1e} (own entries "
+                    f"vs the one forward's {d['entries']:.1e}); plain chunked prefill {d['plain']:.1e}; decode step "
+                    f"after it {d['decode']:.1e}"
                 )
 
 
