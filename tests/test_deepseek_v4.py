@@ -34,12 +34,12 @@ def model():
 @pytest.mark.parametrize("what,padded", [("N=3", False), ("N=4, cuts inside CSA and HCA groups", True)])
 def test_the_design_is_the_one_forward(model, what, padded):
     with Fp64Internals():
-        d = sim.check(model, sim.PARTITIONS[what], padded)
+        d = sim.check(model, sim.PARTITIONS[what], padded, plain=False)
     assert d["gathered"] < 1e-12 and d["entries"] < 1e-12 and d["decode"] < 1e-12, d
 
 
 def test_a_one_token_span_is_not(model):
     """Why each chained rank needs at least 2 tokens: HCA gives a 1-token forward no block_bias."""
     with Fp64Internals():
-        d = sim.check(model, sim.PARTITIONS["N=4, a 1-token span (expected to differ)"], False)
+        d = sim.check(model, sim.PARTITIONS["N=4, a 1-token span (expected to differ)"], False, plain=False)
     assert d["gathered"] > 1e-3, d
