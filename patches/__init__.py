@@ -310,12 +310,11 @@ NOT_CHAINED = {
     ),
 }
 NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
-NOT_CHAINED["deepseek_v4"] = (
-    "its compressed layers append compressed entries (one per 4 or 128 tokens, from compressors that keep the "
-    "unfinished group in their cache layer: buffer_kv, overlap_kv, entry_count) to the sliding window's K/V after the "
-    "cache update, with a block_bias mask over them; hf-contextpar's attention takes each layer's K/V from its "
-    "sharded cache, so every rank's compressed entries, the compressor buffers passed down the ranks and the indexer "
-    "over compressed entries have no path yet"
+NOT_CHAINED["deepseek_v4"] = (  # the design, simulated fp64-exact on one process: docs/design.md, dev/v4_chain_check.py
+    "its compressors' unfinished group (buffer_kv, buffer_gate, CSA's overlap_kv / overlap_gate, entry_count) lives "
+    "in V4's cache layers, which ShardedCache's layers do not hold or pass down the ranks; its attention takes the "
+    "sliding window's K=V plus every compressed entry (one per 4 or 128 tokens, all ranks' entries, CSA's chosen by an "
+    "indexer's top-k over the whole row) under a block_bias, and the library's attention takes only a cache layer's K/V"
 )
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))

@@ -62,6 +62,16 @@ OVERRIDES: dict[str, dict] = {
         DSA, **DOTS3_MLA, shared_experts_intermediate_size=32, sliding_window=24, per_layer_config={1: DOTS3_MLA}
     ),
     "deepseek_v32": DSA,
+    # every mechanism bites on the 61-token prompt: the window, HCA's entries (every 8 tokens, not 128), CSA's top-k
+    # (4 of up to 15 entries; its indexer at DSA's sizes); the grouped output projection at a tiny rank
+    "deepseek_v4": dict(
+        DSA,
+        index_topk=4,
+        sliding_window=24,
+        compress_rates=dict(compressed_sparse_attention=4, heavily_compressed_attention=8),
+        o_lora_rank=16,
+        o_groups=2,
+    ),
     # the multimodal config of the same causal LM (its text model): the adapters' widths match the tiny sizes
     "dots3_note": dict(
         text_config=dict(
