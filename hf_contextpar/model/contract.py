@@ -30,9 +30,7 @@ from ..errors import (
 from ..patches import NOT_CHAINED, REGISTRY
 from ..patches import resolve as resolve_family
 from ..plan.costmodel import ulysses_fits
-from ..sparse.csa import refuse_family as refuse_sparse_family
-from ..sparse.csa import refuse_layers as refuse_sparse_layers
-from ..sparse.csa import refuse_shared_modules
+from ..sparse import csa as sparse_csa
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain
@@ -64,9 +62,9 @@ def check_model(model, sparse: bool = False):
     _refuse_wrapper(model)
     config = model.config
     if sparse:
-        refuse_sparse_family(REGISTRY.get(config.model_type))
-        refuse_sparse_layers(config)
-        refuse_shared_modules(model)
+        sparse_csa.refuse_family(REGISTRY.get(config.model_type))
+        sparse_csa.refuse_layers(config)
+        sparse_csa.refuse_shared_modules(model)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."
