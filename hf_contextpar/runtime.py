@@ -40,9 +40,8 @@ from .model.contract import (
     InputContract,
     Inputs,
     attention_layers,
-    refuse_candidate_decoding,
 )
-from .model.limits import check_layout
+from .model.limits import check_layout, refuse_candidate_decoding
 from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
@@ -154,7 +153,7 @@ class ContextParallelRuntime:
     def _generate(self, *args, **kwargs):
         """model.generate, after refusing what one process does not run exactly, then (check_inputs)
         one check that every rank returns the same sequences."""
-        refuse_candidate_decoding(self.model, args, kwargs)
+        refuse_candidate_decoding(self.model, args, kwargs, bool(self.indexed))
         out = type(self.model).generate(self.model, *args, **kwargs)
         if self.settings.check_inputs:
             self.ranks.outputs(out if isinstance(out, torch.Tensor) else out.sequences)

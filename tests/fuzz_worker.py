@@ -874,8 +874,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
             case.get("window") == 1
             and getattr(build_config(case["family"], case["rope"], 1), "sliding_window", None) == 1
         )
-    if isinstance(exc, hf_contextpar.CandidateDecodingError):  # transformers drafts from input_ids
-        return bool(case.get("embeds")) and case["turns"][turn]["mode"] in ("assisted", "lookup")
+    if isinstance(exc, hf_contextpar.CandidateDecodingError):  # transformers drafts from input_ids; DSA: refused
+        return (bool(case.get("embeds")) or indexed(case)) and case["turns"][turn]["mode"] in ("assisted", "lookup")
     if isinstance(exc, hf_contextpar.DecodeBatchError):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < case["n"]
     if isinstance(exc, hf_contextpar.PackedSequenceError):  # per-document masks are not sharded
@@ -942,7 +942,8 @@ def ulysses_fits(case: dict) -> bool:
         return True
     if latent or case["family"] == "diffllama":  # DiffLlama's expansion of its cached V mixes the KV heads: refused
         return False
-    return config.num_attention_heads % case["n"] == 0 and config.num_key_value_heads % case["n"] == 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # HRM's config: no GQA
+    return config.num_attention_heads % case["n"] == 0 and kv_heads % case["n"] == 0
 
 
 def decode_rows_of(turn: dict, rows: int) -> int:

@@ -341,3 +341,22 @@ def test_pack_partial_is_its_definition(packed, same_dtype, width):
     want[..., :4], want[..., 4] = out[..., :4].to(packed), lse.to(packed)
     got = pack_partial((out, lse), torch.Size((2, 3, 5, 4)), packed, out.device)
     assert got.dtype == packed and torch.equal(got, want)
+
+
+def test_candidate_decoding_is_refused_from_embeddings_and_on_indexed_attention():
+    """Assisted and prompt-lookup decoding: refused from inputs_embeds (transformers drafts from input_ids) and on
+    indexed attention (DSA: the fuzz found their verification forwards off one process, seed 21 case 6 on N = 3),
+    before any collective; plain generate() and candidate decoding elsewhere pass."""
+    from types import SimpleNamespace
+
+    from hf_contextpar import CandidateDecodingError
+    from hf_contextpar.model.limits import refuse_candidate_decoding
+
+    model = SimpleNamespace(generation_config=SimpleNamespace())
+    embeds = dict(inputs_embeds=torch.zeros(1, 2, 4))
+    with pytest.raises(CandidateDecodingError, match="from inputs_embeds are not supported"):
+        refuse_candidate_decoding(model, (), {**embeds, "prompt_lookup_num_tokens": 3})
+    with pytest.raises(CandidateDecodingError, match="indexed attention"):
+        refuse_candidate_decoding(model, (), {"assistant_model": object()}, indexed=True)
+    refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3})
+    refuse_candidate_decoding(model, (), embeds, indexed=True)

@@ -5,7 +5,8 @@ head: rank j gets every token of query heads [j H/N, (j+1) H/N) and of the match
 [j H_kv/N, (j+1) H_kv/N) (GQA groups stay whole; KV heads are sent as stored, never repeated).
 With every column in hand, the rows are put in global order and one causal attention runs over
 the whole sequence; a second all-to-all sends each rank its tokens' outputs for all heads.
-Needs N to divide both H and H_kv (checked by apply_context_parallel). No LSE merge: each head
+Needs N to divide both H and H_kv: checked by apply_context_parallel on the heads a probe forward sees, and here
+on the heads the attention gets (a family patch may hand it fewer: JetMoE's K/V before its repeat). No LSE merge: each head
 sees all its keys at once, so no LSE is returned and attention sinks (of this rank's heads) are
 applied here, before the outputs go back.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import HeadsNotDivisibleError
+
 
 def ulysses(step, q, kv_local, **attn):
     from .kernels import attend
@@ -21,6 +24,12 @@ def ulysses(step, q, kv_local, **attn):
 
     comm, world = step.comm, step.comm.world
     b, h, t, d = step.out_shape(q)  # d: the output's head size (the values')
+    if h % world or kv_local.shape[2] % world:  # the same shapes on every rank: all raise, before any message
+        raise HeadsNotDivisibleError(
+            f"strategy='ulysses' splits attention heads over the {world} ranks, but layer {step.layer}'s attention "
+            f"gets {h} query heads and {kv_local.shape[2]} KV heads, which {world} does not divide. Use "
+            "strategy='ring_pass_kv' (or any other strategy), or a number of processes that divides both."
+        )
     hq, hk = h // world, kv_local.shape[2] // world
     q_sizes = [c.numel() for c in step.q_cols_all]
     kv_sizes = [c.numel() for c in step.kv_cols]

@@ -2,8 +2,8 @@
 
 At apply (`check_model`, `check_ulysses`) the model is checked against what the algorithms
 implement; before each forward (`InputContract.read`) the caller's arguments become one checked
-`Inputs` record and the cache the forward runs with; before generate() (`refuse_candidate_decoding`)
-the decoding modes that one process does not run exactly from embeddings are refused. Every
+`Inputs` record and the cache the forward runs with (limits.py refuses generate()'s candidate decoding where it
+is not exact). Every
 refusal raises a typed `ContextParallelError` (errors.py) from the arguments alone, before any
 collective, so every rank given the same arguments refuses the same way.
 """
@@ -20,7 +20,6 @@ from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_r
 from ..config import config_value
 from ..errors import (
     CacheMismatchError,
-    CandidateDecodingError,
     HeadsNotDivisibleError,
     PackedSequenceError,
     PatchStateError,
@@ -375,26 +374,3 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             "the jumps in position_ids are not document boundaries."
         )
     return position_ids.expand(batch, -1)
-
-
-# -- generate() ------------------------------------------------------------------------------
-_CANDIDATE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-
-
-def refuse_candidate_decoding(model, args, kwargs):
-    """Assisted and prompt-lookup decoding from inputs_embeds: without input_ids transformers drafts
-    from the empty input_ids and crops the attention mask to them (one process returns other tokens
-    than greedy decoding, or fails inside torch); with them, assisted decoding is not greedy on one
-    process either, and prompt lookup under a padding mask and a caller's cache fed the patched
-    model a mask that does not match its cache (fuzz seed 900766 case 234 on N = 2)."""
-    if kwargs.get("inputs_embeds") is None:
-        return
-    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
-    asked = [name for name in _CANDIDATE_ARGS if kwargs.get(name) is not None or getattr(config, name, None)]
-    if asked:
-        raise CandidateDecodingError(
-            f"generate(inputs_embeds=..., {asked[0]}=...): assisted and prompt-lookup decoding from inputs_embeds "
-            "are not supported (transformers drafts from input_ids and crops the attention mask to them there: "
-            "one process returns other tokens than greedy decoding, or fails inside torch). Pass input_ids "
-            "instead of inputs_embeds, or decode without an assistant or prompt lookup."
-        )
