@@ -364,7 +364,7 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
         )
     if position_ids is None:
-        return (torch.arange(num_new, device=device) + past).unsqueeze(0).expand(batch, -1)
+        return torch.arange(past, past + num_new, device=device).expand(batch, -1)
     if mask is None and cache is None and _is_packed(position_ids):
         raise PackedSequenceError(
             "these position_ids restart inside a row, which transformers reads as packed documents "
