@@ -176,18 +176,20 @@ class RankCheck:
         `ShardedCache.sizing`, return_dict, hidden states, logits_to_keep)."""
         # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
         # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
-        # flags. Every rank's fingerprint must have the same length: it is all-gathered.
+        # flags. Every rank's fingerprint must have the same length: it is all-gathered. A mask of ones alone
+        # (decode's, as long as the sequence) is its width: the flag says which, so a padded mask on one rank
+        # against ones on another still differs.
         ids, mask, position_ids = inputs.ids, inputs.mask, inputs.position_ids
-        ints = [
-            t if t.device == position_ids.device else t.to(position_ids.device) for t in (ids, mask) if t is not None
-        ]
+        hashed = [t for t in (ids, [mask.shape[-1]] if inputs.mask_ones else mask) if t is not None]
+        at = position_ids.device
+        ints = [t.to(at) if isinstance(t, torch.Tensor) and t.device != at else t for t in hashed]
         fp = check_vector(
             [
                 inputs.batch,
                 inputs.num_new,
                 inputs.past,
                 ids is not None,
-                mask is not None,
+                0 if mask is None else 2 if inputs.mask_ones else 1,
                 len(sizing),
                 int_fingerprint([*ints, position_ids, [int(v) for v in sizing]]),
                 fingerprint(inputs.embeds),

@@ -162,6 +162,7 @@ class Inputs:
     cache: ShardedCache | None
     past: int
     mask: torch.Tensor | None  # the caller's 2D mask (batch, past + num_new)
+    mask_ones: bool  # the mask holds ones alone (generate()'s unpadded mask: the rank check hashes its width only)
     padding: torch.Tensor | None  # the mask as bool, None when nothing is padded
     position_ids: torch.Tensor  # (batch, num_new), global
     logits_to_keep: int | torch.Tensor
@@ -229,6 +230,7 @@ class InputContract:
             kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device, self.attention_name is not None
         )
         return_dict = kwargs.get("return_dict")
+        ones = mask is not None and _ones(mask)
         inputs = Inputs(
             ids=ids,
             embeds=embeds,
@@ -237,7 +239,8 @@ class InputContract:
             cache=cache,
             past=past,
             mask=mask,
-            padding=None if mask is None or bool(mask.all()) else mask.bool(),
+            mask_ones=ones,
+            padding=None if mask is None or ones or bool(mask.all()) else mask.bool(),
             position_ids=position_ids,
             logits_to_keep=kwargs.get("logits_to_keep", 0),
             output_hidden_states=kwargs.get("output_hidden_states"),
@@ -329,6 +332,15 @@ class InputContract:
                 "filled without context parallelism."
             )
         raise CacheMismatchError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
+
+
+def _ones(mask: torch.Tensor) -> bool:
+    """Does the mask hold ones alone (nothing padded, and nothing but 1)? One op: decode passes such a mask,
+    as long as the sequence, every step."""
+    if mask.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(mask)
+    return lo.item() == 1 and hi.item() == 1
 
 
 def _is_packed(position_ids: torch.Tensor) -> bool:
