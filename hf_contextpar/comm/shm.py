@@ -75,7 +75,7 @@ class ShmGather:
         self.rank, self.world, self.pids, self.timeout = rank, world, pids, timeout
         header = 2 * world * _LINE
         self._head = buf[: header * 8].view(torch.int64).numpy()  # polled: numpy reads are cheapest
-        self._slots = buf[header * 8 :].view(2, world * SLOT_BYTES)
+        self._slots = buf[header * 8 :].view(2, world * SLOT_BYTES).unbind(0)  # the two slots' views, taken once
         self._buf = buf
         self._k = 0
 
