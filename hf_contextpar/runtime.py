@@ -88,8 +88,7 @@ class ContextParallelRuntime:
         self._rope_modules = []
         self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
         self._forward = None
-        self._policy_of = self._policy_cached = None  # the settings the cached Policy was built for (_policy)
-        self._keep_rows = {}  # (new tokens, logits_to_keep, device) -> the index an int logits_to_keep means
+        self._policy_of, self._policy_cached = None, None  # the settings _policy's Policy was built for, and it
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
 
     @property
@@ -281,9 +280,7 @@ class ContextParallelRuntime:
     def _attention(self):
         return self.comm.tagged["attention"]
 
-    def _policy(self) -> Policy:
-        """The plan's Policy for the current settings: built once per settings value (calibrate swaps them whole),
-        not per forward."""
+    def _policy(self) -> Policy:  # built once per settings value (calibrate swaps them whole), not per forward
         if self._policy_of is not self.settings:
             self._policy_cached, self._policy_of = self._new_policy(), self.settings
         return self._policy_cached
@@ -397,10 +394,6 @@ class ContextParallelRuntime:
                     kwargs[name] = kwargs[name][mine]
         keep = kwargs.get("logits_to_keep", 0)
         if isinstance(keep, int):  # the rows an int means, as an index: a model may act on an int itself (Gemma 4
-            # drops the other rows before its KV-shared layers, by each rank's own token count); the same
-            # (read-only) index for every forward of one shape, so decode builds it once
+            # drops the other rows before its KV-shared layers, by each rank's own token count)
             x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
-            key = (x.shape[1], keep, x.device)
-            if key not in self._keep_rows:
-                self._keep_rows[key] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
-            kwargs["logits_to_keep"] = self._keep_rows[key]
+            kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]

@@ -180,7 +180,8 @@ class RankCheck:
         # (decode's, as long as the sequence) is its width: the flag says which, so a padded mask on one rank
         # against ones on another still differs.
         ids, mask, position_ids = inputs.ids, inputs.mask, inputs.position_ids
-        hashed = [t for t in (ids, [mask.shape[-1]] if inputs.mask_ones else mask) if t is not None]
+        ones = mask is not None and inputs.padding is None  # the contract found ones alone (masks.ones_only)
+        hashed = [t for t in (ids, [mask.shape[-1]] if ones else mask) if t is not None]
         at = position_ids.device
         ints = [t.to(at) if isinstance(t, torch.Tensor) and t.device != at else t for t in hashed]
         fp = check_vector(
@@ -189,7 +190,7 @@ class RankCheck:
                 inputs.num_new,
                 inputs.past,
                 ids is not None,
-                0 if mask is None else 2 if inputs.mask_ones else 1,
+                0 if mask is None else 2 if ones else 1,
                 len(sizing),
                 int_fingerprint([*ints, position_ids, [int(v) for v in sizing]]),
                 fingerprint(inputs.embeds),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..attention.masks import ones_only
 from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
 from ..config import config_value
 from ..errors import (
@@ -162,8 +163,7 @@ class Inputs:
     cache: ShardedCache | None
     past: int
     mask: torch.Tensor | None  # the caller's 2D mask (batch, past + num_new)
-    mask_ones: bool  # the mask holds ones alone (generate()'s unpadded mask: the rank check hashes its width only)
-    padding: torch.Tensor | None  # the mask as bool, None when nothing is padded
+    padding: torch.Tensor | None  # the mask as bool, None when it holds ones alone (masks.ones_only)
     position_ids: torch.Tensor  # (batch, num_new), global
     logits_to_keep: int | torch.Tensor
     output_hidden_states: bool | None
@@ -230,7 +230,6 @@ class InputContract:
             kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device, self.attention_name is not None
         )
         return_dict = kwargs.get("return_dict")
-        ones = mask is not None and _ones(mask)
         inputs = Inputs(
             ids=ids,
             embeds=embeds,
@@ -239,8 +238,7 @@ class InputContract:
             cache=cache,
             past=past,
             mask=mask,
-            mask_ones=ones,
-            padding=None if mask is None or ones or bool(mask.all()) else mask.bool(),
+            padding=None if mask is None or ones_only(mask) else mask.bool(),  # None: ones alone
             position_ids=position_ids,
             logits_to_keep=kwargs.get("logits_to_keep", 0),
             output_hidden_states=kwargs.get("output_hidden_states"),
@@ -332,15 +330,6 @@ class InputContract:
                 "filled without context parallelism."
             )
         raise CacheMismatchError(f"unsupported cache (past_key_values) of type {type(cache).__name__}.")
-
-
-def _ones(mask: torch.Tensor) -> bool:
-    """Does the mask hold ones alone (nothing padded, and nothing but 1)? One op: decode passes such a mask,
-    as long as the sequence, every step."""
-    if mask.numel() == 0:
-        return False
-    lo, hi = torch.aminmax(mask)
-    return lo.item() == 1 and hi.item() == 1
 
 
 def _is_packed(position_ids: torch.Tensor) -> bool:

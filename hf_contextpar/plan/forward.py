@@ -215,20 +215,13 @@ def build_plan(
         batch=batch,
         num_new=num_new,
         past=before.past,
-        rope_length=_max_position(position_ids) + 1,
+        rope_length=int(position_ids.max()) + 1,
         padding=padding,
         shards=shards,
         storage=storage,
         outputs=outputs,
         chained=policy.chain and shards.token_rows is not None,
     )
-
-
-def _max_position(position_ids: torch.Tensor) -> int:
-    """The largest position id: a decode step's few read in Python (one op, where max and item are two)."""
-    if position_ids.dim() == 2 and position_ids.numel() <= 64:
-        return max(max(row) for row in position_ids.tolist())
-    return int(position_ids.max())
 
 
 def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
@@ -278,9 +271,7 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
     continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
     owned, run = decode_owners(new_cols.numel(), rank_tokens(before.cols, batch), policy.interleave, continuing)
-    kv_cols = _append(
-        before.cols, [new_cols if len(o) == len(new_cols) else new_cols[o] if len(o) else o for o in owned]
-    )
+    kv_cols = _append(before.cols, [new_cols[o] if len(o) < len(new_cols) else new_cols for o in owned])
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
         store=[RankCommit(rows=o) for o in owned],
