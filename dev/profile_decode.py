@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 dev/profile_decode.py --model tiny-llama_gqa8 --length 4096 --steps 200
     python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
+    torchrun --nproc_per_node 2 dev/profile_decode.py --ops                 # aten ops per step, by library function
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
 `--length` tokens, one thread a rank, passing the growing attention mask as generate() does; during the patched steps it times each piece of the library's
@@ -11,6 +12,10 @@ merge) and the forward hook (cache end). It prints the minimum and the median ov
 shared machine the minimum is the host work, the median adds the load (waits and preemption), so
 compare figures from one run only. The pieces are wrapped from outside (no code of the library
 changes), so the times include one Python call each.
+
+`--ops` counts instead the top-level aten ops of a decode step (torch.profiler, ops not issued by another op),
+unpatched and patched, and the patched step's ops by the library function that issued them: a count the load
+does not move, and on a GPU each op is a launch (host time per layer).
 """
 
 from __future__ import annotations
@@ -92,6 +97,44 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     return dict(TIMES)
 
 
+@torch.no_grad()
+def count_ops(model, ids, steps: int = 10):
+    """Top-level aten ops per decode step after a prefill of ids: (by op name, by op name and the innermost
+    hf_contextpar function above it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    mask = torch.ones(1, ids.shape[1] + 1, dtype=torch.long) if MASK else None
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(steps):
+            out = model(token, past_key_values=cache, use_cache=True, attention_mask=mask)
+            token = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1) if MASK else None
+    ops, where = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        ops[e.name] += 1 / steps
+        while parent is not None and "hf_contextpar/" not in parent.name and "transformers/" not in parent.name:
+            parent = parent.cpu_parent  # the innermost Python frame of the library or of the model
+        if parent is not None and "hf_contextpar/" in parent.name:
+            where[e.name, parent.name.split("hf_contextpar/")[-1]] += 1 / steps
+    return ops, where
+
+
+def show_ops(one, two):
+    (ops1, _), (ops2, where) = one, two
+    print(f"top-level aten ops per decode step: unpatched {sum(ops1.values()):.1f}, patched {sum(ops2.values()):.1f}")
+    for name in sorted(set(ops1) | set(ops2), key=lambda k: ops1[k] - ops2[k]):
+        if round(ops1[name], 1) != round(ops2[name], 1):
+            print(f"  {name:48s} {ops1[name]:6.1f} {ops2[name]:6.1f}")
+    print("patched, by the library function issuing them:")
+    for (name, fn), n in sorted(where.items(), key=lambda x: x[0][1]):
+        print(f"  {n:5.1f} {name:40s} {fn}")
+
+
 def plan_only(length: int, steps: int, world: int = 2):
     """`build_plan` of replicated decode steps after a prefill of `length` tokens, in one process (no model,
     no collective): the pure part of the pre-hook, timed without the load a second rank adds."""
@@ -126,18 +169,28 @@ def main():
     p.add_argument("--strategy", default="ring_pass_kv")
     p.add_argument("--plan-only", action="store_true", help="time the decode plan alone, in one process")
     p.add_argument("--no-mask", action="store_true", help="decode without the attention mask generate() passes")
+    p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing it")
     args = p.parse_args()
     global MASK
     MASK = not args.no_mask
     torch.set_num_threads(1)
     if args.plan_only:
         return plan_only(args.length, args.steps)
-    instrument()
+    if not args.ops:
+        instrument()
     family = args.model.removeprefix("tiny-")
     ref = tiny_model(family)
     cp = hf_contextpar.apply_context_parallel(tiny_model(family), strategy=args.strategy, timeout=600)
     ids = torch.randint(0, ref.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     dist.barrier()
+    if args.ops:
+        one = count_ops(ref, ids) if dist.get_rank() == 0 else None
+        dist.barrier()
+        two = count_ops(cp, ids)
+        if dist.get_rank() == 0:
+            show_ops(one, two)
+        hf_contextpar.remove_context_parallel(cp)
+        return
     one = decode_steps(ref, ids, args.steps, "step") if dist.get_rank() == 0 else None
     dist.barrier()
     two = decode_steps(cp, ids, args.steps, "step")

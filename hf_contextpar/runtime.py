@@ -87,6 +87,7 @@ class ContextParallelRuntime:
         self._rope_modules = []
         self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
         self._forward = None
+        self._policy_of, self._policy_cached = None, None  # the settings _policy's Policy was built for, and it
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
 
     @property
@@ -278,7 +279,12 @@ class ContextParallelRuntime:
     def _attention(self):
         return self.comm.tagged["attention"]
 
-    def _policy(self) -> Policy:
+    def _policy(self) -> Policy:  # built once per settings value (calibrate swaps them whole), not per forward
+        if self._policy_of is not self.settings:
+            self._policy_cached, self._policy_of = self._new_policy(), self.settings
+        return self._policy_cached
+
+    def _new_policy(self) -> Policy:
         table, s = self.settings.partition_table, self.settings
         sizes = (lambda t, p: table.sizes(t, self.world)) if table is not None else None
         sizes = self._balanced if self.balanced else sizes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from contextvars import ContextVar
 
 import torch
@@ -86,7 +87,11 @@ def context_parallel_attention(
         out = q.new_zeros(step.out_shape(q))
     elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
         out = with_sink(out, lse, step.sinks)
-    return out[..., : value.shape[-1]].to(query.dtype).transpose(1, 2).contiguous(), None
+    if out.shape[-1] != value.shape[-1]:  # a padded head size (LayerKV.width)
+        out = out[..., : value.shape[-1]]
+    if out.dtype != query.dtype:  # outputs come in the accumulation dtype
+        out = out.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _refuse(step, module, attention_mask, dropout, kwargs):
@@ -236,7 +241,20 @@ def _merge_heads(step, q, out, lse, heads: int):
 
 
 def chunk_size(module) -> int | None:
-    """The chunk a chunked-attention layer (Llama 4's `attention_chunk_size`) attends within, else None."""
+    """The chunk a chunked-attention layer (Llama 4's `attention_chunk_size`) attends within, else None. Read
+    from the config once per module (transformers' config attributes cost microseconds each, and decode calls
+    this per layer per token)."""
+    try:
+        return _chunks[module]
+    except KeyError:
+        chunk = _chunks[module] = _chunk_size(module)
+        return chunk
+
+
+_chunks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> its chunk_size
+
+
+def _chunk_size(module) -> int | None:
     config = getattr(module, "config", None)
     types = getattr(config, "layer_types", None) or ()
     idx = module.layer_idx
@@ -308,6 +326,8 @@ def context_parallel_mask(
         if "indexer_mask" not in step.state:
             step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
         return step.state["indexer_mask"]
+    if step is not None and step.plan.padding is None:  # the input contract found the caller's mask unpadded
+        return None
     if attention_mask is None or bool(attention_mask.all()):
         return None
     return attention_mask

@@ -35,6 +35,10 @@ class LayerCall(Protocol):
 
     def key_valid(self, rank, rows=slice(None)) -> torch.Tensor | None: ...  # (B, Tk) for rank's keys
 
+    def block_kind(
+        self, rank: int, window
+    ) -> str | None: ...  # masks.classify of the queries vs rank's keys, per forward
+
     def unpack(self, block: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # (k, v) to attend
 
     def out_shape(self, q: torch.Tensor) -> tuple: ...  # the output's shape for queries q

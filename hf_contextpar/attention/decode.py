@@ -16,7 +16,8 @@ from .merge import merge_packed, merge_packed_out, pack_partial
 def sharded_kv_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
     k, v = step.unpack(kv_local, rank)
-    res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), **attn)
+    kind = step.block_kind(rank, attn.get("window"))  # once per forward: every layer's columns are the same
+    res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), kind=kind, **attn)
     packed = pack_partial(res, step.out_shape(q), acc_dtype(q.dtype), q.device)
     if step.dcp is not None:  # DCP merges these heads' partials with its peers' afterwards: it needs the LSE
         return merge_packed(step.comm.all_gather(packed))

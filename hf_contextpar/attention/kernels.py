@@ -223,7 +223,8 @@ def _block(acc, r0, q, q_cols, keys: Keys, rule: Rule, *, tile=False, kind=None)
         res = _fused(q, keys.k, keys.v, None, kind == "causal", rule.scale)
         if res is not None:
             t = acc_dtype(q.dtype)
-            acc.add(res[0].to(t), res[1].to(t), r0)
+            out, lse = (x if x.dtype == t else x.to(t) for x in res)  # no cast op where it is t already
+            acc.add(out, lse, r0)
             return
     if not tile:
         _tiled(acc, r0, q, q_cols, keys, rule)
@@ -290,7 +291,9 @@ def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
             acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule.scale, rule.softcap), r0)
 
 
-def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, select=None, into=None):
+def attend(
+    q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, select=None, into=None, kind=None
+):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
@@ -299,7 +302,8 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
     key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. Returns (out, lse)
     with out (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
-    nothing is returned: how a ring accumulates its blocks without merging empty partials.
+    nothing is returned: how a ring accumulates its blocks without merging empty partials. kind: the block's
+    `masks.classify`, where the caller has it already (`Step.block_kind`: once per forward, not per layer).
     """
     acc = into if into is not None else Accumulator(q.shape[2])
     if q.shape[2] > 0 and k.shape[2] > 0:
@@ -307,7 +311,7 @@ def attend(q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softc
         if select is not None:
             _attend_selected(acc, q, q_cols, keys, rule, select)
         else:
-            _attend(acc, q, q_cols, keys, rule)
+            _attend(acc, q, q_cols, keys, rule, kind)
     return acc.result() if into is None else None
 
 
@@ -327,11 +331,11 @@ def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
             acc.add(*_masked(q[:, :, r0:r1], keys.k, keys.v, vis[:, None], rule.scale, rule.softcap), r0)
 
 
-def _attend(acc, q, q_cols, keys: Keys, rule: Rule):
+def _attend(acc, q, q_cols, keys: Keys, rule: Rule, kind=None):
     if keys.cols.dim() == 2:
         _attend_rows(acc, q, q_cols, keys, rule)
         return
-    kind = classify(q_cols, keys.cols, rule.window)
+    kind = kind or classify(q_cols, keys.cols, rule.window)
     if kind != "mask":
         _block(acc, 0, q, q_cols, keys, rule, kind=kind)
         return

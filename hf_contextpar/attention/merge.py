@@ -167,11 +167,13 @@ def merge_packed_out(stacked, sink=None):
     dozen (each op's overhead is the cost for one token). A row no partial saw (every L_s = -inf)
     gets NaN weights from the softmax: they become 0, so the row stays 0, as in `merge_stacked`.
     `sink` (H,): attention sinks enter as one more partial, (0, sink), in the same softmax."""
-    lses = stacked[..., -1]
+    lses = stacked[..., -1:]  # (S, B, H, T, 1): the weights broadcast over the output columns as they are
     if sink is not None:
-        lses = torch.cat([lses, sink.to(lses.dtype).view(1, 1, -1, 1).expand(1, *lses.shape[1:])])
-    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)[: stacked.shape[0]]
-    return (stacked[..., :-1] * weights.unsqueeze(-1)).sum(dim=0)
+        lses = torch.cat([lses, sink.to(lses.dtype).view(1, 1, -1, 1, 1).expand(1, *lses.shape[1:])])
+    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)
+    if sink is not None:  # the sink's weight has no output
+        weights = weights[: stacked.shape[0]]
+    return (stacked[..., :-1] * weights).sum(dim=0)
 
 
 def with_sink(out, lse, sink):

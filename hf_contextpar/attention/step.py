@@ -16,6 +16,7 @@ from ..cache.blocks import unpack_kv
 from ..cache.recurrent import is_recurrent
 from ..comm.collectives import Comm
 from ..plan.forward import ForwardPlan
+from .masks import Chunked, classify
 
 if TYPE_CHECKING:
     from ..cache.sharded import ShardedCache
@@ -69,6 +70,7 @@ class Step:
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
         self._held = {}  # window -> per rank: the key columns of the slots this rank holds (DCP)
+        self._kinds = {}  # (rank, cache window, attention window) -> masks.classify of this forward's blocks
 
     def unpack(self, block: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) to attend to from rank src's K/V block of the running layer."""
@@ -102,6 +104,19 @@ class Step:
         """Per rank: the key columns the running layer holds (a sliding layer keeps fewer)."""
         window = self.windows[self.kv_layer]
         return self.plan.shards.kv_cols_for(window) if self.dcp is None else self.held_cols(window)
+
+    def block_kind(self, rank: int, window) -> str | None:
+        """`masks.classify` of this rank's queries against rank's keys of the running layer under the attention
+        window `window` (None where either side is empty, or for chunks: the kernel classifies those itself). The
+        plan fixes both column sets for the whole forward, so every layer of one cache window and rule shares it:
+        taken once per forward instead of once per layer (four tensor reads each, a decode step's main cost)."""
+        if isinstance(window, Chunked):
+            return None
+        key = (rank, self.windows[self.kv_layer], window)
+        if key not in self._kinds:
+            q, k = self.q_cols, self.kv_cols[rank]
+            self._kinds[key] = classify(q, k, window) if q.numel() and k.shape[-1] and k.dim() == 1 else None
+        return self._kinds[key]
 
     def kv_size(self, rank: int, layer: int | None = None) -> int:
         window = self.windows[self.kv_layer if layer is None else layer]

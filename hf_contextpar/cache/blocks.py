@@ -15,7 +15,7 @@ def unpack_kv(kv: torch.Tensor, key_dim: int | None = None) -> tuple[torch.Tenso
     stores it and as it is sent, so every head's keys are contiguous rows for the kernels. Keys and
     values of different head sizes travel side by side, (1, B, Hkv, T, Dk + Dv), split at key_dim."""
     if kv.shape[0] == 2:
-        return kv[0], kv[1]
+        return kv.unbind(0)  # one op for both views (decode reads them per layer per token)
     return kv[0, ..., :key_dim], kv[0, ..., key_dim:]
 
 

@@ -129,6 +129,7 @@ class ShardedCache(ChainedStates, Cache):
                 layers.append(LinearAttentionLayer(number_of_states=r[0]))
         super().__init__(layers=layers)
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+        self._windows = tuple(getattr(layer, "window", None) for layer in self.layers)  # read every forward
         # indexed attention (DSA, attention/indexed.py): per layer, the index keys (B, held, D) of the columns this
         # rank holds (its layout's, in order); `index_exchange(keys, layer)`, set by the runtime for each forward,
         # gathers them whole for the indexer and keeps this rank's share
@@ -138,7 +139,8 @@ class ShardedCache(ChainedStates, Cache):
 
     @property
     def windows(self) -> tuple:
-        return tuple(getattr(layer, "window", None) for layer in self.layers)
+        """Per layer, its sliding window (None: every token), fixed when the layers are made."""
+        return self._windows
 
     @classmethod
     def bind(cls, cache: Cache, num_layers: int, rank: int, world: int, recurrence=None) -> ShardedCache:

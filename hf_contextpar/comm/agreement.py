@@ -8,6 +8,7 @@ is a `RankMismatchError` on every rank, never a hang or gloo's size abort.
 
 from __future__ import annotations
 
+import numpy
 import torch
 
 from ..config import config_value
@@ -37,11 +38,12 @@ def int_fingerprint(tensors) -> int:
         n = len(t) if isinstance(t, list) else t.numel()
         if n <= _SMALL:
             w = offset * 1000003 + 7919
-            values = t if isinstance(t, list) else t.reshape(-1).tolist()
+            values = t if isinstance(t, list) else _flat_list(t)
             total += sum(int(v) * (w + 1000003 * (j + 1)) for j, v in enumerate(values))
         elif n:
             t = torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t
-            v, w = t.reshape(-1).long(), _weights(offset, n, t.device)
+            v, w = t.reshape(-1), _weights(offset, n, t.device)
+            v = v if v.dtype == torch.long else v.long()
             total += int(v.dot(w) if v.device.type == "cpu" else (v * w).sum())  # CUDA's dot takes floats only
         offset += n
     total &= (1 << 64) - 1  # as int64 wraps
@@ -49,6 +51,18 @@ def int_fingerprint(tensors) -> int:
 
 
 _SMALL = 32  # up to this many elements, tolist() and Python beat a tensor op
+
+
+def _flat_list(t: torch.Tensor) -> list:
+    """t's elements in order, as a list: tolist() flattened in Python (a reshape first would cost a tensor op)."""
+    values = t.tolist()
+    if t.dim() == 0:
+        return [values]
+    for _ in range(t.dim() - 1):
+        values = [v for row in values for v in row]
+    return values
+
+
 _WEIGHTS: dict = {}  # device -> int64 weights i * 1000003 + 7919 for i = 1, 2, ... (grown by doubling)
 
 
@@ -74,7 +88,8 @@ def check_vector(values: list) -> torch.Tensor:
     """A rank-agreement check's message: always CHECK_LENGTH integers, so ranks that reach different
     checks (one decoding, one done) exchange equal sizes and see a mismatch. Gloo aborts the process
     on unequal all-gather sizes instead of raising."""
-    return torch.tensor(values + [0] * (CHECK_LENGTH - len(values)), dtype=torch.long)
+    # through numpy: torch.tensor(list) costs about three times as much, and this runs before every forward
+    return torch.from_numpy(numpy.array(values + [0] * (CHECK_LENGTH - len(values)), dtype=numpy.int64))
 
 
 def model_signature(model) -> tuple:
@@ -161,22 +176,28 @@ class RankCheck:
         `ShardedCache.sizing`, return_dict, hidden states, logits_to_keep)."""
         # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
         # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
-        # flags. Every rank's fingerprint must have the same length: it is all-gathered.
+        # flags. Every rank's fingerprint must have the same length: it is all-gathered. A mask of ones alone
+        # (decode's, as long as the sequence) is its width: the flag says which, so a padded mask on one rank
+        # against ones on another still differs.
         ids, mask, position_ids = inputs.ids, inputs.mask, inputs.position_ids
-        ints = [t.to(position_ids.device) for t in (ids, mask) if t is not None]
+        ones = mask is not None and inputs.padding is None  # the contract found ones alone (masks.ones_only)
+        hashed = [t for t in (ids, [mask.shape[-1]] if ones else mask) if t is not None]
+        at = position_ids.device
+        ints = [t.to(at) if isinstance(t, torch.Tensor) and t.device != at else t for t in hashed]
         fp = check_vector(
             [
                 inputs.batch,
                 inputs.num_new,
                 inputs.past,
                 ids is not None,
-                mask is not None,
+                0 if mask is None else 2 if ones else 1,
                 len(sizing),
                 int_fingerprint([*ints, position_ids, [int(v) for v in sizing]]),
                 fingerprint(inputs.embeds),
             ]
         )
-        fp = fp.to(_check_device(ids if ids is not None else inputs.embeds))
+        device = _check_device(ids if ids is not None else inputs.embeds)
+        fp = fp if device == "cpu" else fp.to(device)
         if self.tp_group is not None:  # before the model runs: its first collective is a TP one
             self.across_mesh(fp, "inputs")
         else:
@@ -215,8 +236,9 @@ class RankCheck:
         self.verify(everyone[:, :-1], what)
 
     def verify(self, everyone, what: str):
-        if not bool((everyone == everyone[0]).all()):
-            bad = [r for r in range(everyone.shape[0]) if not bool((everyone[r] == everyone[0]).all())]
+        rows = everyone.tolist()  # a few integers per rank: compared in Python, no tensor op per comparison
+        if any(row != rows[0] for row in rows):
+            bad = [r for r, row in enumerate(rows) if row != rows[0]]
             raise RankMismatchError(
                 f"context-parallel ranks got different {what} (ranks {bad} differ from rank 0: batch, length, "
                 "cache length, token contents or output arguments). Every rank must call the model with the same "

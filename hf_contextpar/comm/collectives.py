@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -128,25 +127,9 @@ class Comm:
         self.stats.record(op if tag == "attention" else f"{tag} {op}", sent, received)
         self.tagged[tag].record(op, sent, received)
 
-    @contextmanager
-    def _guard(self, what: str, op: str | None = None, tag: str = "attention"):
+    def _guard(self, what: str, op: str | None = None, tag: str = "attention") -> _Guard:
         """Translate failures into ContextParallelError and charge the time spent to stats.waits[op]."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        except (RuntimeError, dist.DistError) as e:
-            if isinstance(e, ContextParallelError):
-                raise
-            raise PeerFailureError(
-                f"context-parallel rank {self.rank}/{self.world}: {what} failed ({type(e).__name__}: {e}). "
-                "If that names a connection, a closed peer or a timeout, another rank exited or stalled: check "
-                "the other ranks' logs (waits end after apply_context_parallel(timeout=...)); otherwise the "
-                "error is this rank's own."
-            ) from e
-        finally:
-            op, seconds = op or what, time.perf_counter() - t0
-            self.stats.add_wait(op if tag == "attention" else f"{tag} {op}", seconds)
-            self.tagged[tag].add_wait(op, seconds)
+        return _Guard(self, what, op or what, tag)
 
     # -- the ring: one hop to the next rank, from the previous one --------------------------------
     def send_recv(self, send: torch.Tensor, recv_shape) -> Pending:
@@ -258,6 +241,32 @@ class Comm:
             esize * (out.numel() - out_sizes[self.rank]),
         )
         return [chunk.view(shape) for chunk, shape in zip(out.split(out_sizes), recv_shapes)]
+
+
+class _Guard:
+    """`Comm._guard`'s context: a class rather than a generator (contextlib's costs microseconds per use, and
+    decode runs one collective per layer per token)."""
+
+    __slots__ = ("comm", "what", "op", "tag", "t0")
+
+    def __init__(self, comm: Comm, what: str, op: str, tag: str):
+        self.comm, self.what, self.op, self.tag = comm, what, op, tag
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, kind, e, tb):
+        comm, seconds = self.comm, time.perf_counter() - self.t0
+        comm.stats.add_wait(self.op if self.tag == "attention" else f"{self.tag} {self.op}", seconds)
+        comm.tagged[self.tag].add_wait(self.op, seconds)
+        if isinstance(e, (RuntimeError, dist.DistError)) and not isinstance(e, ContextParallelError):
+            raise PeerFailureError(
+                f"context-parallel rank {comm.rank}/{comm.world}: {self.what} failed ({type(e).__name__}: {e}). "
+                "If that names a connection, a closed peer or a timeout, another rank exited or stalled: check "
+                "the other ranks' logs (waits end after apply_context_parallel(timeout=...)); otherwise the "
+                "error is this rank's own."
+            ) from e
+        return False
 
 
 # torch >= 2.10 names it all_gather_single and deprecates the old name

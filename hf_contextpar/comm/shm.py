@@ -75,7 +75,7 @@ class ShmGather:
         self.rank, self.world, self.pids, self.timeout = rank, world, pids, timeout
         header = 2 * world * _LINE
         self._head = buf[: header * 8].view(torch.int64).numpy()  # polled: numpy reads are cheapest
-        self._slots = buf[header * 8 :].view(2, world * SLOT_BYTES)
+        self._slots = buf[header * 8 :].view(2, world * SLOT_BYTES).unbind(0)  # the two slots' views, taken once
         self._buf = buf
         self._k = 0
 
@@ -103,10 +103,7 @@ class ShmGather:
                     f"({sizes} bytes, by rank): they are running different collectives. Every rank must get the "
                     "same inputs and calls."
                 )
-        out = torch.empty(self.world * flat.numel(), dtype=flat.dtype)
-        if n:
-            out.view(torch.uint8).copy_(slot[: self.world * n])
-        return out
+        return slot[: self.world * n].clone().view(flat.dtype)  # a copy: the slot is written again two gathers on
 
     def gather_into(self, out: torch.Tensor, t: torch.Tensor, group=None) -> None:
         """`dist.all_gather_into_tensor`'s signature, for timing this transport beside gloo's."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..attention.masks import ones_only
 from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
 from ..config import config_value
 from ..errors import (
@@ -163,7 +164,7 @@ class Inputs:
     cache: ShardedCache | None
     past: int
     mask: torch.Tensor | None  # the caller's 2D mask (batch, past + num_new)
-    padding: torch.Tensor | None  # the mask as bool, None when nothing is padded
+    padding: torch.Tensor | None  # the mask as bool, None when it holds ones alone (masks.ones_only)
     position_ids: torch.Tensor  # (batch, num_new), global
     logits_to_keep: int | torch.Tensor
     output_hidden_states: bool | None
@@ -238,7 +239,7 @@ class InputContract:
             cache=cache,
             past=past,
             mask=mask,
-            padding=None if mask is None or bool(mask.all()) else mask.bool(),
+            padding=None if mask is None or ones_only(mask) else mask.bool(),  # None: ones alone
             position_ids=position_ids,
             logits_to_keep=kwargs.get("logits_to_keep", 0),
             output_hidden_states=kwargs.get("output_hidden_states"),
@@ -365,7 +366,7 @@ def _checked_positions(position_ids, mask, cache, batch: int, num_new: int, past
             f"{num_new}; pass the mask for the whole sequence (past + new), as generate() does{again}."
         )
     if position_ids is None:
-        return (torch.arange(num_new, device=device) + past).unsqueeze(0).expand(batch, -1)
+        return torch.arange(past, past + num_new, device=device).expand(batch, -1)
     if mask is None and cache is None and _is_packed(position_ids):
         raise PackedSequenceError(
             "these position_ids restart inside a row, which transformers reads as packed documents "
