@@ -31,55 +31,24 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_contextpar
+from hf_contextpar.models import tiny_model
 from hf_contextpar.tools.bench import measure
+from hf_contextpar.tools.calibrate import sync
+from hf_contextpar.tools.presets import GEOMETRIES as PRESET_GEOMETRIES
 
-GEOMETRIES = {  # Llama 3.2 1B and Llama 3.1 8B, as their configs give them
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    ),
-}
+# the published geometries of hf_contextpar.tools.presets, by short names; "tiny": the test matrix's tiny Llama
+GEOMETRIES = {"llama-1b": "llama-3.2-1b", "llama-8b": "llama-3.1-8b", "tiny": None}
 
 
 def build(geometry: str, device, dtype):
-    cfg = LlamaConfig(
-        **GEOMETRIES[geometry],
-        vocab_size=128256 if geometry != "tiny" else 1000,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-    )
-    cfg._attn_implementation = "sdpa"
+    """Random weights in the geometry, seeded, on `device` (the tiny one built on the CPU and moved)."""
+    if GEOMETRIES[geometry] is None:
+        return tiny_model("llama", dtype=dtype).to(device)
+    config = LlamaConfig(**PRESET_GEOMETRIES[GEOMETRIES[geometry]], max_position_embeddings=131072, rope_theta=5e5)
+    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 def timed(model, ids, new_tokens, repeats, device, stats=None):

@@ -56,6 +56,16 @@ PRESETS = {
 
 # Published geometries (config.json fields), so the tool runs with no hub access.
 GEOMETRIES = {
+    "llama-3.2-1b": dict(
+        num_hidden_layers=16,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
     "llama-3.1-8b": dict(
         num_hidden_layers=32,
         hidden_size=4096,
