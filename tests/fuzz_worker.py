@@ -1060,7 +1060,16 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
         turns.close()
     except Exception as e:
         rec["error_type"], rec["error_turn"] = type(e).__name__, rec["turns_compared"] + 1
-        if expected_error(case, e, decode_rows, rec["turns_compared"]):
+        if (
+            not ref_turns
+            and ref_error
+            and ref_error.startswith(f"{type(e).__name__}: ")
+            and not undefined_result(ref_error)
+        ):
+            # one process raised at its first turn, and so did we, from the same code: user code that fails under
+            # one process's attention too (a forward patched to call SDPA on a softcapped model) fails at apply's probe
+            rec["detail"] = f"raised what the reference raised: {type(e).__name__}: {str(e)[:160]}"
+        elif expected_error(case, e, decode_rows, rec["turns_compared"]):
             rec.update(outcome="expected_error", detail=f"{type(e).__name__}: {str(e)[:200]}")
         else:
             tb = traceback.format_exc().strip().splitlines()
