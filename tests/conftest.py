@@ -13,7 +13,8 @@ The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 o
 hybrid matrices, split by family in thirds: a family runs at N = 3 one day in three and at N = 4 one day in
 three; N = 3 or 4, on alternate days, of the multi-turn, strategy and CSA matrices and of the census's re-run;
 N = 3 of the geometry, holes, user-code and interleave matrices; two of the three script orders of the exit
-check; lm-eval on 3 processes and lm-eval under TP 2 x CP 2) run in some of SLICES slices, one slice picked
+check and two of its four tools; lm-eval on 3 processes, under TP 2 x CP 2 and as two nodes; needlebench on
+3 processes; the Llama-like exactness families at N = 2 too, see ONE_N_A_DAY) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
 """
@@ -110,7 +111,9 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
-    ("test_exactness.py", "test_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
+    ("test_exactness.py", "test_exact"): lambda p: (
+        _by_name(p["family"], p["n"]) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
+    ),
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
     ("test_multiturn.py", "test_multiturn_exact_and_balanced"): _by_n,
     ("test_strategies.py", "test_strategy_exact"): _by_n,
@@ -129,7 +132,18 @@ ROTATING = {
     }.get(p["order"]),
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _alternate(0),
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _alternate(1),
+    ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _alternate(1),
+    ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
+    # one mechanism (comm/group.py's teardown) under four tools: two a day, the heavier pair on the lighter days
+    ("test_exit.py", "test_tools_leave_no_gloo_thread_to_finalization"): lambda p: _alternate(
+        1 if p["tool"] in ("bench", "eval") else 0
+    ),
 }
+
+# Exactness families whose attention reaches the library as plain Llama's does (their differences are
+# projections, norms and biases inside the model's own code): each runs at one N a day, N = 2 included, in
+# thirds by name as at N = 3 and 4, so each of N = 2, 3, 4 comes every third day. The rest run at N = 2 daily.
+ONE_N_A_DAY = {"mistral", "olmo2", "phi3", "qwen2", "qwen3"}
 
 
 def rotation_slice() -> int | None:
