@@ -51,6 +51,7 @@ class FamilyPatch:
     # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
     cache_window: bool = False
     csa: bool = True  # sparse=CSA(...) defined for its attention (False: its layers attend otherwise, CSA refused)
+    compressed: bool = False  # DeepSeek-V4's CSA / HCA: cache layers of its own (patches/deepseek_v4.py)
 
 
 REGISTRY: dict[str, FamilyPatch] = {}

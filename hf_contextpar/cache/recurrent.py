@@ -272,6 +272,7 @@ def share_final_states(cache, comm, root: int) -> int:
     layers in one broadcast. Every rank ran every layer on as many sequences, so each one's own states
     have the root's shapes and dtypes: their layout sizes the message, and no header travels.
     Returns the bytes broadcast."""
+    sent = _share_family_states(cache, comm, root)
     states = [
         (layer, key, t)
         for i, layer in enumerate(cache.layers)
@@ -279,7 +280,7 @@ def share_final_states(cache, comm, root: int) -> int:
         for key, t in sorted(layer_states(layer).items())
     ]
     if not states:
-        return 0
+        return sent
     mine = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, _, t in states])
     shapes = [(mine.numel() if r == root else 0,) for r in range(comm.world)]
     got = comm.broadcast_blocks(mine if comm.rank == root else mine[:0], shapes)[root].wait()
@@ -289,4 +290,34 @@ def share_final_states(cache, comm, root: int) -> int:
             size = t.numel() * t.element_size()
             load_states(layer, {key: got[offset : offset + size].clone().view(t.dtype).view(t.shape)})
             offset += size
-    return mine.numel()
+    return sent + mine.numel()
+
+
+def _share_family_states(cache, comm, root: int) -> int:
+    """`share_final_states` for a family's own chained layers (`chained_states` / `load_chained_states`, patches/:
+    DeepSeek-V4's compressors), whose states may differ in shape between ranks: a header per layer, then one payload."""
+    layers = [layer for layer in cache.layers if hasattr(layer, "chained_states")]
+    if not layers:
+        return 0
+    device = getattr(layers[0], "device", None) or torch.device("cpu")
+    parts = [(layer, len(states)) for layer in layers for states in [layer.chained_states()]]
+    packed = [pack({k: t.to(device) for k, t in s.items()}, device) for layer in layers for s in layer.chained_states()]
+    headers = torch.cat([h for h, _ in packed])
+    only = [(0,)] * comm.world  # the root's block alone
+    only[root] = headers.shape
+    got = comm.broadcast_blocks(headers if comm.rank == root else headers[:0], only, op="state_share")
+    headers = got[root].wait() if comm.rank != root else headers
+    sizes = headers.view(len(packed), HEADER)[:, 1].tolist()
+    payload = torch.cat([p for _, p in packed]) if comm.rank == root else packed[0][1][:0]
+    only[root] = (sum(sizes),)
+    got = comm.broadcast_blocks(payload, only, op="state_share")
+    payload = got[root].wait() if comm.rank != root else payload
+    if comm.rank != root:
+        offset, states = 0, []
+        for header, size in zip(headers.view(len(packed), HEADER), sizes):
+            states.append(unpack(header, payload[offset : offset + size]))
+            offset += size
+        for layer, count in parts:
+            layer.load_chained_states(states[:count])
+            states = states[count:]
+    return headers.numel() * 8 + payload.numel()
