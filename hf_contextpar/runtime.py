@@ -80,8 +80,7 @@ class ContextParallelRuntime:
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
         self.indexed = check_indexed(model.config, settings, dcp is not None)
-        if any(r is not None and not isinstance(r, tuple) for r in self.contract.recurrence):  # a family's (V4's)
-            check_entries(settings, model.config.model_type)
+        check_entries(settings, model.config.model_type, self.contract.recurrence)  # compressed entries (V4's)
         self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it

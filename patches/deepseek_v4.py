@@ -81,23 +81,13 @@ class CompressedLayer(ShardedLayer):
             self.load(name, s)
 
     def _receive(self, name: str, device):
-        chain = recurrent._running.get()
+        chain = recurrent.running_chain()
         if chain is None or not chain.receive:
             return
-        seen = chain.__dict__.setdefault("compressed", set())
-        if (id(self), name) in seen:
-            return
-        seen.add((id(self), name))
-        header = chain.comm.recv_prev((recurrent.HEADER,), torch.long, device, op="state_recv").wait()
-        nbytes = int(header[1])
-        payload = chain.comm.recv_prev((nbytes,), torch.uint8, device, op="state_recv").wait() if nbytes else None
-        self.load(name, {k: t.to(device) for k, t in recurrent.unpack(header, payload).items()})
-
-    def _send(self, chain, name: str, device):
-        header, payload = recurrent.pack({k: t.to(device) for k, t in self.states(name).items()}, device)
-        chain._sends.append(chain.comm.send_next(header, op="state_send"))
-        if payload.numel():
-            chain._sends.append(chain.comm.send_next(payload, op="state_send"))
+        seen = chain.__dict__.setdefault("compressed", set())  # once per compressor and forward
+        if (id(self), name) not in seen:
+            seen.add((id(self), name))
+            self.load(name, {k: t.to(device) for k, t in chain.receive_states(device).items()})
 
     # -- V4's compressor API (DeepseekV4HCACache / DeepseekV4CSACache's, continued across ranks) ---------------
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
@@ -127,21 +117,22 @@ class CompressedLayer(ShardedLayer):
             )
         first, n = self.entry_count[name], compressed.shape[1]
         self.entry_count[name] += n
-        chain = recurrent._running.get()
+        chain = recurrent.running_chain()
         if chain is not None and chain.send:  # final now: the next rank's span continues from it
-            self._send(chain, name, compressed.device)
-        ids = torch.arange(first, first + n)
-        comm = step.comm
-        keep = (
-            torch.ones_like(ids, dtype=torch.bool) if chain is not None else ids % comm.world == comm.rank
-        )  # span's, else every N-th
+            chain.send_states({k: t.to(compressed.device) for k, t in self.states(name).items()}, compressed.device)
+        ids, comm = torch.arange(first, first + n), step.comm
+        # a chained rank made its span's entries alone; else every rank made the same ones, each gives every N-th
+        mine = torch.ones_like(ids, dtype=torch.bool) if chain is not None else ids % comm.world == comm.rank
         held = self.kept[name] if self.kept[name] is not None else compressed[:, :0]
-        self.kept[name] = torch.cat([held, compressed[:, keep.to(compressed.device)]], dim=1)
-        self.kept_ids[name] = torch.cat([self.kept_ids[name], ids[keep]])
-        return self._gather(comm, name, compressed)
+        held = torch.cat([held, compressed[:, mine.to(compressed.device)]], dim=1)
+        full = self._gather(comm, name, held, torch.cat([self.kept_ids[name], ids[mine]]))
+        # every N-th entry stays on this rank, whichever rank made it: 1/N per rank, as the K/V
+        self.kept[name] = full[:, comm.rank :: comm.world].clone()
+        self.kept_ids[name] = torch.arange(comm.rank, full.shape[1], comm.world)
+        return full
 
-    def _gather(self, comm, name: str, like: torch.Tensor) -> torch.Tensor:
-        held, ids = self.kept[name], self.kept_ids[name]
+    def _gather(self, comm, name: str, held: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every rank's `held` entries (indices `ids`) in global order, each entry checked given once."""
         counts = comm.all_gather(torch.tensor([ids.numel()], device=held.device)).view(-1).tolist()
         b, _, d = held.shape
         blocks = comm.broadcast_blocks(held, [(b, c, d) for c in counts], op="entries")

@@ -22,8 +22,11 @@ from .merge import merge_pair
 _RECORD = "_hf_contextpar_entries"
 
 
-def check(settings, model_type: str) -> None:
-    """At apply: refuse what would move a query away from the rank holding its entries' bias."""
+def check(settings, model_type: str, recurrence=None) -> None:
+    """At apply, for a model with a family's own chained cache layers (`recurrence`: the contract's, None: assume
+    so; DeepSeek-V4's): refuse what would move a query away from the rank holding its entries' bias."""
+    if recurrence is not None and not any(r is not None and not isinstance(r, tuple) for r in recurrence):
+        return
     what = None
     if settings.strategy != "auto" and STRATEGIES[settings.strategy].moves_queries:
         what = f"strategy={settings.strategy!r} (it moves queries between ranks)"

@@ -39,6 +39,11 @@ _abandoned: list = []  # the posted state sends of chains whose forward raised, 
 _running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
 
 
+def running_chain():
+    """The state chain of the running forward on this rank, or None (no chained forward runs)."""
+    return _running.get()
+
+
 def received_state(state_idx: int = 0):
     """The recurrent state this rank received for the recurrent layer the running chained forward is in (the
     state before its partition), or None: no chain runs, or this rank is the first. For a mixer whose
@@ -141,14 +146,23 @@ class StateChain:
         self.current = layer_idx
         self.visited.add(layer_idx)
         if self.receive:
-            header = self.comm.recv_prev((HEADER,), torch.long, _device(cache, layer_idx), op="state_recv").wait()
-            nbytes = int(header[1])
-            payload = (
-                self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
-            )
-            states = unpack(header, payload) if nbytes else {}
+            states = self.receive_states(_device(cache, layer_idx))
             load_states(cache.layers[layer_idx], states)
             self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
+
+    def receive_states(self, device) -> dict:
+        """The next states rank - 1 sent (a header, then the payload): messages match in posting order."""
+        header = self.comm.recv_prev((HEADER,), torch.long, device, op="state_recv").wait()
+        nbytes = int(header[1])
+        payload = self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
+        return unpack(header, payload) if nbytes else {}
+
+    def send_states(self, states: dict, device) -> None:
+        """States to rank + 1 (a family's chained layer's too, patches/deepseek_v4.py), waited for at `finish`."""
+        header, payload = pack(states, device)
+        self._sends.append(self.comm.send_next(header, op="state_send"))
+        if payload.numel():
+            self._sends.append(self.comm.send_next(payload, op="state_send"))
 
     def wrote(self, cache, layer_idx: int, recurrent: bool) -> None:
         """The mixer wrote a state of `layer_idx`. The recurrent state of a one-state layer is its last write (its
@@ -180,10 +194,7 @@ class StateChain:
         layer_idx = self.current
         if layer_idx is None or not self.send or layer_idx in self.sent:
             return
-        header, payload = pack(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
-        self._sends.append(self.comm.send_next(header, op="state_send"))
-        if payload.numel():
-            self._sends.append(self.comm.send_next(payload, op="state_send"))
+        self.send_states(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
         self.sent.add(layer_idx)
 
 
