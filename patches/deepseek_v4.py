@@ -155,6 +155,17 @@ class CompressedLayer(ShardedLayer):
         return full
 
     # -- the cache API ------------------------------------------------------------------------
+    def remember(self):
+        """At a forward's start (ShardedCache.begin): its states, for `settle` if the forward fails. The forward
+        replaces them, never writes into them, so copies of the dicts keep them."""
+        self._before = {f: dict(getattr(self, f)) for f in (*_FIELDS, "entry_count", "kept", "kept_ids")}
+
+    def settle(self, ok: bool):
+        """At a forward's end: a failed one's states dropped (as the K/V's are), then the copies."""
+        for f, states in getattr(self, "_before", {}).items() if not ok else ():
+            setattr(self, f, states)
+        self._before = {}
+
     def _map_states(self, fn):
         for f in (*_FIELDS, "kept"):
             states = getattr(self, f)

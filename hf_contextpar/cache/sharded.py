@@ -183,6 +183,8 @@ class ShardedCache(ChainedStates, Cache):
         self.layout.store = storage.store[self.layout.rank]
         for layer in self.kv_layers:
             layer.handed, layer.stashed = False, []
+            if hasattr(layer, "chained_states"):  # a family's chained layer: its states as before, for a failure
+                layer.remember()
         self._sizes = [layer.live for layer in self.kv_layers]
         self._index_before = dict(self.index_keys)
 
@@ -216,6 +218,9 @@ class ShardedCache(ChainedStates, Cache):
             for layer, live in zip(self.kv_layers, self._sizes):
                 layer.stashed = []
                 layer._keep(layer.first + live)
+        for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
+            if hasattr(layer, "chained_states"):
+                layer.settle(ok)
 
     def _trim(self, before: list):
         """Sliding layers drop what the layout dropped since `before` (per layer)."""

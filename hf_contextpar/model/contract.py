@@ -39,7 +39,8 @@ _WHY = {  # why a layer kind is refused (transformers' layer_types names)
     "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
     "scores over all earlier tokens; hf-contextpar runs it exactly (every rank's indexer scores every column) "
     "for the families registered with an indexer it verified (patches/, `indexed=True`), not this one.",
-    "compressed_sparse_attention": "DeepSeek-V4's compressed attention (CSA, HCA) has no exact path here yet.",
+    "compressed_sparse_attention": "DeepSeek-V4's compressed attention (CSA, HCA) "
+    "runs exactly for the family registered with it (patches/, `compressed=True`), not this one.",
     "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
     "sequence; hf-contextpar passes it between ranks only for mixers that read and write it through "
     "transformers' cache state API and continue a multi-token forward from it, as verified per family.",
