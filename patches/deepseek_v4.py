@@ -4,8 +4,8 @@ Every V4 attention layer attends over its sliding window's K=V and, on CSA / HCA
 compressors made (one per 4 or 128 tokens) under a `block_bias` of their own. Three things make that one
 process's result on a rank of a contiguous span (the chain's partitions):
 
-- `CompressedLayer`, the rank's cache layer for a CSA / HCA layer: this rank's share of the window's K/V
-  (`ShardedLayer`), V4's compressor API (`store_compression_weights`, `update_overlap_state`,
+- `CompressedLayer`, the rank's cache layer for a CSA / HCA layer: this rank's share of the window's K=V
+  (`ShardedLayer`, stored once), V4's compressor API (`store_compression_weights`, `update_overlap_state`,
   `update_compressor_states`), and the unfinished group passed down the ranks in a chained prefill: rank r's
   first touch of a compressor receives what rank r - 1 left (`buffer_kv`, `buffer_gate`, CSA's `overlap_kv` /
   `overlap_gate`, `entry_count`) and sends its own on once its entries are made. The last rank's go to every rank
@@ -52,6 +52,14 @@ class CompressedLayer(ShardedLayer):
         super().__init__(layout, window)
         self.compress_rate, self.names = rate, names
         self._empty()
+
+    def lazy_initialization(self, key_states, value_states):
+        """K=V (V4's one head is its keys and its values, the same tensor): stored once, a (1, B, 1, T, D) block whose
+        keys and values (`unpack_kv` with no key_dim) are one view, as V4's own cache layer aliases them."""
+        super().lazy_initialization(key_states, value_states)
+        if value_states is key_states:
+            self.kv = self.kv[:1]
+            self._keep(0)
 
     def _empty(self):
         for f in _FIELDS:
