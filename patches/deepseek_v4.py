@@ -136,7 +136,7 @@ class CompressedLayer(ShardedLayer):
         full = self._gather(comm, name, held, torch.cat([self.kept_ids[name], ids[mine]]))
         # every N-th entry stays on this rank, whichever rank made it: 1/N per rank, as the K/V
         self.kept[name] = full[:, comm.rank :: comm.world].clone()
-        self.kept_ids[name] = torch.arange(comm.rank, full.shape[1], comm.world)
+        self.kept_ids[name] = torch.arange(full.shape[1])[comm.rank :: comm.world]
         return full
 
     def _gather(self, comm, name: str, held: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ def test_exact_under_context_parallelism(n, tmp_path_factory):
     records = [r for rank in matrix("v4_worker.py", n, tmp_path_factory) for r in rank]
     errors = [r["error"] for r in records if r["case"] == "error"]
     assert not errors, errors[0]
-    assert {r["case"] for r in records} == {"prefill", "second_turn", "short_turn", "entries", "greedy"}
+    assert {r["case"] for r in records} == {"prefill", "second_turn", "short_turn", "entries", "greedy", "short_prompt"}
     for r in records:
         if "max_diff" in r:
             assert r["max_diff"] < 1e-10, r

@@ -1,8 +1,8 @@
 """One rank of DeepSeek-V4's check (tests/test_deepseek_v4.py): dev/v4_chain_check.py's tiny model (HCA, CSA and a
 sliding layer; drawn position biases and sinks) patched against the unpatched one on this process, fp64 with the
 model's fp32 internals in fp64: a prompt with a left-padded row, a second turn over the cache (chained), a turn too
-short to split (every rank runs it), the compressed entries each rank keeps (every N-th), greedy tokens. Writes
-OUT/rank{r}.json. argv: OUT."""
+short to split and a fresh prompt that short (every rank runs them), the compressed entries each rank keeps (every
+N-th), greedy tokens. Writes OUT/rank{r}.json. argv: OUT."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def check(_, rec):
         kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         a, b = ref.generate(ids, **kw), cp.generate(ids, **kw)
         rec("greedy", tokens_equal=torch.equal(a, b), ranks_agree=gathered_equal(b))
+        # a fresh prompt under 2 tokens per rank (every rank runs it, no entry yet), then decode from it
+        kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        a, b = ref.generate(ids[:1, -(2 * n - 1) :], **kw), cp.generate(ids[:1, -(2 * n - 1) :], **kw)
+        rec("short_prompt", max_diff=max(diff(x, y) for x, y in zip(a.logits, b.logits)))
 
 
 def main():
