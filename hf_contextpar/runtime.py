@@ -23,6 +23,7 @@ import torch
 from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
+from .attention.entries import check as check_entries
 from .attention.indexed import History as IndexHistory
 from .attention.indexed import check_indexed
 from .attention.indexed import gather_keys as gather_index_keys
@@ -79,6 +80,7 @@ class ContextParallelRuntime:
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
         self.indexed = check_indexed(model.config, settings, dcp is not None)
+        check_entries(settings, model.config.model_type, self.contract.recurrence)  # compressed entries (V4's)
         self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, diffllama, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
+from . import bamba, deepseek_v4, diffllama, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -51,6 +51,7 @@ class FamilyPatch:
     # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
     cache_window: bool = False
     csa: bool = True  # sparse=CSA(...) defined for its attention (False: its layers attend otherwise, CSA refused)
+    compressed: bool = False  # DeepSeek-V4's CSA / HCA: cache layers of its own (patches/deepseek_v4.py)
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -255,6 +256,16 @@ for _patch in [
     # negative, so the top-k's order among equal scores is exercised. Top-16: the matrix's 97- and 301-token
     # prompts select, its 1- to 9-token ones have k above the context
     *DSA_FAMILIES,
+    # DeepSeek-V4: its compressors' unfinished group passes down the chain and their entries go to every rank in its
+    # cache layers, its attention merges them after the window's (patches/deepseek_v4.py, attention/entries.py)
+    FamilyPatch(
+        "deepseek_v4",
+        "DeepSeek-V4: sliding K=V MQA with compressed (CSA, HCA) entries, an indexer's top-k, sinks, hyper-connections",
+        apply=deepseek_v4.apply,
+        compressed=True,
+        csa=False,
+        reference_attn="eager",
+    ),
     FamilyPatch(
         "deepseek_v3",
         "DeepSeek-V3 / R1, Kimi-K2: multi-head latent attention (the cache holds the latent, never per-head K/V)",
@@ -310,12 +321,6 @@ NOT_CHAINED = {
     ),
 }
 NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
-NOT_CHAINED["deepseek_v4"] = (  # the design, simulated fp64-exact on one process: docs/design.md, dev/v4_chain_check.py
-    "its compressors' unfinished group (buffer_kv, buffer_gate, CSA's overlap_kv / overlap_gate, entry_count) lives "
-    "in V4's cache layers, which ShardedCache's layers do not hold or pass down the ranks; its attention takes the "
-    "sliding window's K=V plus every compressed entry (one per 4 or 128 tokens, all ranks' entries, CSA's chosen by an "
-    "indexer's top-k over the whole row) under a block_bias, and the library's attention takes only a cache layer's K/V"
-)
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 # Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)

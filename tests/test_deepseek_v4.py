@@ -1,29 +1,48 @@
-"""DeepSeek-V4 (docs/design.md, "Compressed attention"): refused at apply with what blocks, and the design that would
-make it exact checked on one process (dev/v4_chain_check.py): contiguous spans continuing from the compressors'
-unfinished groups the span before left, every span's compressors handed the whole layer's entries, are the one
+"""DeepSeek-V4 (docs/design.md, "Compressed attention"): exact under context parallelism at N = 2, 3
+(tests/v4_worker.py), what moves queries refused, and the design checked on one process (dev/v4_chain_check.py):
+contiguous spans continuing from the compressors' unfinished groups the span before left, every span's compressors handed the whole layer's entries, are the one
 forward to fp64 rounding once the model's fp32 internals run in fp64; a 1-token span is not (HCA's decode path).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
-import torch
 from hf_contextpar.eval.oracle import Fp64Internals
 
 from dev import v4_chain_check as sim
-from dev.census.configs import build
+from hf_contextpar.attention.entries import check as check_entries
 from hf_contextpar.errors import UnsupportedModelError
-from hf_contextpar.model.contract import check_model
+from hf_contextpar.settings import Settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import matrix  # noqa: E402
 
 
-def test_refused_at_apply_naming_what_blocks():
-    model = build("deepseek_v4", torch.float64, "eager")
-    with pytest.raises(UnsupportedModelError) as err:
-        check_model(model)
-    text = str(err.value)
-    for what in ("buffer_kv", "overlap_kv", "entry_count", "block_bias", "K=V", "top-k over the whole row"):
-        assert what in text, what
-    assert "compressed attention (CSA, HCA)" in text and "recurrent layers carry" not in text
+@pytest.mark.parametrize("n", [2, 3])
+def test_exact_under_context_parallelism(n, tmp_path_factory):
+    """fp64 (internals too) logits within 1e-10 of one process: a padded prompt, a second turn, a turn every rank
+    runs; identical greedy tokens on every rank; each rank keeps every N-th compressed entry."""
+    records = [r for rank in matrix("v4_worker.py", n, tmp_path_factory) for r in rank]
+    errors = [r["error"] for r in records if r["case"] == "error"]
+    assert not errors, errors[0]
+    assert {r["case"] for r in records} == {"prefill", "second_turn", "short_turn", "entries", "greedy", "short_prompt"}
+    for r in records:
+        if "max_diff" in r:
+            assert r["max_diff"] < 1e-10, r
+        elif r["case"] == "entries":
+            assert r["kept"] == r["share"] and r["made"] > n, r
+        else:
+            assert r["tokens_equal"] and r["ranks_agree"], r
+
+
+@pytest.mark.parametrize("strategy", ["ring_pass_q", "ulysses"])
+def test_strategies_moving_queries_refused(strategy):
+    """The entries' bias and the indexer's top-k are made on the query's rank: what moves queries is refused."""
+    with pytest.raises(UnsupportedModelError, match="compressed attention"):
+        check_entries(Settings(strategy=strategy), "deepseek_v4")
 
 
 @pytest.fixture(scope="module")

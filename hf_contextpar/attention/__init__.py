@@ -20,7 +20,7 @@ import torch
 from ..cache.blocks import pack_kv
 from ..errors import CacheMismatchError, HeadsNotDivisibleError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
-from . import indexed, latent
+from . import entries, indexed, latent
 from .kernels import acc_dtype
 from .masks import Chunked
 from .merge import merge_packed, pack_partial, with_sink
@@ -46,6 +46,7 @@ def context_parallel_attention(
     """What every attention layer of a patched model calls: the running plan's algorithm over this rank's
     K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
+    key, value, extra = entries.split(step, module, key, value)  # a layer's own entries beside its K/V (V4's)
     narrowed = _narrowed(step, module, attention_mask, kwargs.get("indices"))
     _refuse(step, module, None if narrowed is not None else attention_mask, dropout, kwargs)
     select = _selection(step, module, kwargs.get("indices"), narrowed)
@@ -81,6 +82,8 @@ def context_parallel_attention(
         out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
         out, lse = _merge_heads(step, q, out, lse, heads)
         step.sinks = sinks
+    elif extra is not None:  # the entries after the algorithm's (out, LSE), then the sinks below
+        out, lse = entries.run(step, algorithm(step.algorithm), q, kv_local, attn, extra)
     else:
         out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
     if out is None:  # no key visible for any row (only padding rows can be in that state)

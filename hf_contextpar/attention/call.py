@@ -24,6 +24,7 @@ class LayerCall(Protocol):
     state: dict  # what an algorithm carries from one layer to the next within a forward
     kv_shapes: dict  # per layer, its K/V block geometry seen in earlier forwards (read only: to post receives ahead)
     dcp: Comm | None  # DCP's peers sharing this KV head (decode keeps its LSE for their merge)
+    wants_lse: bool  # the layer merges more after the algorithm (attention/entries.py): decode keeps its LSE too
     padding: torch.Tensor | None  # (B, global length) bool, False on padding; None: nothing padded
     q_cols: torch.Tensor  # this rank's query columns
     q_cols_all: list  # every rank's query columns

@@ -19,6 +19,6 @@ def sharded_kv_decode(step, q, kv_local, **attn):
     kind = step.block_kind(rank, attn.get("window"))  # once per forward: every layer's columns are the same
     res = attend(q, k, v, step.q_cols, step.kv_cols[rank], key_valid=step.key_valid(rank), kind=kind, **attn)
     packed = pack_partial(res, step.out_shape(q), acc_dtype(q.dtype), q.device)
-    if step.dcp is not None:  # DCP merges these heads' partials with its peers' afterwards: it needs the LSE
+    if step.dcp is not None or step.wants_lse:  # DCP (entries.py too) merges more afterwards: it needs the LSE
         return merge_packed(step.comm.all_gather(packed))
     return merge_packed_out(step.comm.all_gather(packed), step.sinks), None  # no caller reads a decode LSE

@@ -53,6 +53,7 @@ class Step:
     attended: set = field(default_factory=set)  # layers whose attention ran in this forward (once each)
     sources: set = field(default_factory=set)  # the cache layers whose K/V those layers attended
     sinks: torch.Tensor | None = None  # the running layer's attention sinks (H,), if the model has them
+    wants_lse: bool = False  # the running layer merges more after the algorithm (entries.py): decode returns its LSE
     kv: LayerKV = field(default_factory=LayerKV)  # the running layer's K/V blocks, set by the attention adapter
     # per attention layer, the geometry of its K/V blocks (packing, KV heads, head size), as the attention adapter
     # saw them in earlier forwards: the runtime keeps one dict for the model's life, so an algorithm can post
@@ -154,8 +155,11 @@ class Step:
             self.cache.layers[self.kv_layer].stash(block, self.kv_cols[src], *span)
 
     def chained_at(self, layer: int) -> bool:
-        """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V)?"""
-        return self.plan.chained and self.cache is not None and is_recurrent(self.cache.layers[layer])
+        """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V; a
+        family's own chained layer's, `chained_states`: DeepSeek-V4's compressors)?"""
+        if not self.plan.chained or self.cache is None:
+            return False
+        return is_recurrent(self.cache.layers[layer]) or hasattr(self.cache.layers[layer], "chained_states")
 
     @property
     def padding(self):

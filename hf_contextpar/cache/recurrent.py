@@ -39,6 +39,11 @@ _abandoned: list = []  # the posted state sends of chains whose forward raised, 
 _running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
 
 
+def running_chain():
+    """The state chain of the running forward on this rank, or None (no chained forward runs)."""
+    return _running.get()
+
+
 def received_state(state_idx: int = 0):
     """The recurrent state this rank received for the recurrent layer the running chained forward is in (the
     state before its partition), or None: no chain runs, or this rank is the first. For a mixer whose
@@ -141,14 +146,23 @@ class StateChain:
         self.current = layer_idx
         self.visited.add(layer_idx)
         if self.receive:
-            header = self.comm.recv_prev((HEADER,), torch.long, _device(cache, layer_idx), op="state_recv").wait()
-            nbytes = int(header[1])
-            payload = (
-                self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
-            )
-            states = unpack(header, payload) if nbytes else {}
+            states = self.receive_states(_device(cache, layer_idx))
             load_states(cache.layers[layer_idx], states)
             self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
+
+    def receive_states(self, device) -> dict:
+        """The next states rank - 1 sent (a header, then the payload): messages match in posting order."""
+        header = self.comm.recv_prev((HEADER,), torch.long, device, op="state_recv").wait()
+        nbytes = int(header[1])
+        payload = self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
+        return unpack(header, payload) if nbytes else {}
+
+    def send_states(self, states: dict, device) -> None:
+        """States to rank + 1 (a family's chained layer's too, patches/deepseek_v4.py), waited for at `finish`."""
+        header, payload = pack(states, device)
+        self._sends.append(self.comm.send_next(header, op="state_send"))
+        if payload.numel():
+            self._sends.append(self.comm.send_next(payload, op="state_send"))
 
     def wrote(self, cache, layer_idx: int, recurrent: bool) -> None:
         """The mixer wrote a state of `layer_idx`. The recurrent state of a one-state layer is its last write (its
@@ -180,10 +194,7 @@ class StateChain:
         layer_idx = self.current
         if layer_idx is None or not self.send or layer_idx in self.sent:
             return
-        header, payload = pack(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
-        self._sends.append(self.comm.send_next(header, op="state_send"))
-        if payload.numel():
-            self._sends.append(self.comm.send_next(payload, op="state_send"))
+        self.send_states(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
         self.sent.add(layer_idx)
 
 
@@ -272,6 +283,7 @@ def share_final_states(cache, comm, root: int) -> int:
     layers in one broadcast. Every rank ran every layer on as many sequences, so each one's own states
     have the root's shapes and dtypes: their layout sizes the message, and no header travels.
     Returns the bytes broadcast."""
+    sent = _share_family_states(cache, comm, root)
     states = [
         (layer, key, t)
         for i, layer in enumerate(cache.layers)
@@ -279,7 +291,7 @@ def share_final_states(cache, comm, root: int) -> int:
         for key, t in sorted(layer_states(layer).items())
     ]
     if not states:
-        return 0
+        return sent
     mine = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, _, t in states])
     shapes = [(mine.numel() if r == root else 0,) for r in range(comm.world)]
     got = comm.broadcast_blocks(mine if comm.rank == root else mine[:0], shapes)[root].wait()
@@ -289,4 +301,34 @@ def share_final_states(cache, comm, root: int) -> int:
             size = t.numel() * t.element_size()
             load_states(layer, {key: got[offset : offset + size].clone().view(t.dtype).view(t.shape)})
             offset += size
-    return mine.numel()
+    return sent + mine.numel()
+
+
+def _share_family_states(cache, comm, root: int) -> int:
+    """`share_final_states` for a family's own chained layers (`chained_states` / `load_chained_states`, patches/:
+    DeepSeek-V4's compressors), whose states may differ in shape between ranks: a header per layer, then one payload."""
+    layers = [layer for layer in cache.layers if hasattr(layer, "chained_states")]
+    if not layers:
+        return 0
+    device = getattr(layers[0], "device", None) or torch.device("cpu")
+    parts = [(layer, len(states)) for layer in layers for states in [layer.chained_states()]]
+    packed = [pack({k: t.to(device) for k, t in s.items()}, device) for layer in layers for s in layer.chained_states()]
+    headers = torch.cat([h for h, _ in packed])
+    only = [(0,)] * comm.world  # the root's block alone
+    only[root] = headers.shape
+    got = comm.broadcast_blocks(headers if comm.rank == root else headers[:0], only, op="state_share")
+    headers = got[root].wait() if comm.rank != root else headers
+    sizes = headers.view(len(packed), HEADER)[:, 1].tolist()
+    payload = torch.cat([p for _, p in packed]) if comm.rank == root else packed[0][1][:0]
+    only[root] = (sum(sizes),)
+    got = comm.broadcast_blocks(payload, only, op="state_share")
+    payload = got[root].wait() if comm.rank != root else payload
+    if comm.rank != root:
+        offset, states = 0, []
+        for header, size in zip(headers.view(len(packed), HEADER), sizes):
+            states.append(unpack(header, payload[offset : offset + size]))
+            offset += size
+        for layer, count in parts:
+            layer.load_chained_states(states[:count])
+            states = states[count:]
+    return headers.numel() * 8 + payload.numel()

@@ -95,12 +95,21 @@ def cache_windows(cache: Cache) -> list:
     ]
 
 
+# a family's own chained cache layer (patches/: DeepSeek-V4's compressors), by the transformers class it stands for:
+# a function of that layer to an equality-comparable factory (layout, window) -> the rank's ShardedLayer
+FAMILY_LAYERS: dict = {}
+
+
 def cache_recurrence(cache: Cache) -> list:
     """Per layer of a transformers cache: (its conv / recurrent states, whether it holds K/V too), or None
     for a layer of K/V alone. Linear-attention, state-space and convolution layers have states; a hybrid
-    layer (Falcon-H1's, Zamba's) both."""
+    layer (Falcon-H1's, Zamba's) both; a family's own chained layer (FAMILY_LAYERS) its factory."""
     return [
-        (layer.number_of_states, isinstance(layer, CacheLayerMixin)) if is_recurrent(layer) else None
+        FAMILY_LAYERS[type(layer)](layer)
+        if type(layer) in FAMILY_LAYERS
+        else (layer.number_of_states, isinstance(layer, CacheLayerMixin))
+        if is_recurrent(layer)
+        else None
         for layer in cache.layers
     ]
 
@@ -123,6 +132,8 @@ class ShardedCache(ChainedStates, Cache):
         for w, r in zip(windows, recurrence):
             if r is None:
                 layers.append(ShardedLayer(self.layout, w))
+            elif not isinstance(r, tuple):  # a family's chained layer (FAMILY_LAYERS)
+                layers.append(r(self.layout, w))
             elif r[1]:
                 layers.append(ShardedHybridLayer(self.layout, w, r[0]))
             else:
@@ -172,6 +183,8 @@ class ShardedCache(ChainedStates, Cache):
         self.layout.store = storage.store[self.layout.rank]
         for layer in self.kv_layers:
             layer.handed, layer.stashed = False, []
+            if hasattr(layer, "chained_states"):  # a family's chained layer: its states as before, for a failure
+                layer.remember()
         self._sizes = [layer.live for layer in self.kv_layers]
         self._index_before = dict(self.index_keys)
 
@@ -205,6 +218,9 @@ class ShardedCache(ChainedStates, Cache):
             for layer, live in zip(self.kv_layers, self._sizes):
                 layer.stashed = []
                 layer._keep(layer.first + live)
+        for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
+            if hasattr(layer, "chained_states"):
+                layer.settle(ok)
 
     def _trim(self, before: list):
         """Sliding layers drop what the layout dropped since `before` (per layer)."""

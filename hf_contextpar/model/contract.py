@@ -39,12 +39,15 @@ _WHY = {  # why a layer kind is refused (transformers' layer_types names)
     "indexed_attention": "Indexed (DeepSeek-V3.2 DSA) attention keeps each query's top-k keys by an indexer's "
     "scores over all earlier tokens; hf-contextpar runs it exactly (every rank's indexer scores every column) "
     "for the families registered with an indexer it verified (patches/, `indexed=True`), not this one.",
-    "compressed_sparse_attention": "DeepSeek-V4's compressed attention (CSA, HCA) has no exact path here yet.",
+    "compressed_sparse_attention": "DeepSeek-V4's compressed attention (CSA, HCA) "
+    "runs exactly for the family registered with it (patches/, `compressed=True`), not this one.",
     "other": "Linear-attention, state-space, convolution and other recurrent layers carry a state along the "
     "sequence; hf-contextpar passes it between ranks only for mixers that read and write it through "
     "transformers' cache state API and continue a multi-token forward from it, as verified per family.",
 }
 _WHY["heavily_compressed_attention"] = _WHY["compressed_sparse_attention"]
+_COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")  # DeepSeek-V4's (patches/deepseek_v4.py)
+_COUNTED = ("hybrid", "hybrid_sliding", "indexed_attention", *_COMPRESSED)  # attention layers beside those above
 
 
 def attention_layers(config) -> int:
@@ -53,7 +56,7 @@ def attention_layers(config) -> int:
     types = getattr(text, "layer_types", None)
     if not types:
         return text.num_hidden_layers
-    return sum(t in _ATTENTION_LAYER_TYPES or t in ("hybrid", "hybrid_sliding", "indexed_attention") for t in types)
+    return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED for t in types)
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -78,6 +81,8 @@ def check_model(model, sparse: bool = False):
         kinds -= chained
     if family is not None and family.indexed:  # its indexer scores every rank's index keys (attention/indexed.py)
         kinds -= {"indexed_attention"}
+    if family is not None and family.compressed:  # its compressors' state and entries pass between ranks (V4's)
+        kinds -= set(_COMPRESSED)
     if kinds:
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
         hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
@@ -183,7 +188,9 @@ class InputContract:
         self.windows = cache_windows(template)
         self.recurrence = cache_recurrence(template)  # per layer: its conv / recurrent states, None for K/V alone
         self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
-        if all(r is not None and not r[1] for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
+        if all(
+            isinstance(r, tuple) and not r[1] for r in self.recurrence
+        ):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
