@@ -76,8 +76,8 @@ SLOW_TESTS = {
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): lambda p: (
         p["n"] == 2 and p["case"] == "llama"
     ),
-    ("test_user_code.py", "test_user_code"): None,
-    ("test_deepseek_v4.py", "test_exact_under_context_parallelism"): None,  # one launch per N (about 25 s each on 2 cores)
+    ("test_user_code.py", "test_user_code"): None,  # one launch per N (about 25 s each on 2 cores)
+    ("test_deepseek_v4.py", "test_exact_under_context_parallelism"): None,
     # TP x CP: the tp_cp matrix (one launch of 4 ranks) stays in the fast subset, the rest is slow
     ("test_tp.py", "test_dcp_exact"): None,
     ("test_tp.py", "test_dcp_refusals_and_fp32"): None,
