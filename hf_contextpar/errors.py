@@ -34,7 +34,8 @@ class DecodeBatchError(UnsupportedInputError):
 class CacheMismatchError(ContextParallelError, ValueError):
     """A cache that cannot serve this call: it does not fit the input (its batch, its length against
     the mask) or the group, it is not one context parallelism can use (a static, quantized, offloaded
-    or already filled stock cache), or a crop reaches keys its sliding layers already dropped."""
+    or already filled stock cache), a crop reaches keys its sliding layers already dropped, or assisted /
+    prompt-lookup decoding would feed the whole sequence again on top of a cache that holds tokens."""
 
 
 class RankMismatchError(ContextParallelError):

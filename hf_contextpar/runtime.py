@@ -156,7 +156,7 @@ class ContextParallelRuntime:
     def _generate(self, *args, **kwargs):
         """model.generate, after refusing what one process does not run exactly, then (check_inputs)
         one check that every rank returns the same sequences."""
-        refuse_candidate_decoding(self.model, args, kwargs, bool(self.indexed))
+        refuse_candidate_decoding(self.model, args, kwargs)
         out = type(self.model).generate(self.model, *args, **kwargs)
         if self.settings.check_inputs:
             self.ranks.outputs(out if isinstance(out, torch.Tensor) else out.sequences)

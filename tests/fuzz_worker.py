@@ -59,9 +59,9 @@ apply), a sliding window of 1 (UnsupportedModelError at apply), decode="ring_pas
 sequences than ranks (DecodeBatchError; conversely a decode that runs anyway is a failure), packed
 sequences (PackedSequenceError), assisted / prompt-lookup decoding over a cache an earlier turn
 filled (transformers feeds the whole sequence again on top of the cache there; CacheMismatchError,
-as for the later turns whose masks then no longer match the cache, and for Phi-3's dropped caller
-cache), assisted / prompt-lookup decoding from inputs_embeds (with or without input_ids;
-transformers drafts from input_ids and crops the mask to them: CandidateDecodingError), and a
+as for Phi-3's dropped caller cache), assisted / prompt-lookup decoding from inputs_embeds (with or
+without input_ids; transformers drafts from input_ids and crops the mask to them:
+CandidateDecodingError), and a
 negative int logits_to_keep (UnsupportedInputError: Gemma 4 slices by it twice).
 Tolerances, the near-tie rule and the digests are the exactness oracle's (hf_contextpar.eval.oracle).
 """
@@ -874,8 +874,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
             case.get("window") == 1
             and getattr(build_config(case["family"], case["rope"], 1), "sliding_window", None) == 1
         )
-    if isinstance(exc, hf_contextpar.CandidateDecodingError):  # transformers drafts from input_ids; DSA: refused
-        return (bool(case.get("embeds")) or indexed(case)) and case["turns"][turn]["mode"] in ("assisted", "lookup")
+    if isinstance(exc, hf_contextpar.CandidateDecodingError):  # transformers drafts from input_ids
+        return bool(case.get("embeds")) and case["turns"][turn]["mode"] in ("assisted", "lookup")
     if isinstance(exc, hf_contextpar.DecodeBatchError):
         return case["decode"] == "ring_pass_q" and decode_rows is not None and decode_rows < case["n"]
     if isinstance(exc, hf_contextpar.PackedSequenceError):  # per-document masks are not sharded
@@ -886,9 +886,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return True
     if isinstance(exc, hf_contextpar.CacheMismatchError):
         # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds
-        # the whole sequence again on top of the cache: refused where the mask shows it, and where it
-        # does not (the reference then holds the context twice, as the patched model does), later
-        # turns' masks no longer match the cache, which is refused too
+        # the whole sequence again on top of the cache (the reference holds the context twice): refused
+        # before generate() runs (model/limits.py), and by a forward whose mask shows it
         over_filled = any(case["turns"][t]["mode"] in ("assisted", "lookup") for t in range(1, turn + 1))
         return over_filled or phi3_dropped_the_callers_cache(case, exc, turn)
     if type(exc) is hf_contextpar.UnsupportedInputError:  # a negative int's meaning is the model's own

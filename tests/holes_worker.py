@@ -122,6 +122,26 @@ def cases(n):
 
     yield "prompt_lookup", prompt_lookup
 
+    def dsa_candidates():
+        """Indexed attention (DSA): prompt lookup and assisted decoding (drafts rejected: crops of the index keys)
+        give one process's tokens; over a filled cache, where transformers feeds the sequence again on top (the
+        context twice: fuzz seed 21 case 6), they are refused before any forward."""
+        ref, cp = pair("deepseek_v32")
+        ids, ok = prompt(19, seed=5).repeat(1, 2), True
+        for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=tiny_model("llama", torch.float64, 1))):
+            got = greedy(cp, ids, 6, **extra)
+            ok &= torch.equal(got, greedy(ref, ids, 6, **extra)) and gathered_equal(got)
+        first = cp.generate(ids[:, :7], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        try:
+            more = torch.cat([first.sequences, ids[:, :2]], 1)
+            greedy(cp, more, 4, prompt_lookup_num_tokens=3, past_key_values=returned_cache(first))
+            refused = False
+        except CacheMismatchError:
+            refused = True
+        return dict(ok=ok and refused, tokens_equal=ok, refused_over_filled_cache=refused)
+
+    yield "dsa_candidate_decoding", dsa_candidates
+
     def crop_semantics():
         _, cp = pair()
         cache = cp(prompt(29, seed=1)).past_key_values

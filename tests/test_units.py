@@ -343,20 +343,29 @@ def test_pack_partial_is_its_definition(packed, same_dtype, width):
     assert got.dtype == packed and torch.equal(got, want)
 
 
-def test_candidate_decoding_is_refused_from_embeddings_and_on_indexed_attention():
-    """Assisted and prompt-lookup decoding: refused from inputs_embeds (transformers drafts from input_ids) and on
-    indexed attention (DSA: the fuzz found their verification forwards off one process, seed 21 case 6 on N = 3),
-    before any collective; plain generate() and candidate decoding elsewhere pass."""
+def test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache():
+    """Assisted and prompt-lookup decoding: refused from inputs_embeds (transformers drafts from input_ids) and over
+    a cache that holds tokens (its first verification forward feeds the whole sequence again on top: one process
+    holds the context twice, and on DSA the patched model could not match it: seed 21 case 6 on N = 3), before any
+    collective; plain generate() and candidate decoding from an empty cache pass, on indexed attention too."""
     from types import SimpleNamespace
 
-    from hf_contextpar import CandidateDecodingError
+    from transformers import DynamicCache
+
+    from hf_contextpar import CacheMismatchError, CandidateDecodingError
     from hf_contextpar.model.limits import refuse_candidate_decoding
 
-    model = SimpleNamespace(generation_config=SimpleNamespace())
+    model = SimpleNamespace(generation_config=SimpleNamespace(), forward=lambda input_ids=None, cache=None: None)
     embeds = dict(inputs_embeds=torch.zeros(1, 2, 4))
+    filled = DynamicCache()
+    filled.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
     with pytest.raises(CandidateDecodingError, match="from inputs_embeds are not supported"):
         refuse_candidate_decoding(model, (), {**embeds, "prompt_lookup_num_tokens": 3})
-    with pytest.raises(CandidateDecodingError, match="indexed attention"):
-        refuse_candidate_decoding(model, (), {"assistant_model": object()}, indexed=True)
+    for name in ("cache", "past_key_values"):
+        with pytest.raises(CacheMismatchError, match="holding 3 tokens"):
+            refuse_candidate_decoding(model, (), {"assistant_model": object(), name: filled})
+        refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3, name: DynamicCache()})
+        refuse_candidate_decoding(model, (), {name: filled})  # greedy continues a filled cache
+    refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3, "cache": None, "past_key_values": filled})
     refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3})
-    refuse_candidate_decoding(model, (), embeds, indexed=True)
+    refuse_candidate_decoding(model, (), embeds)
