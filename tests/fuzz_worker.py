@@ -450,6 +450,12 @@ def indexed(case: dict) -> bool:
     return family is not None and family.indexed
 
 
+def compressed(case: dict) -> bool:
+    """A family with compressed attention (DeepSeek-V4's CSA / HCA): its queries stay with their entries' bias."""
+    family = REGISTRY.get(model_type(case["family"]))
+    return family is not None and family.compressed
+
+
 def describe(case: dict) -> str:
     short = dict(new_tokens="new", chunk="chunk", num_return_sequences="nrs", num_beams="beams")
     turns = ", ".join(
@@ -853,7 +859,7 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     if isinstance(exc, hf_contextpar.UnsupportedModelError) and (hybrid or indexed(case)):
         # at apply: batched pass-Q decode would move states; a query would leave the rank its top-k was chosen on
         moves_queries = case["strategy"] in ("ring_pass_q", "ulysses")
-        return case["decode"] == "ring_pass_q" or (indexed(case) and moves_queries)
+        return case["decode"] == "ring_pass_q" or ((indexed(case) or compressed(case)) and moves_queries)
     if (
         type(exc) is hf_contextpar.UnsupportedInputError
         and hybrid
@@ -942,6 +948,8 @@ def ulysses_fits(case: dict) -> bool:
     if latent or case["family"] == "diffllama":  # DiffLlama's expansion of its cached V mixes the KV heads: refused
         return False
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # HRM's config: no GQA
+    if compressed(case):  # DeepSeek-V4's attention is MQA (one K=V head) whatever num_key_value_heads says
+        kv_heads = 1
     return config.num_attention_heads % case["n"] == 0 and kv_heads % case["n"] == 0
 
 

@@ -60,12 +60,13 @@ BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
 # registered families with no tiny config of their registry entry, verified by the census: exact through a family
-# patch (patches/: diffllama.py, hrm_text.py, jetmoe.py; Moshi's cache_window), DSA-indexed (axk2, hy_v4,
+# patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py; Moshi's cache_window), DSA-indexed (axk2, hy_v4,
 # qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
 # tiny configs.
 CENSUS_CONFIGS = [
     "axk2",
     "bailing_hybrid",
+    "deepseek_v4",
     "diffllama",
     "dots3_note_text",
     "hrm_text",
@@ -76,7 +77,8 @@ CENSUS_CONFIGS = [
     "zamba",
     "zaya",
 ]
-CENSUS_CHAINED = ["bailing_hybrid", "qwen4_exp_text", "zamba", "zaya"]  # of those, the ones with recurrent layers
+CENSUS_CHAINED = ["bailing_hybrid", "deepseek_v4", "qwen4_exp_text", "zamba", "zaya"]  # of those, the chained ones
+# (recurrent layers; DeepSeek-V4's compressors' unfinished groups)
 
 
 def census_family_config(family: str):
