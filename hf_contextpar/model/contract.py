@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..attention import own_index
 from ..attention.masks import ones_only
 from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
 from ..config import config_value
@@ -60,6 +61,12 @@ def attention_layers(config) -> int:
 
 
 # -- the model, at apply ---------------------------------------------------------------------
+def shared_attention_modules(model) -> list[str]:
+    """Class names of the attention modules that serve several layers: no layer index of their own (`own_index`)."""
+    named = (m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx"))
+    return sorted({type(m).__name__ for m in named if own_index(m) is None})
+
+
 def check_model(model, sparse: bool = False):
     """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
     _refuse_wrapper(model)
@@ -67,7 +74,7 @@ def check_model(model, sparse: bool = False):
     if sparse:
         sparse_csa.refuse_family(REGISTRY.get(config.model_type))
         sparse_csa.refuse_layers(config)
-        sparse_csa.refuse_shared_modules(model)
+        sparse_csa.refuse_shared_modules(shared_attention_modules(model))
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             "encoder-decoder models are not supported: hf-contextpar shards decoder-only causal LMs."

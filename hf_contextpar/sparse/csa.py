@@ -266,24 +266,17 @@ def refuse_family(family) -> None:
         )
 
 
-def refuse_shared_modules(model) -> None:
-    """An attention module with no layer index of its own (None, or Zamba2's -1) serves several layers (Zamba's
-    and Zamba2's shared transformer block): CSA decides per layer which keys a layer keeps, and its one-process
-    reference cannot tell that module's layers apart. Refused at apply, structurally (the fuzz found Zamba's
-    pruned CSA off its reference by 1.28)."""
-    shared = sorted({type(m).__name__ for m in model.modules() if _unindexed(m)})
+def refuse_shared_modules(shared: list[str]) -> None:
+    """`shared`: the model's attention modules that serve several layers (no layer index of their own: Zamba's and
+    Zamba2's shared transformer block; model/contract.py finds them). CSA decides per layer which keys a layer keeps,
+    and its one-process reference cannot tell that module's layers apart. Refused at apply, structurally (the fuzz
+    found Zamba's pruned CSA off its reference by 1.28)."""
     if shared:
         raise UnsupportedModelError(
             f"sparse=CSA(...) decides per layer which keys each attention layer keeps; this model's {', '.join(shared)} "
             "has no layer index of its own (one module shared by several layers), so CSA cannot tell its layers "
             "apart. Run it exact (leave sparse unset)."
         )
-
-
-def _unindexed(module) -> bool:
-    """An attention module (by transformers' naming) whose layer_idx is None or negative."""
-    idx = getattr(module, "layer_idx", 0)
-    return type(module).__name__.endswith("Attention") and (idx is None or idx < 0)
 
 
 @dataclass(frozen=True)
