@@ -123,7 +123,7 @@ ROTATING = {
     ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
     ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _by_n(p, "world"),
-    ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else None,
+    ("test_geometries.py", "test_geometry_exact"): lambda p: {3: _alternate(0), 4: _alternate(1)}.get(p["n"]),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else None,
     ("test_user_code.py", "test_user_code"): lambda p: _alternate(1) if p["n"] == 3 else None,

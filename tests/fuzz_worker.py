@@ -441,7 +441,7 @@ def csa_refuses(case: dict) -> bool:
 
 def chained(case: dict) -> bool:
     """A family with recurrent layers, whose states pass down the ranks in prefill (a chain)."""
-    return case["family"] in HYBRIDS or case["family"] in CENSUS_CHAINED
+    return case["family"] in HYBRIDS or model_type(case["family"]) in CENSUS_CHAINED  # a geometry: its family's
 
 
 def indexed(case: dict) -> bool:
@@ -573,9 +573,10 @@ def copied(cache, how: str | None):
 
 
 def internals(case: dict):
-    """A hybrid's fp32 internals (chunked scans, gates) run in fp64 in an fp64 case, on both sides: split at
-    other points, they alone would move fp64 logits by ~1e-6."""
-    return Fp64Internals() if chained(case) or case["family"] in CENSUS_CONFIGS else contextlib.nullcontext()
+    """A hybrid's fp32 internals (chunked scans, gates; DeepSeek-V4's compressors) run in fp64 in an fp64 case, on
+    both sides: split at other points, they alone would move fp64 logits by ~1e-6."""
+    fp32_parts = chained(case) or compressed(case) or case["family"] in CENSUS_CONFIGS
+    return Fp64Internals() if fp32_parts else contextlib.nullcontext()
 
 
 def first_prompt(case: dict, g: torch.Generator):

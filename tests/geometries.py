@@ -205,6 +205,38 @@ GEOMETRIES: dict[str, dict] = {
         index_head_dim=128,
         index_topk=4,
     ),
+    # DeepSeek-V4-Flash: 64 query heads over one K=V head (MQA), RoPE on 1/8 of each head (64 of 512; here 8 of 64),
+    # output in 8 groups; its lightning indexer's 64 heads of 128 (the checkpoint's), CSA entries of 4 tokens, HCA
+    # entries of 128, a 128-token window (the checkpoint's: prompts of 133 and 261 tokens cut groups and windows
+    # across every rank at N = 2-4), 4 hyper-connection streams; its top-k 512 of a 128K context's 32K CSA entries is
+    # 1/64, here 8 of 261 tokens' 65 (1/8). Layers HCA then CSA, hash-routed MoE then routed (experts shrunk to 4)
+    "deepseek_v4_flash": dict(
+        model_type="deepseek_v4",
+        num_attention_heads=64,
+        num_key_value_heads=1,
+        head_dim=64,
+        q_lora_rank=32,
+        o_groups=8,
+        o_lora_rank=32,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=8,
+        sliding_window=128,
+        compress_rates=dict(compressed_sparse_attention=4, heavily_compressed_attention=128),
+        hc_mult=4,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        experts_implementation="eager",
+        initializer_range=0.05,
+        max_position_embeddings=1048576,
+        rope_parameters=dict(
+            main=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.125),
+            compress=dict(rope_type="default", rope_theta=160000.0, partial_rotary_factor=0.125),
+        ),
+    ),
     # Llama 4 Scout: 40 / 8 / 128, chunks of 8192 and temperature-tuning floor 8192 (both scaled to 32), NoPE
     # every 4th layer (here every 2nd), QK L2-norm, llama3 x16 scaling; dense MLPs (its router is fp32)
     "llama4_scout": dict(
@@ -256,6 +288,7 @@ GEOMETRIES: dict[str, dict] = {
 # gpt-oss's window, Llama 4's chunk and temperature floor, Gemma 3n's and Gemma 4's windows.
 GEOMETRY_THRESHOLD = {
     "deepseek_v32_685b": 16,  # not a threshold: lengths 17, 21, 37 and a greedy run from 12 tokens
+    "deepseek_v4_flash": 128,  # its window and HCA's group (unscaled): lengths 17, 133, 261; greedy from 124 tokens
     "gemma2_9b": 32,
     "gemma3_4b": 24,
     "phi3_mini_128k": 64,
@@ -283,7 +316,12 @@ def geometry_model(name: str, dtype=torch.float32, seed: int = 0, attn_implement
         family = REGISTRY.get(config.model_type)
         attn_implementation = family.reference_attn if family is not None else "sdpa"
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.no_grad():  # DeepSeek-V4's position biases and sinks start at zero, which would hide them: drawn
+        for pname, p in model.named_parameters():
+            if config.model_type == "deepseek_v4" and ("position_bias" in pname or pname.endswith("sinks")):
+                p.normal_(0, 1)
+    return model.eval()
 
 
 def geometry_model_type(name: str) -> str:
