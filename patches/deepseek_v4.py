@@ -27,7 +27,7 @@ import torch
 
 from hf_contextpar.attention import current_step, entries
 from hf_contextpar.cache import recurrent
-from hf_contextpar.cache.layers import ShardedLayer
+from hf_contextpar.cache.layers import ChainedLayer, ChainedLayerFactory
 from hf_contextpar.cache.sharded import FAMILY_LAYERS
 from hf_contextpar.errors import PatchStateError
 
@@ -35,7 +35,7 @@ _FIELDS = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")  # then ent
 
 
 @dataclass(frozen=True)
-class Compressed:
+class Compressed(ChainedLayerFactory):
     """What a rank's cache holds for one of V4's compressed layers (made like the template cache's layer)."""
 
     rate: int
@@ -45,8 +45,9 @@ class Compressed:
         return CompressedLayer(layout, window, self.rate, self.names)
 
 
-class CompressedLayer(ShardedLayer):
-    """This rank's share of a CSA / HCA layer: the window's K/V (ShardedLayer) and the compressors' state."""
+class CompressedLayer(ChainedLayer):
+    """This rank's share of a CSA / HCA layer: the window's K/V (a ShardedLayer's) and the compressors' state, which
+    pass down the ranks (ChainedLayer)."""
 
     def __init__(self, layout, window, rate: int, names: tuple):
         super().__init__(layout, window)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.layers import ChainedLayerFactory
 from ..errors import UnsupportedModelError
 from ..plan.strategies import STRATEGIES
 from .kernels import acc_dtype
@@ -25,7 +26,7 @@ _RECORD = "_hf_contextpar_entries"
 def check(settings, model_type: str, recurrence=None) -> None:
     """At apply, for a model with a family's own chained cache layers (`recurrence`: the contract's, None: assume
     so; DeepSeek-V4's): refuse what would move a query away from the rank holding its entries' bias."""
-    if recurrence is not None and not any(r is not None and not isinstance(r, tuple) for r in recurrence):
+    if recurrence is not None and not any(isinstance(r, ChainedLayerFactory) for r in recurrence):
         return
     what = None
     if settings.strategy != "auto" and STRATEGIES[settings.strategy].moves_queries:

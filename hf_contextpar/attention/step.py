@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.blocks import unpack_kv
+from ..cache.layers import ChainedLayer
 from ..cache.recurrent import is_recurrent
 from ..comm.collectives import Comm
 from ..plan.forward import ForwardPlan
@@ -156,10 +157,10 @@ class Step:
 
     def chained_at(self, layer: int) -> bool:
         """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V; a
-        family's own chained layer's, `chained_states`: DeepSeek-V4's compressors)?"""
+        family's own `ChainedLayer`'s: DeepSeek-V4's compressors)?"""
         if not self.plan.chained or self.cache is None:
             return False
-        return is_recurrent(self.cache.layers[layer]) or hasattr(self.cache.layers[layer], "chained_states")
+        return is_recurrent(self.cache.layers[layer]) or isinstance(self.cache.layers[layer], ChainedLayer)
 
     @property
     def padding(self):

@@ -4,10 +4,13 @@
 capacity, head_dim) (see sharded.py for why); `ShardedHybridLayer` is transformers' hybrid layer
 (`LinearAttentionAndFullAttentionLayer`: a layer whose block runs attention and a recurrent mixer
 side by side, Falcon-H1 and Zamba's) with that K/V: its conv / recurrent states are transformers'
-own, whole on every rank.
+own, whole on every rank. `ChainedLayer` is the interface of a family's own chained layer (patches/), made by a
+`ChainedLayerFactory`.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
@@ -282,3 +285,32 @@ class ShardedHybridLayer(LinearAttentionLayer, ShardedLayer):
 
     def get_max_length(self) -> int:
         return -1
+
+
+class ChainedLayer(ShardedLayer):
+    """A family's own cache layer (patches/: DeepSeek-V4's compressors) whose states pass down the ranks in prefill
+    beside its K/V, as a recurrent layer's do. The library reads it through these four methods alone."""
+
+    @abstractmethod
+    def chained_states(self) -> list[dict]:
+        """Its states after the forward, for `recurrent.share_final_states` (whole on every rank for decode)."""
+
+    @abstractmethod
+    def load_chained_states(self, states: list[dict]) -> None:
+        """The states `chained_states` gave on the root rank."""
+
+    @abstractmethod
+    def remember(self) -> None:
+        """At a forward's start (`ShardedCache.begin`): keep its states for `settle`."""
+
+    @abstractmethod
+    def settle(self, ok: bool) -> None:
+        """At a forward's end (`ShardedCache.end`): a failed forward's states dropped, as the K/V's are."""
+
+
+class ChainedLayerFactory(ABC):
+    """What `sharded.FAMILY_LAYERS` makes of a template cache layer: the maker of this rank's `ChainedLayer`, in the
+    contract's per-layer recurrence list, which ranks and forwards compare (so: equality-comparable)."""
+
+    @abstractmethod
+    def __call__(self, layout: ShardLayout, window: int | None) -> ChainedLayer: ...

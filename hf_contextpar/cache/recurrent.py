@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..errors import UnsupportedModelError
+from .layers import ChainedLayer
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _MAX_DIMS = 6
@@ -305,9 +306,9 @@ def share_final_states(cache, comm, root: int) -> int:
 
 
 def _share_family_states(cache, comm, root: int) -> int:
-    """`share_final_states` for a family's own chained layers (`chained_states` / `load_chained_states`, patches/:
+    """`share_final_states` for a family's own chained layers (`ChainedLayer`'s states, patches/:
     DeepSeek-V4's compressors), whose states may differ in shape between ranks: a header per layer, then one payload."""
-    layers = [layer for layer in cache.layers if hasattr(layer, "chained_states")]
+    layers = [layer for layer in cache.layers if isinstance(layer, ChainedLayer)]
     if not layers:
         return 0
     device = getattr(layers[0], "device", None) or torch.device("cpu")

@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLaye
 from ..errors import CacheMismatchError, PatchStateError
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
-from .layers import ShardedHybridLayer, ShardedLayer
+from .layers import ChainedLayer, ChainedLayerFactory, ShardedHybridLayer, ShardedLayer
 from .recurrent import ChainedStates, is_recurrent
 
 __all__ = [
@@ -96,7 +96,7 @@ def cache_windows(cache: Cache) -> list:
 
 
 # a family's own chained cache layer (patches/: DeepSeek-V4's compressors), by the transformers class it stands for:
-# a function of that layer to an equality-comparable factory (layout, window) -> the rank's ShardedLayer
+# a function of that layer to its ChainedLayerFactory
 FAMILY_LAYERS: dict = {}
 
 
@@ -132,7 +132,7 @@ class ShardedCache(ChainedStates, Cache):
         for w, r in zip(windows, recurrence):
             if r is None:
                 layers.append(ShardedLayer(self.layout, w))
-            elif not isinstance(r, tuple):  # a family's chained layer (FAMILY_LAYERS)
+            elif isinstance(r, ChainedLayerFactory):  # a family's chained layer (FAMILY_LAYERS)
                 layers.append(r(self.layout, w))
             elif r[1]:
                 layers.append(ShardedHybridLayer(self.layout, w, r[0]))
@@ -183,7 +183,7 @@ class ShardedCache(ChainedStates, Cache):
         self.layout.store = storage.store[self.layout.rank]
         for layer in self.kv_layers:
             layer.handed, layer.stashed = False, []
-            if hasattr(layer, "chained_states"):  # a family's chained layer: its states as before, for a failure
+            if isinstance(layer, ChainedLayer):  # a family's chained layer: its states as before, for a failure
                 layer.remember()
         self._sizes = [layer.live for layer in self.kv_layers]
         self._index_before = dict(self.index_keys)
@@ -219,7 +219,7 @@ class ShardedCache(ChainedStates, Cache):
                 layer.stashed = []
                 layer._keep(layer.first + live)
         for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
-            if hasattr(layer, "chained_states"):
+            if isinstance(layer, ChainedLayer):
                 layer.settle(ok)
 
     def _trim(self, before: list):
