@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 dev/profile_decode.py --model tiny-llama_gqa8 --length 4096 --steps 200
     python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
     torchrun --nproc_per_node 2 dev/profile_decode.py --ops                 # aten ops per step, by library function
+    torchrun --nproc_per_node 2 dev/profile_decode.py --contention          # the unpatched step alone vs on every rank
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
 `--length` tokens, one thread a rank, passing the growing attention mask as generate() does; during the patched steps it times each piece of the library's
@@ -13,6 +14,10 @@ shared machine the minimum is the host work, the median adds the load (waits and
 compare figures from one run only. The pieces are wrapped from outside (no code of the library
 changes), so the times include one Python call each.
 
+`--contention` times instead the unpatched step alone (the other ranks asleep, in no collective) against the
+same step while every rank runs it at once, in alternating rounds: what cores that share caches and memory charge
+any N-process decode that runs the model's layers on every rank, before the library adds anything.
+
 `--ops` counts instead the top-level aten ops of a decode step (torch.profiler, ops not issued by another op),
 unpatched and patched, and the patched step's ops by the library function that issued them: a count the load
 does not move, and on a GPU each op is a launch (host time per layer).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -97,6 +103,20 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     return dict(TIMES)
 
 
+def contention(model, ids, steps: int, rounds: int = 3) -> dict:
+    """{"alone": seconds of rank 0's unpatched decode steps while the others sleep, "together": every rank's at once}."""
+    alone, together = [], []
+    for _ in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone += decode_steps(model, ids, steps, "step")["step"]
+        else:  # asleep (a collective's wait may spin) for longer than rank 0's round takes
+            time.sleep(2 + steps * 0.02)
+        dist.barrier()
+        together += decode_steps(model, ids, steps, "step")["step"]
+    return dict(alone=alone, together=together)
+
+
 @torch.no_grad()
 def count_ops(model, ids, steps: int = 10):
     """Top-level aten ops per decode step after a prefill of ids: (by op name, by op name and the innermost
@@ -170,19 +190,29 @@ def main():
     p.add_argument("--plan-only", action="store_true", help="time the decode plan alone, in one process")
     p.add_argument("--no-mask", action="store_true", help="decode without the attention mask generate() passes")
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing it")
+    p.add_argument("--contention", action="store_true", help="the unpatched step alone vs on every rank at once")
     args = p.parse_args()
     global MASK
     MASK = not args.no_mask
     torch.set_num_threads(1)
     if args.plan_only:
         return plan_only(args.length, args.steps)
-    if not args.ops:
+    if not (args.ops or args.contention):
         instrument()
     family = args.model.removeprefix("tiny-")
     ref = tiny_model(family)
     cp = hf_contextpar.apply_context_parallel(tiny_model(family), strategy=args.strategy, timeout=600)
     ids = torch.randint(0, ref.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     dist.barrier()
+    if args.contention:
+        times = contention(ref, ids, args.steps)
+        if dist.get_rank() == 0:
+            a, t = (statistics.median(times[k]) for k in ("alone", "together"))
+            print(f"{args.model}, {args.length} tokens, {dist.get_world_size()} processes, one thread each")
+            print(f"unpatched step alone          median {a * 1e3:.3f} ms  min {min(times['alone']) * 1e3:.3f} ms")
+            print(f"unpatched step on every rank  median {t * 1e3:.3f} ms  min {min(times['together']) * 1e3:.3f} ms")
+            print(f"together / alone: {t / a:.3f} (medians)")
+        return
     if args.ops:
         one = count_ops(ref, ids) if dist.get_rank() == 0 else None
         dist.barrier()
