@@ -10,9 +10,11 @@ import os
 import sys
 
 import pytest
+import torch
 from hf_contextpar.eval.oracle import Fp64Internals
 
 from dev import v4_chain_check as sim
+from hf_contextpar.attention.entries import attend_entries
 from hf_contextpar.attention.entries import check as check_entries
 from hf_contextpar.errors import UnsupportedModelError
 from hf_contextpar.settings import Settings
@@ -62,3 +64,21 @@ def test_a_one_token_span_is_not(model):
     with Fp64Internals():
         d = sim.check(model, sim.PARTITIONS["N=4, a 1-token span (expected to differ)"], False, plain=False)
     assert d["gathered"] > 1e-3, d
+
+
+def test_entries_attended_in_blocks_of_query_rows():
+    """The entries' attention in blocks of query rows (a budget of 3 rows' scores) is the one softmax over them: a
+    bias with -inf picks, a row that sees no entry (out 0, LSE -inf), fp64."""
+    g = torch.Generator().manual_seed(0)
+    q, keys = torch.randn(2, 4, 10, 8, generator=g, dtype=torch.float64), torch.randn(2, 1, 6, 8, generator=g).double()
+    bias = torch.where(torch.rand(2, 1, 10, 6, generator=g) < 0.4, float("-inf"), 0.0).double()
+    bias[0, :, 3] = float("-inf")
+    scores = q @ keys.transpose(-1, -2) * 0.3 + bias
+    want_lse = torch.logsumexp(scores, -1)
+    want = (torch.softmax(scores, -1).nan_to_num(0.0)) @ keys
+    one_row = 2 * 4 * 6 * 8  # bytes of one query row's scores
+    for budget in (3 * one_row, 1 << 30):
+        out, lse = attend_entries(q, keys, bias, 0.3, budget=budget)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)) and bool((out[0, :, 3] == 0).all())
+        finite = torch.isfinite(want_lse)
+        assert (lse[finite] - want_lse[finite]).abs().max() < 1e-12 and (out - want).abs().max() < 1e-12

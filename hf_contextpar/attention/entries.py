@@ -83,14 +83,33 @@ def run(step, algorithm, q: torch.Tensor, kv_local, attn: dict, extra):
         out, lse = algorithm(step, q, kv_local, **attn)
     finally:
         step.sinks, step.wants_lse = sinks, False
-    keys, bias = extra
-    dtype = acc_dtype(q.dtype)
-    k = keys.to(dtype)
-    scores = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * attn["scale"]
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    e_lse = torch.logsumexp(scores, dim=-1)
-    e_out = torch.matmul(torch.exp(scores - e_lse.masked_fill(torch.isneginf(e_lse), 0.0).unsqueeze(-1)), k)
+    e_out, e_lse = attend_entries(q, *extra, attn["scale"])
     if out is None:
         return e_out, e_lse
+    dtype = e_out.dtype
     return merge_pair(out.to(dtype), lse.to(dtype), e_out, e_lse)
+
+
+SCORES_BYTES = (
+    64 << 20
+)  # one block of query rows' scores over the entries (V4-Flash: 64 heads; a CSA layer: T/4 entries)
+
+
+def attend_entries(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None, scale: float, budget=SCORES_BYTES):
+    """(out, lse) of queries q (B, H, Tq, D) over the entries `keys` (B, 1, C, D), K=V, under `bias` (B, 1, Tq, C) or
+    None, in the accumulation dtype: in blocks of query rows whose (B, H, rows, C) scores fit `budget` bytes, never
+    the whole (B, H, Tq, C) at once (H times the model's own bias, twice over with their exponentials)."""
+    dtype = acc_dtype(q.dtype)
+    k = keys.to(dtype)
+    b, h, tq, c = q.shape[0], q.shape[1], q.shape[2], k.shape[-2]
+    rows = max(1, budget // max(1, b * h * c * torch.finfo(dtype).bits // 8))
+    outs, lses = [], []
+    for start in range(0, tq, rows):
+        scores = torch.matmul(q[..., start : start + rows, :].to(dtype), k.transpose(-1, -2)) * scale
+        if bias is not None:  # a bias of one row broadcasts over the queries
+            scores += (bias if bias.shape[-2] == 1 else bias[..., start : start + rows, :]).to(dtype)
+        lse = torch.logsumexp(scores, dim=-1)
+        scores -= lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)
+        outs.append(torch.matmul(scores.exp_(), k))
+        lses.append(lse)
+    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, -2), torch.cat(lses, -1))
