@@ -106,12 +106,15 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
 def contention(model, ids, steps: int, rounds: int = 3) -> dict:
     """{"alone": seconds of rank 0's unpatched decode steps while the others sleep, "together": every rank's at once}."""
     alone, together = [], []
-    for _ in range(rounds):
+    store = dist.distributed_c10d._get_default_store()
+    for i in range(rounds):
         dist.barrier()
         if dist.get_rank() == 0:
             alone += decode_steps(model, ids, steps, "step")["step"]
-        else:  # asleep (a collective's wait may spin) for longer than rank 0's round takes
-            time.sleep(2 + steps * 0.02)
+            store.set(f"contention_{i}", "done")
+        else:  # asleep until rank 0 is done (a collective's wait may spin)
+            while not store.check([f"contention_{i}"]):
+                time.sleep(0.05)
         dist.barrier()
         together += decode_steps(model, ids, steps, "step")["step"]
     return dict(alone=alone, together=together)

@@ -91,9 +91,10 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, C
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from geometries import GEOMETRIES, geometry_config  # noqa: E402
+from geometries import GEOMETRIES, drawn_zero_init, geometry_config  # noqa: E402
 from hf_contextpar.eval.csa_reference import csa_reference  # noqa: E402
 from hf_contextpar.eval.oracle import (  # noqa: E402
+    FLOAT_TOL,
     Fp64Internals,  # noqa: E402
     logit_tolerance,
     near_tie,
@@ -541,7 +542,7 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     if case["family"] in HYBRIDS or case["family"] in CENSUS_CONFIGS:  # grouped MoE matmuls have no fp64 CPU kernel
         kw["experts_implementation"] = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kw).eval()
+    model = drawn_zero_init(AutoModelForCausalLM.from_config(config, dtype=dtype, **kw)).eval()
     if case.get("user_code") == "custom_attention" and "attn_implementation" in kw:  # both sides: one process runs it
         AttentionInterface.register("fuzz_logn", _logn_attention)
         model.set_attn_implementation("fuzz_logn")
@@ -757,6 +758,8 @@ def tolerance(case: dict) -> float:
     model type (Gemma2's fp64 reference computes its softmax in fp32)."""
     if case.get("csa") and not csa_keeps_all(case):  # against its own fp64 reference: no model's fp32 in between
         return CSA_TOL
+    if compressed(case) and case["dtype"] == "float64":  # its fp32 internals run in fp64 (`internals`)
+        return FLOAT_TOL[torch.float64]
     return logit_tolerance(model_type(case["family"]), case["dtype"])
 
 
@@ -874,7 +877,7 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     beam = case["turns"][turn]["mode"] == "beam"
     if type(exc) is hf_contextpar.UnsupportedInputError and case["family"] in BEAMS_REFUSED and beam:
         return True  # one process does not reorder MiniMax's states with the beams
-    if type(exc) is hf_contextpar.UnsupportedInputError and hybrid and REGISTRY[case["family"]].raw_mask:
+    if type(exc) is hf_contextpar.UnsupportedInputError and hybrid and REGISTRY[model_type(case["family"])].raw_mask:
         return True  # Mamba1's models multiply the input by the mask: one column per token (one process broadcasts)
     if isinstance(exc, hf_contextpar.UnsupportedModelError):  # at apply: the one a drawn model can meet
         return (

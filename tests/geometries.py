@@ -317,11 +317,18 @@ def geometry_model(name: str, dtype=torch.float32, seed: int = 0, attn_implement
         attn_implementation = family.reference_attn if family is not None else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    with torch.no_grad():  # DeepSeek-V4's position biases and sinks start at zero, which would hide them: drawn
-        for pname, p in model.named_parameters():
-            if config.model_type == "deepseek_v4" and ("position_bias" in pname or pname.endswith("sinks")):
+    return drawn_zero_init(model).eval()
+
+
+@torch.no_grad()
+def drawn_zero_init(model):
+    """The model with DeepSeek-V4's position biases and sinks drawn (from the running seed): they start at zero,
+    which would hide what they do (a group's softmax gates, a sink's weight)."""
+    if model.config.model_type == "deepseek_v4":
+        for name, p in model.named_parameters():
+            if "position_bias" in name or name.endswith("sinks"):
                 p.normal_(0, 1)
-    return model.eval()
+    return model
 
 
 def geometry_model_type(name: str) -> str:

@@ -82,3 +82,8 @@ def test_entries_attended_in_blocks_of_query_rows():
         assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)) and bool((out[0, :, 3] == 0).all())
         finite = torch.isfinite(want_lse)
         assert (lse[finite] - want_lse[finite]).abs().max() < 1e-12 and (out - want).abs().max() < 1e-12
+        row = bias[:, :, 5:6]  # one bias row for every query
+        out, lse = attend_entries(q, keys, row, 0.3, budget=budget)
+        assert (out - torch.softmax(q @ keys.transpose(-1, -2) * 0.3 + row, -1) @ keys).abs().max() < 1e-12
+    out, lse = attend_entries(q[:, :, :0], keys, bias[:, :, :0], 0.3)  # no query row
+    assert out.shape == (2, 4, 0, 8) and lse.shape == (2, 4, 0)

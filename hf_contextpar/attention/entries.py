@@ -102,9 +102,11 @@ def attend_entries(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | Non
     dtype = acc_dtype(q.dtype)
     k = keys.to(dtype)
     b, h, tq, c = q.shape[0], q.shape[1], q.shape[2], k.shape[-2]
+    if bias is not None and bias.shape[-2] not in (1, tq):
+        raise ValueError(f"the entries' bias has {bias.shape[-2]} query rows for {tq} queries")
     rows = max(1, budget // max(1, b * h * c * torch.finfo(dtype).bits // 8))
     outs, lses = [], []
-    for start in range(0, tq, rows):
+    for start in range(0, max(tq, 1), rows):  # no query row: one empty block, empty results
         scores = torch.matmul(q[..., start : start + rows, :].to(dtype), k.transpose(-1, -2)) * scale
         if bias is not None:  # a bias of one row broadcasts over the queries
             scores += (bias if bias.shape[-2] == 1 else bias[..., start : start + rows, :]).to(dtype)

@@ -310,7 +310,8 @@ class ChainedLayer(ShardedLayer):
 
 class ChainedLayerFactory(ABC):
     """What `sharded.FAMILY_LAYERS` makes of a template cache layer: the maker of this rank's `ChainedLayer`, in the
-    contract's per-layer recurrence list, which ranks and forwards compare (so: equality-comparable)."""
+    contract's per-layer recurrence list, which ranks and forwards compare: equal when they make the same layer (a
+    frozen dataclass's equality)."""
 
     @abstractmethod
     def __call__(self, layout: ShardLayout, window: int | None) -> ChainedLayer: ...

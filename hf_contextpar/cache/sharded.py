@@ -105,13 +105,23 @@ def cache_recurrence(cache: Cache) -> list:
     for a layer of K/V alone. Linear-attention, state-space and convolution layers have states; a hybrid
     layer (Falcon-H1's, Zamba's) both; a family's own chained layer (FAMILY_LAYERS) its factory."""
     return [
-        FAMILY_LAYERS[type(layer)](layer)
+        _family_factory(layer)
         if type(layer) in FAMILY_LAYERS
         else (layer.number_of_states, isinstance(layer, CacheLayerMixin))
         if is_recurrent(layer)
         else None
         for layer in cache.layers
     ]
+
+
+def _family_factory(layer) -> ChainedLayerFactory:
+    factory = FAMILY_LAYERS[type(layer)](layer)
+    if not isinstance(factory, ChainedLayerFactory):
+        raise PatchStateError(
+            f"FAMILY_LAYERS[{type(layer).__name__}] made {factory!r}: a family's chained layer needs a "
+            "ChainedLayerFactory (hf_contextpar/cache/layers.py)."
+        )
+    return factory
 
 
 class ShardedCache(ChainedStates, Cache):
