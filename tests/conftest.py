@@ -10,10 +10,10 @@ benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
 
 The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
-hybrid matrices, split by family in thirds: a family runs at N = 3 one day in three and at N = 4 one day in
-three; N = 3 or 4, on alternate days, of the multi-turn, strategy and CSA matrices and of the census's re-run;
-N = 3 of the geometry, holes, user-code and interleave matrices; two of the three script orders of the exit
-check and two of its four tools; lm-eval on 3 processes, under TP 2 x CP 2 and as two nodes; needlebench on
+hybrid matrices, split by family: a family runs at N = 3 one day in three and at N = 4 one day in three (the
+exactness matrix: in six); N = 3 or 4, on alternate days, of the multi-turn, strategy and CSA matrices and of the
+census's re-run; N = 3 of the holes and user-code matrices; the geometry and interleave matrices at one N a day;
+one of the three script orders of the exit check and two of its four tools; lm-eval on 3 processes, under TP 2 x CP 2 and as two nodes; needlebench on
 3 processes; the Llama-like exactness families at N = 2 too, see ONE_N_A_DAY) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
@@ -93,11 +93,11 @@ SLOW_TESTS = {
 SLICES = 6  # the rotation's period in days: family splits repeat every 3, everything else every 2
 
 
-def _by_name(name: str, n: int) -> set[int]:
-    """A family's slices at N = 3 and 4: one family in three runs at each N on a given day, the N = 3 and 4
-    thirds told apart by the offset n (the matrices are the suite's largest: a third each keeps CI in its time)."""
-    third = (zlib.crc32(name.encode()) + n) % 3
-    return {k for k in range(SLICES) if k % 3 == third}
+def _by_name(name: str, n: int, period: int = 3) -> set[int]:
+    """A family's slices at an N: one family in `period` (3 or 6) runs at that N on a given day, the Ns told
+    apart by the offset n (the matrices are the suite's largest: a share each keeps CI in its time)."""
+    share = (zlib.crc32(name.encode()) + n) % period
+    return {k for k in range(SLICES) if k % period == share}
 
 
 def _by_n(p: dict, key: str = "n") -> set[int] | None:
@@ -113,7 +113,7 @@ def _alternate(parity: int) -> set[int]:
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
     ("test_exactness.py", "test_exact"): lambda p: (
-        _by_name(p["family"], p["n"]) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
+        _by_name(p["family"], p["n"], 6 if p["n"] == 4 else 3) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
     ),
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
     ("test_multiturn.py", "test_multiturn_exact_and_balanced"): _by_n,
@@ -123,14 +123,13 @@ ROTATING = {
     ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
     ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _by_n(p, "world"),
-    ("test_geometries.py", "test_geometry_exact"): lambda p: {3: _alternate(0), 4: _alternate(1)}.get(p["n"]),
+    ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
-    ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else None,
+    ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_user_code.py", "test_user_code"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {
-        "group": _alternate(0),
-        "model": _alternate(1),
-    }.get(p["order"]),
+        k for k in range(SLICES) if k % 3 == ("group", "model", "library").index(p["order"])
+    },
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _alternate(0),
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _alternate(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _alternate(1),

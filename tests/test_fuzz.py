@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import launch  # noqa: E402
 
-DEFAULT_SECONDS = 20.0
+DEFAULT_SECONDS = 16.0
 MIN_CASES = 4  # passing cases: the default budget runs 6 to 45 here (2 shared cores); fewer means the loop broke
 
 
