@@ -2,7 +2,7 @@
 sliding layer; drawn position biases and sinks) patched against the unpatched one on this process, fp64 with the
 model's fp32 internals in fp64: a prompt with a left-padded row, a second turn over the cache (chained), a turn too
 short to split and a fresh prompt that short (every rank runs them), the compressed entries each rank keeps (every
-N-th), greedy tokens. Writes OUT/rank{r}.json. argv: OUT."""
+N-th), greedy tokens; the entries attended a few query rows at a time. Writes OUT/rank{r}.json. argv: OUT."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from shared_reference import OnRankZero  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from dev import v4_chain_check as sim  # noqa: E402
+from hf_contextpar.attention import entries  # noqa: E402
 from hf_contextpar.cache.sharded import returned_cache  # noqa: E402
 
 
@@ -37,6 +38,7 @@ def check(_, rec):
     g = torch.Generator().manual_seed(n)
     more = torch.randint(3, 250, (2, 2 * n + 3), generator=g)
     last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
+    entries.SCORES_BYTES = 4096  # a few query rows a block: the blocked path across ranks (the reference never runs it)
     ref, cp = OnRankZero(sim.tiny_v4()), sim.tiny_v4()
     hf_contextpar.apply_context_parallel(cp, timeout=120)
     with Fp64Internals():
