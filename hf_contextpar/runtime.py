@@ -28,7 +28,7 @@ from .attention.indexed import History as IndexHistory
 from .attention.indexed import check_indexed
 from .attention.indexed import gather_keys as gather_index_keys
 from .attention.step import Step
-from .cache.recurrent import share_final_states
+from .cache.states import share_final_states
 from .comm.agreement import RankCheck
 from .comm.collectives import Comm
 from .errors import (

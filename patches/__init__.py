@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hf_contextpar.errors import RegistrationError, UnsupportedModelError
 
-from . import bamba, deepseek_v4, diffllama, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
+from . import bamba, deepseek_v4, diffllama, gated_delta, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -150,6 +150,7 @@ DSA_FAMILIES = [
         "Qwen4-Exp (text): QSA block-indexed attention beside Gated DeltaNet layers, hyper-connections, MoE",
         indexed=True,
         recurrent=True,
+        apply=gated_delta.apply,
         fp32_tolerance=2e-3,
     ),
 ]
@@ -301,7 +302,8 @@ for _mt, _what, _fp32 in [
     ("bailing_hybrid", "Bailing-hybrid (Ling 2.5): KDA-style linear-attention layers beside attention, MoE", 1e-4),
     ("zaya", "ZAYA: CCA attention (its convolved queries and keys and delayed values carried in the cache), MoE", 1e-4),
 ]:
-    _add(FamilyPatch(_mt, _what, recurrent=True, fp32_tolerance=_fp32))
+    # gated_delta: a Gated DeltaNet mixer's chained rank waits for the passed state at its scan (no-op elsewhere)
+    _add(FamilyPatch(_mt, _what, recurrent=True, apply=gated_delta.apply, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
 NOT_CHAINED = {
     "recurrent_gemma": (

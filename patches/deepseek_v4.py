@@ -82,7 +82,7 @@ class CompressedLayer(ChainedLayer):
         self.entry_count[name] = int(states[len(_FIELDS), 0].item())
 
     def chained_states(self) -> list:
-        """Every compressor's state, in order: for `recurrent.share_final_states`."""
+        """Every compressor's state, in order: for `states.share_final_states`."""
         return [self.states(name) for name in self.names]
 
     def load_chained_states(self, states: list):

@@ -234,6 +234,21 @@ def test_torch_ring_peer_skipped_with_note(broken, tmp_path, monkeypatch, capsys
     assert not [r for r in report["rows"] if r["kind"] == "peer"]
 
 
+def test_torch_ring_peer_skipped_for_a_model_with_recurrent_layers():
+    """PyTorch's ring shards attention alone: on a hybrid each rank would run its recurrent layers from zero, a
+    wrong computation (which fails the run), so the peer rows are skipped with that reason."""
+    from types import SimpleNamespace
+
+    from hf_contextpar.tools.bench.run import _peers
+
+    hybrid = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_next"))
+    names, skipped = _peers(None, 2, hybrid)
+    assert names == [] and skipped and all("state chain" in s["reason"] for s in skipped)
+    assert _peers("none", 2, hybrid) == ([], [])
+    plain = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+    assert all("state chain" not in s["reason"] for s in _peers(None, 2, plain)[1])
+
+
 # -- cost model: hand-computed cases ---------------------------------------------------------------
 SHAPE = costmodel.Shape(layers=1, heads=2, kv_heads=1, head_dim=4, linear_weights=100, elem_bytes=4)
 MACHINE = Machine(attn_flops=1e3, gemm_flops=1e2, bandwidth=1e2, latency=0.5)

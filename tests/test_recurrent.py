@@ -10,6 +10,7 @@ process's. N = 2, 3, 4 on an uneven length, padded rows whose padding reaches in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -21,8 +22,9 @@ from hf_contextpar.eval.oracle import Fp64Internals
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from dev.census.configs import _known, tiny_config
-from hf_contextpar.cache.recurrent import ChainedStates, layer_states, pack, share_final_states, unpack
+from hf_contextpar.cache.recurrent import ChainedStates
 from hf_contextpar.cache.sharded import cache_argument
+from hf_contextpar.cache.states import layer_states, pack, share_final_states, unpack
 from hf_contextpar.errors import UnsupportedModelError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -118,7 +120,13 @@ def chained(model, ids, mask, nxt, world):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_model(request):
-    return request.param, recurrent_model(request.param)
+    """With the patch its family gets (patches/gated_delta.py: Gated DeltaNet's kernel takes the state late)."""
+    from hf_contextpar.patches import gated_delta
+
+    model = recurrent_model(request.param)
+    undo = gated_delta.apply(model)
+    yield request.param, model
+    undo()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -189,32 +197,115 @@ class _Sends:
         self.posted = []
 
     def send_next(self, t, op):
-        self.posted.append(op)
+        self.posted.append((op, t))
         return SimpleNamespace(wait=lambda: None, done=lambda: True)
 
+    def headers(self):
+        """(messages of each state send: 2 with a payload, more follows) per header posted."""
+        heads = [i for i, (_, t) in enumerate(self.posted) if t.dtype == torch.long]
+        ends = heads[1:] + [len(self.posted)]
+        return [(e - h, bool(self.posted[h][1][2])) for h, e in zip(heads, ends)]
 
-def test_a_layers_states_go_at_its_recurrent_write():
-    """A one-state layer's states go to the next rank at the write of its recurrent state (its last write), before
-    the layer's output projection and MLP run; a state written after that is refused on every rank alike."""
+    def states(self):
+        ts = [t for _, t in self.posted]
+        return [unpack(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)]
+
+
+def test_a_layers_states_go_at_their_writes():
+    """A one-state layer's conv state goes to the next rank at its write (ahead of the scan), its recurrent state at
+    its own write (its last), before the layer's output projection and MLP run; a conv state written twice or a
+    state written after the recurrent one is refused on every rank alike."""
     model = recurrent_model("qwen3_next")
     comm = _Sends()
     cache = ChainCache(config=model.config)
     cache.begin_chain(comm, receive=False, send=True)
     cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
-    assert comm.posted == []  # the conv state alone is not final
+    assert comm.headers() == [(2, True)]  # header and payload; more follows
+    with pytest.raises(UnsupportedModelError, match="conv state twice"):
+        cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
     cache.update_recurrent_state(torch.zeros(1, 2, 3, 3), 0)
-    assert comm.posted == ["state_send"] * 2  # header and payload, before the forward leaves layer 0
+    assert [more for _, more in comm.headers()] == [True, False] and len(comm.posted) == 4
+    assert comm.states()[1].keys() == {(1, 0)}  # the recurrent state alone: the conv state went ahead
     cache.get_conv_state(0)  # reading it again is fine, and sends nothing more
-    assert len(comm.posted) == 2
+    assert len(comm.posted) == 4
     with pytest.raises(UnsupportedModelError, match="after its recurrent state"):
         cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
     cache.drop_chain()
 
 
+class _Receives:
+    """A second rank's comm stand-in: rank 0's messages, in order."""
+
+    rank, world = 1, 2
+
+    def __init__(self, *messages):
+        self.queue = [t for header, payload in messages for t in (header, payload)]
+
+    def recv_prev(self, shape, dtype, device, op):
+        t = self.queue.pop(0)
+        assert t.shape == shape and t.dtype == dtype
+        return SimpleNamespace(wait=lambda: t)
+
+
+def test_a_late_kernel_takes_the_passed_state_and_only_it():
+    """Inside `takes_state_late` (patches/gated_delta.py's mixers) the read of a recurrent state still on its way
+    returns None and the kernel takes it (`deferred_state`); outside, the read waits for it. A mixer whose kernel
+    never takes it is refused before its state goes on (it ran from no state)."""
+    from hf_contextpar.cache.recurrent import deferred_state, takes_state_late
+    from hf_contextpar.errors import PatchStateError
+
+    model = recurrent_model("qwen3_next")
+    conv, state = torch.randn(1, 4, 3, dtype=torch.float64), torch.randn(1, 2, 3, 3, dtype=torch.float64)
+    sent = lambda: _Receives(pack({(0, 0): conv}, "cpu", more=True), pack({(1, 0): state}, "cpu"))  # noqa: E731
+    for late in (False, True):
+        cache = ChainCache(config=model.config)
+        cache.begin_chain(comm := sent(), receive=True, send=False)
+        assert torch.equal(cache.get_conv_state(0), conv) and len(comm.queue) == 2  # the conv state alone so far
+        with takes_state_late() if late else contextlib.nullcontext():
+            got = cache.get_recurrent_state(0)
+            if late:
+                assert got is None and len(comm.queue) == 2
+                got = deferred_state()()
+            assert deferred_state() is None
+        assert torch.equal(got, state) and comm.queue == []
+        cache.end_chain()
+    cache = ChainCache(config=model.config)
+    cache.begin_chain(sent(), receive=True, send=False)
+    with takes_state_late():
+        assert cache.get_recurrent_state(0) is None
+    with pytest.raises(PatchStateError, match="did not take it"):
+        cache.update_recurrent_state(torch.zeros(1, 2, 3, 3), 0)
+    cache.drop_chain()
+
+
+def test_split_kernel_is_transformers_own():
+    """patches/gated_delta.py's `prepare` + `scan` are each modeling module's chunked Gated DeltaNet kernel cut in
+    two: bit for bit the same (fp32 and fp64, from zero and from a state, grouped value heads, a ragged chunk)."""
+    import importlib
+
+    from hf_contextpar.patches import gated_delta
+
+    g = torch.Generator().manual_seed(0)
+    for name in ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp"]:
+        kernel = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), gated_delta.KERNEL)
+        for dtype in (torch.float32, torch.float64):
+            q, k = (torch.randn(2, 83, 2, 8, generator=g, dtype=dtype) for _ in range(2))
+            v = torch.randn(2, 83, 4, 12, generator=g, dtype=dtype)
+            decay, beta = (
+                -torch.rand(2, 83, 4, generator=g, dtype=dtype),
+                torch.rand(2, 83, 4, generator=g, dtype=dtype),
+            )
+            for start in (None, torch.randn(2, 4, 8, 12, generator=g, dtype=dtype)):
+                want = kernel(q, k, v, g=decay, beta=beta, chunk_size=32, initial_state=start, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)  # fmt: skip
+                prepared = gated_delta.prepare(q, k, v, decay, beta, 32, True)
+                got = gated_delta.scan(prepared, start, True, dtype)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{name} {dtype}"
+
+
 def test_mamba1_scan_continues_from_the_passed_state():
     """patches/mamba1.py: Mamba1's scan always starts from zero; inside a chain it adds the received state's
     share, so a sequence scanned in two parts equals one scan (fp64, output and last state)."""
-    import types
 
     from hf_contextpar.patches import mamba1
     from transformers.models.jamba import modeling_jamba
@@ -233,7 +324,8 @@ def test_mamba1_scan_continues_from_the_passed_state():
     _, h = scan(x[..., :cut], dt[..., :cut], A, B[..., :cut], C[..., :cut], D, z[..., :cut], **kw)
     wrapped = mamba1._continued(scan)
     part = (x[..., cut:], dt[..., cut:], A, B[..., cut:], C[..., cut:], D, z[..., cut:])
-    chain = types.SimpleNamespace(current=3, received={(3, 0): h})
+    chain = recurrent.StateChain(None, None, receive=False, send=False)
+    chain.current, chain.received = 3, {(3, 0): h}
     token = recurrent._running.set(chain)
     try:
         tail, tail_last = wrapped(*part, **kw)
@@ -247,7 +339,6 @@ def test_mamba1_scan_continues_from_the_passed_state():
 def test_mamba1_per_head_scans_continue_from_their_heads_state():
     """Zamba scans each of its n_mamba_heads apart, in head order, from one (batch, heads, head_dim, state) state:
     inside its mixer's head loop, the k-th scan continues from head k's share; outside that loop, refused."""
-    import types
 
     from hf_contextpar.patches import mamba1
     from transformers.models.jamba import modeling_jamba  # Zamba's scan is the same code (importing it: 6 s)
@@ -274,7 +365,9 @@ def test_mamba1_per_head_scans_continue_from_their_heads_state():
                 for k in range(heads)
             ]  # fmt: skip
 
-    token = recurrent._running.set(types.SimpleNamespace(current=1, received={(1, 0): h}))
+    chain = recurrent.StateChain(None, None, receive=False, send=False)
+    chain.current, chain.received = 1, {(1, 0): h}
+    token = recurrent._running.set(chain)
     try:
         tails = mamba1._head_loop(Mixer.forward)(Mixer())
         with pytest.raises(PatchStateError, match="outside its mixer's head loop"):

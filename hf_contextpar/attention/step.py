@@ -14,7 +14,7 @@ import torch
 
 from ..cache.blocks import unpack_kv
 from ..cache.layers import ChainedLayer
-from ..cache.recurrent import is_recurrent
+from ..cache.states import is_recurrent
 from ..comm.collectives import Comm
 from ..plan.forward import ForwardPlan
 from .masks import Chunked, classify

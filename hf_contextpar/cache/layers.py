@@ -293,7 +293,7 @@ class ChainedLayer(ShardedLayer):
 
     @abstractmethod
     def chained_states(self) -> list[dict]:
-        """Its states after the forward, for `recurrent.share_final_states` (whole on every rank for decode)."""
+        """Its states after the forward, for `states.share_final_states` (whole on every rank for decode)."""
 
     @abstractmethod
     def load_chained_states(self, states: list[dict]) -> None:

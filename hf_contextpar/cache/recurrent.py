@@ -17,27 +17,28 @@ and a layer's states go to the next rank as soon as they are final: at the write
 of a one-state layer (every mixer we run writes its conv state before it, and once), else once the
 forward moves to another layer or ends (a conv-only layer sends its conv state alone). So the next
 rank's wait ends before this rank's output projection, norms and MLP of that layer, not after them.
+
+A one-state layer's conv state goes ahead of its recurrent state, at its write: the next rank's
+convolution needs nothing else, so its wait at the layer's start ends after this rank's input
+projection alone. The recurrent state follows in a second message, which the next rank receives where
+it first reads it, or, inside a mixer that hands it to a kernel that takes it late (`takes_state_late`,
+patches/gated_delta.py), where that kernel's scan needs it: after the input projection, convolution and
+the scan's state-free work. The chain's lag between ranks is then the scan over states alone.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from ..errors import UnsupportedModelError
-from .layers import ChainedLayer
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_MAX_DIMS = 6
-_FIELDS = 4 + _MAX_DIMS  # per state: kind (0 conv, 1 recurrent), state index, dtype, ndim, dims
-_MAX_STATES = 8
-HEADER = 2 + _FIELDS * _MAX_STATES  # states, payload bytes, then the states' fields
-
+from ..errors import PatchStateError, UnsupportedModelError
+from .states import HEADER, is_recurrent, layer_states, load_states, pack, unpack
 
 _abandoned: list = []  # the posted state sends of chains whose forward raised, until they complete
 _running: ContextVar = ContextVar("hf_contextpar_chain", default=None)  # the chain of the running forward
+_late: ContextVar = ContextVar("hf_contextpar_state_late", default=False)  # a mixer whose kernel takes its state late
 
 
 def running_chain():
@@ -52,68 +53,27 @@ def received_state(state_idx: int = 0):
     chain = _running.get()
     if chain is None or chain.current is None:
         return None
+    chain.arrived(chain.current)
     return chain.received.get((chain.current, state_idx))
 
 
-def is_recurrent(layer) -> bool:
-    """A transformers cache layer that holds conv / recurrent states (also hybrid ones that hold K/V too)."""
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
+@contextmanager
+def takes_state_late():
+    """Inside: a mixer that hands the recurrent state it reads from the cache to a kernel calling `deferred_state()`.
+    A chained rank's read of a state still on its way returns None there, and that kernel takes it once it needs it
+    (a read elsewhere waits for it)."""
+    token = _late.set(True)
+    try:
+        yield
+    finally:
+        _late.reset(token)
 
 
-def layer_states(layer) -> dict[tuple[int, int], torch.Tensor]:
-    """{(kind, state index): tensor} of what a recurrent cache layer holds (kind 0: conv, 1: recurrent)."""
-    out = {}
-    for i in range(layer.number_of_states):
-        if layer.is_conv_states_initialized[i]:
-            out[0, i] = layer.conv_states[i]
-        if layer.is_recurrent_states_initialized[i]:
-            out[1, i] = layer.recurrent_states[i]
-    return out
-
-
-def load_states(layer, states: dict[tuple[int, int], torch.Tensor]) -> None:
-    """Make a recurrent cache layer hold `states` as the state before its next tokens."""
-    for (kind, i), t in states.items():
-        if kind == 0:
-            layer.conv_states[i] = t
-            layer.conv_kernel_size[i] = t.shape[-1]
-            layer.is_conv_states_initialized[i] = True
-        else:
-            layer.recurrent_states[i] = t
-            layer.is_recurrent_states_initialized[i] = True
-        layer.has_previous_state[i] = True
-        if layer.device is None:
-            layer.dtype, layer.device = t.dtype, t.device
-
-
-def pack(states: dict[tuple[int, int], torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload): a fixed-size int64 header describing the states, and their bytes in one buffer."""
-    if len(states) > _MAX_STATES or any(t.dim() > _MAX_DIMS or t.dtype not in _DTYPES for t in states.values()):
-        raise UnsupportedModelError(
-            f"a recurrent layer's cached states {[(tuple(t.shape), t.dtype) for t in states.values()]} do not fit "
-            f"the state chain's header (at most {_MAX_STATES} states of {_MAX_DIMS} dimensions in {_DTYPES})."
-        )
-    header = torch.zeros(HEADER, dtype=torch.long)
-    parts = []
-    for n, ((kind, i), t) in enumerate(sorted(states.items())):
-        fields = [kind, i, _DTYPES.index(t.dtype), t.dim(), *t.shape]
-        header[2 + n * _FIELDS : 2 + n * _FIELDS + len(fields)] = torch.tensor(fields)
-        parts.append(t.contiguous().view(-1).view(torch.uint8))
-    payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
-    header[0], header[1] = len(states), payload.numel()
-    return header.to(device), payload
-
-
-def unpack(header: torch.Tensor, payload: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
-    fields = header.cpu().tolist()
-    out, offset = {}, 0
-    for n in range(fields[0]):
-        kind, i, code, ndim, *dims = fields[2 + n * _FIELDS : 2 + (n + 1) * _FIELDS]
-        dtype, shape = _DTYPES[code], dims[:ndim]
-        size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        out[kind, i] = payload[offset : offset + size].clone().view(dtype).view(shape)  # clone: aligned
-        offset += size
-    return out
+def deferred_state():
+    """For a kernel inside `takes_state_late`: None when the state it was given is the one to start from, else
+    take() -> the recurrent state rank - 1 passed (waiting for it), which the cache handed out as None."""
+    chain = _running.get()
+    return chain.take if chain is not None and chain.deferred else None
 
 
 class StateChain:
@@ -124,17 +84,20 @@ class StateChain:
     as "state_recv" / "state_send": a rank's waits there are the chain's idle time).
     """
 
-    def __init__(self, comm, receive: bool, send: bool):
-        self.comm, self.receive, self.send = comm, receive, send
+    def __init__(self, comm, cache, receive: bool, send: bool):
+        self.comm, self.cache, self.receive, self.send = comm, cache, receive, send
         self.visited: set[int] = set()  # recurrent layers this forward has touched
         self.sent: set[int] = set()  # layers whose outgoing state is posted
         self.final: set[int] = set()  # layers whose states were final before the forward left them (sent early)
+        self.ahead: set[int] = set()  # one-state layers whose conv state went ahead of the rest (every rank's books)
         self.current: int | None = None  # the recurrent layer the forward is in
+        self.pending: int | None = None  # the layer whose second message (after its conv state) is still to come
+        self.deferred = False  # the pending layer's recurrent state was read as None, for its kernel to `take`
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
         self.token = None  # the ContextVar token of `_running` while this chain runs (ChainedStates.begin_chain)
         self._sends = []
 
-    def enter(self, cache, layer_idx: int) -> None:
+    def enter(self, layer_idx: int) -> None:
         """The forward touches recurrent layer `layer_idx`: the previous layer is done (send it); load this one's."""
         if layer_idx == self.current:
             return
@@ -143,59 +106,125 @@ class StateChain:
                 f"recurrent layer {layer_idx} was used again after another layer in one forward; the state chain "
                 "passes each layer's state once per forward."
             )
-        self._flush(cache)
+        self._leave()
         self.current = layer_idx
         self.visited.add(layer_idx)
         if self.receive:
-            states = self.receive_states(_device(cache, layer_idx))
-            load_states(cache.layers[layer_idx], states)
-            self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
+            self._load(layer_idx)
 
-    def receive_states(self, device) -> dict:
-        """The next states rank - 1 sent (a header, then the payload): messages match in posting order."""
-        header = self.comm.recv_prev((HEADER,), torch.long, device, op="state_recv").wait()
+    def _load(self, layer_idx: int) -> None:
+        """The next message rank - 1 sent, into `layer_idx`; if it says more follows, that is now pending."""
+        header = self.comm.recv_prev((HEADER,), torch.long, _device(self.cache, layer_idx), op="state_recv").wait()
+        states = self._payload(header)
+        load_states(self.cache.layers[layer_idx], states)
+        self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
+        self.pending = layer_idx if int(header[2]) else None
+
+    def _payload(self, header) -> dict:
         nbytes = int(header[1])
         payload = self.comm.recv_prev((nbytes,), torch.uint8, header.device, op="state_recv").wait() if nbytes else None
         return unpack(header, payload) if nbytes else {}
 
-    def send_states(self, states: dict, device) -> None:
+    def receive_states(self, device) -> dict:
+        """The next states rank - 1 sent (a header, then the payload): messages match in posting order."""
+        return self._payload(self.comm.recv_prev((HEADER,), torch.long, device, op="state_recv").wait())
+
+    def send_states(self, states: dict, device, more: bool = False) -> None:
         """States to rank + 1 (a family's chained layer's too, patches/deepseek_v4.py), waited for at `finish`."""
-        header, payload = pack(states, device)
+        header, payload = pack(states, device, more)
         self._sends.append(self.comm.send_next(header, op="state_send"))
         if payload.numel():
             self._sends.append(self.comm.send_next(payload, op="state_send"))
 
-    def wrote(self, cache, layer_idx: int, recurrent: bool) -> None:
-        """The mixer wrote a state of `layer_idx`. The recurrent state of a one-state layer is its last write (its
-        conv state comes before it): send now, ahead of the layer's output projection and MLP. Every rank keeps the
-        same books (a write after that raises alike on every rank, before the next rank could use a stale state)."""
-        if layer_idx in self.final:
-            raise UnsupportedModelError(
-                f"recurrent layer {layer_idx} wrote a state after its recurrent state in one forward; the state chain "
-                "sends a one-state layer's states at that write."
-            )
-        if recurrent and cache.layers[layer_idx].number_of_states == 1:
-            self.final.add(layer_idx)
-            self._flush(cache)
+    def complete(self) -> None:
+        """Receive the pending layer's second message (its recurrent state) now."""
+        if self.pending is not None:
+            self._load(self.pending)
 
-    def settle(self, cache) -> None:
+    def arrived(self, layer_idx: int) -> None:
+        """Something other than a late kernel reads `layer_idx`'s state: receive it now, unless handed out late."""
+        if self.pending == layer_idx and not self.deferred:
+            self.complete()
+
+    def defer(self, layer_idx: int) -> bool:
+        """A read of `layer_idx`'s recurrent state: True if it is still on its way and the reader's kernel takes it
+        late (None is handed out); else the state is there when this returns."""
+        if self.pending == layer_idx and (self.deferred or _late.get()):
+            self.deferred = True
+            return True
+        self.arrived(layer_idx)
+        return False
+
+    def take(self) -> torch.Tensor | None:
+        """The deferred recurrent state (a kernel of `takes_state_late`'s mixer, once its scan needs it)."""
+        layer_idx, self.deferred = self.pending, False
+        self.complete()
+        return self.received.get((layer_idx, 0))
+
+    def wrote(self, layer_idx: int, recurrent: bool) -> None:
+        """The mixer wrote a state of `layer_idx`. A one-state layer's conv state (its first write) goes ahead, and
+        its recurrent state (its last write) is final: send now, ahead of the layer's scan, output projection and
+        MLP. Every rank keeps the same books (a write out of that order raises alike on every rank, before the next
+        rank could use a stale state)."""
+        layer = self.cache.layers[layer_idx]
+        if layer_idx in self.final or (not recurrent and layer_idx in self.ahead):
+            raise UnsupportedModelError(
+                f"recurrent layer {layer_idx} wrote a state after its recurrent state, or its conv state twice, in "
+                "one forward; the state chain sends a one-state layer's conv state and then its recurrent state at "
+                "their writes."
+            )
+        if layer.number_of_states != 1:
+            return
+        if recurrent:
+            if self.deferred:
+                self._refuse_untaken()
+            self.complete()  # a mixer that never read the state it replaces: the message order stays
+            self.final.add(layer_idx)
+            self._flush()
+        else:
+            self.ahead.add(layer_idx)
+            if self.send:
+                self.send_states(
+                    {k: t for k, t in layer_states(layer).items() if k[0] == 0},
+                    _device(self.cache, layer_idx),
+                    more=True,
+                )
+
+    def settle(self) -> None:
         """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
         now (before any attention message, which may wait for every rank: ring pass-KV does)."""
-        self._flush(cache)
+        self._leave()
         self.current = None
 
-    def finish(self, cache) -> None:
+    def finish(self) -> None:
         """The forward is over: send the last layer's state, and wait for every send."""
-        self.settle(cache)
+        self.settle()
         for pending in self._sends:
             pending.wait()
         self._sends.clear()
 
-    def _flush(self, cache) -> None:
+    def _leave(self) -> None:
+        """The forward leaves the current layer: its states go, and its second message is taken."""
+        if self.deferred:
+            self._refuse_untaken()
+        self._flush()
+        self.complete()
+
+    def _refuse_untaken(self):
+        raise PatchStateError(
+            f"recurrent layer {self.pending}'s mixer handed its recurrent state to a kernel that did not take it "
+            "(hf_contextpar.cache.recurrent.deferred_state): it ran from no state. The mixer's forward or kernel was "
+            "replaced after hf-contextpar wrapped them: apply context parallelism after patching the model."
+        )
+
+    def _flush(self) -> None:
         layer_idx = self.current
         if layer_idx is None or not self.send or layer_idx in self.sent:
             return
-        self.send_states(layer_states(cache.layers[layer_idx]), _device(cache, layer_idx))
+        states = layer_states(self.cache.layers[layer_idx])
+        if layer_idx in self.ahead:
+            states = {k: t for k, t in states.items() if k[0] != 0}
+        self.send_states(states, _device(self.cache, layer_idx))
         self.sent.add(layer_idx)
 
 
@@ -216,7 +245,7 @@ class ChainedStates:
 
     def begin_chain(self, comm, receive: bool, send: bool) -> None:
         """Start a chained forward. A receiving rank's recurrent layers continue from the incoming state."""
-        self.chain = StateChain(comm, receive, send)
+        self.chain = StateChain(comm, self, receive, send)
         # the ContextVar token stays on the chain, which the cache drops at the forward's end: a cache between
         # forwards holds tensors and plain data alone, so it deep-copies, pickles and torch.saves (a Token does not)
         self.chain.token = _running.set(self.chain)
@@ -225,7 +254,7 @@ class ChainedStates:
         chain, self.chain = self.chain, None
         if chain is not None:
             _running.reset(chain.token)
-            chain.finish(self)
+            chain.finish()
 
     def drop_chain(self) -> None:
         """A forward that raised: forget its chain without sending more. The states it posted already stay
@@ -238,11 +267,11 @@ class ChainedStates:
 
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):
-            self.chain.enter(self, layer_idx)
+            self.chain.enter(layer_idx)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.chain is not None:  # K/V of an attention layer: the recurrent layer before it is done
-            self.chain.settle(self)
+            self.chain.settle()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
@@ -251,6 +280,8 @@ class ChainedStates:
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
         self._enter(layer_idx)
+        if self.chain is not None and self.chain.defer(layer_idx):
+            return None  # its kernel takes it late (takes_state_late)
         return super().get_recurrent_state(layer_idx, state_idx)
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
@@ -267,69 +298,10 @@ class ChainedStates:
 
     def _wrote(self, layer_idx, recurrent: bool):
         if self.chain is not None and is_recurrent(self.layers[layer_idx]):
-            self.chain.wrote(self, layer_idx, recurrent)
+            self.chain.wrote(layer_idx, recurrent)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         self._enter(layer_idx)
+        if self.chain is not None and layer_idx is not None:
+            self.chain.arrived(layer_idx)  # it reports on the recurrent state too
         return super().has_previous_state(layer_idx, state_idx)
-
-
-def state_nbytes(cache) -> int:
-    """Bytes of the conv and recurrent states a cache's recurrent layers hold."""
-    return sum(t.nbytes for layer in cache.layers if is_recurrent(layer) for t in layer_states(layer).values())
-
-
-def share_final_states(cache, comm, root: int) -> int:
-    """After a chained prefill every rank takes the root's (the last partition's) recurrent states, all
-    layers in one broadcast. Every rank ran every layer on as many sequences, so each one's own states
-    have the root's shapes and dtypes: their layout sizes the message, and no header travels.
-    Returns the bytes broadcast."""
-    sent = _share_family_states(cache, comm, root)
-    states = [
-        (layer, key, t)
-        for i, layer in enumerate(cache.layers)
-        if is_recurrent(layer)
-        for key, t in sorted(layer_states(layer).items())
-    ]
-    if not states:
-        return sent
-    mine = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, _, t in states])
-    shapes = [(mine.numel() if r == root else 0,) for r in range(comm.world)]
-    got = comm.broadcast_blocks(mine if comm.rank == root else mine[:0], shapes)[root].wait()
-    if comm.rank != root:
-        offset = 0
-        for layer, key, t in states:
-            size = t.numel() * t.element_size()
-            load_states(layer, {key: got[offset : offset + size].clone().view(t.dtype).view(t.shape)})
-            offset += size
-    return sent + mine.numel()
-
-
-def _share_family_states(cache, comm, root: int) -> int:
-    """`share_final_states` for a family's own chained layers (`ChainedLayer`'s states, patches/:
-    DeepSeek-V4's compressors), whose states may differ in shape between ranks: a header per layer, then one payload."""
-    layers = [layer for layer in cache.layers if isinstance(layer, ChainedLayer)]
-    if not layers:
-        return 0
-    device = getattr(layers[0], "device", None) or torch.device("cpu")
-    parts = [(layer, len(states)) for layer in layers for states in [layer.chained_states()]]
-    packed = [pack({k: t.to(device) for k, t in s.items()}, device) for layer in layers for s in layer.chained_states()]
-    headers = torch.cat([h for h, _ in packed])
-    only = [(0,)] * comm.world  # the root's block alone
-    only[root] = headers.shape
-    got = comm.broadcast_blocks(headers if comm.rank == root else headers[:0], only, op="state_share")
-    headers = got[root].wait() if comm.rank != root else headers
-    sizes = headers.view(len(packed), HEADER)[:, 1].tolist()
-    payload = torch.cat([p for _, p in packed]) if comm.rank == root else packed[0][1][:0]
-    only[root] = (sum(sizes),)
-    got = comm.broadcast_blocks(payload, only, op="state_share")
-    payload = got[root].wait() if comm.rank != root else payload
-    if comm.rank != root:
-        offset, states = 0, []
-        for header, size in zip(headers.view(len(packed), HEADER), sizes):
-            states.append(unpack(header, payload[offset : offset + size]))
-            offset += size
-        for layer, count in parts:
-            layer.load_chained_states(states[:count])
-            states = states[count:]
-    return headers.numel() * 8 + payload.numel()

@@ -35,7 +35,8 @@ from ..errors import CacheMismatchError, PatchStateError
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
 from .layers import ChainedLayer, ChainedLayerFactory, ShardedHybridLayer, ShardedLayer
-from .recurrent import ChainedStates, is_recurrent
+from .recurrent import ChainedStates
+from .states import is_recurrent
 
 __all__ = [
     "ShardedCache",

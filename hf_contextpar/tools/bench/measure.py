@@ -10,8 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...cache.recurrent import state_nbytes
 from ...cache.sharded import cache_argument, returned_cache
+from ...cache.states import state_nbytes
 from ..calibrate import sync
 
 

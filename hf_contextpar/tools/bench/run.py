@@ -62,8 +62,10 @@ def _gather(obj, world):
     return out
 
 
-def _peers(requested: str | None, world: int) -> tuple[list[str], list[dict]]:
+def _peers(requested: str | None, world: int, model) -> tuple[list[str], list[dict]]:
     """The peer rows to run (PyTorch's ring, one per rotate method) and the notes of those skipped."""
+    from hf_contextpar.patches import REGISTRY
+
     from .torch_ring import unavailable
 
     names = list(PEERS) if requested is None else [s.strip() for s in requested.split(",") if s.strip() != "none"]
@@ -71,6 +73,9 @@ def _peers(requested: str | None, world: int) -> tuple[list[str], list[dict]]:
     if bad:
         raise SystemExit(f"unknown peers {bad}; known: {list(PEERS)} (or none)")
     reason = unavailable() if names else None
+    family = REGISTRY.get(model.config.model_type)
+    if names and family is not None and family.recurrent:  # it would run each rank's recurrent layers from zero
+        reason = "PyTorch's ring attention shards attention alone; this model's recurrent layers need the state chain"
     if reason:
         return [], [dict(strategy=s, N=world, reason=reason) for s in names]
     return names, []
@@ -167,7 +172,7 @@ def run(args) -> dict | None:
                 barrier()
 
     # PyTorch's ring attention as peer rows (prefill only), warmed up like the strategies.
-    peer_names, peer_skips = _peers(args.peers, world)
+    peer_names, peer_skips = _peers(args.peers, world, model)
     for s in peer_skips:
         skipped.append(s)
         log(f"  {s['strategy']}: skipped ({s['reason']})")
