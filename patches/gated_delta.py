@@ -7,6 +7,7 @@ reads it. A chained rank (cache/recurrent.py) would otherwise wait for rank - 1'
 layer's start: the chain's lag between ranks would be a whole mixer. Here the mixer runs inside
 `takes_state_late`, its cache read of a state still on its way returns None, and the kernel below runs
 the state-free part first, then takes the state (`deferred_state`) for the scan. The lag is the scan.
+A mixer's forward or kernel replaced after `apply` (a user's own) reads and gets the state as before.
 
 `prepare` and `scan` are transformers' kernel cut in two, the same operations in the same order, so a
 split run equals the original bit for bit (tests/test_recurrent.py checks it against each modeling
@@ -16,6 +17,7 @@ kernel), the state is taken first and that implementation runs as it is.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -115,12 +117,17 @@ def _late(kernel):
         return scan(prepared, take(), get("output_final_state"), get("query").dtype)
 
     torch_chunk_gated_delta_rule.__wrapped__ = kernel
+    torch_chunk_gated_delta_rule.takes_state_late = True
     return torch_chunk_gated_delta_rule
 
 
 def _mixer(forward):
+    calls = inspect.unwrap(forward).__globals__  # where the forward's code finds the kernel it calls
+
     def forward_taking_state_late(self, *args, **kwargs):
-        with takes_state_late():
+        # a kernel put in after apply (the user's own) is handed the state as the mixer reads it
+        late = getattr(calls.get(KERNEL), "takes_state_late", False)
+        with takes_state_late() if late else contextlib.nullcontext():
             return forward(self, *args, **kwargs)
 
     return forward_taking_state_late

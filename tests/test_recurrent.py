@@ -278,6 +278,33 @@ def test_a_late_kernel_takes_the_passed_state_and_only_it():
     cache.drop_chain()
 
 
+def test_a_kernel_put_in_after_the_patch_gets_the_state():
+    """A user's own kernel in the modeling module after patches/gated_delta.py wrapped it (flash-linear-attention's,
+    say) is handed the passed state as the mixer reads it: the chain stays exact (and the wrapped one takes it late)."""
+    from hf_contextpar.patches import gated_delta
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+
+    from hf_contextpar.cache import recurrent
+
+    model = recurrent_model("qwen3_next")
+    ids = torch.randint(3, 256, (1, LENGTH), generator=torch.Generator().manual_seed(1))
+    want, _ = one_process(model, ids, None, ids[:, :1])
+    undo = gated_delta.apply(model)
+    taken, take = [], recurrent.StateChain.take
+    try:
+        recurrent.StateChain.take = lambda chain: taken.append(chain.pending) or take(chain)
+        wrapped = module.torch_chunk_gated_delta_rule
+        for kernel, late in [(wrapped, True), (lambda *a, **k: wrapped.__wrapped__(*a, **k), False)]:
+            module.torch_chunk_gated_delta_rule, taken[:] = kernel, []
+            got = torch.cat([p for p, _ in chained(model, ids, None, ids[:, :1], 3)], 1)
+            assert (got - want).abs().max().item() < EXACT
+            assert len(taken) == (2 * model.config.num_hidden_layers if late else 0)
+        module.torch_chunk_gated_delta_rule = wrapped
+    finally:
+        recurrent.StateChain.take = take
+        undo()
+
+
 def test_split_kernel_is_transformers_own():
     """patches/gated_delta.py's `prepare` + `scan` are each modeling module's chunked Gated DeltaNet kernel cut in
     two: bit for bit the same (fp32 and fp64, from zero and from a state, grouped value heads, a ragged chunk)."""
