@@ -213,8 +213,8 @@ class StateChain:
     def _refuse_untaken(self):
         raise PatchStateError(
             f"recurrent layer {self.pending}'s mixer handed its recurrent state to a kernel that did not take it "
-            "(hf_contextpar.cache.recurrent.deferred_state): it ran from no state. The mixer's forward or kernel was "
-            "replaced after hf-contextpar wrapped them: apply context parallelism after patching the model."
+            "(hf_contextpar.cache.recurrent.deferred_state): it ran from no state. Its forward calls a kernel other "
+            "than its modeling module's: apply context parallelism after patching the model, or report this model."
         )
 
     def _flush(self) -> None:
