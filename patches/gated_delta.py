@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,8 @@ import torch.nn.functional as F
 from hf_contextpar.cache.recurrent import deferred_state, takes_state_late
 
 KERNEL = "torch_chunk_gated_delta_rule"
-_installed: dict = {}  # module or mixer class -> [original, models patched]
+_installed: dict = {}  # module or mixer class -> [original, models patched, wrapper]
+_LATE_KERNELS = weakref.WeakSet()  # the wrapped kernels: a mixer hands its state late to these alone
 
 
 def prepare(query, key, value, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=False):
@@ -117,7 +119,7 @@ def _late(kernel):
         return scan(prepared, take(), get("output_final_state"), get("query").dtype)
 
     torch_chunk_gated_delta_rule.__wrapped__ = kernel
-    torch_chunk_gated_delta_rule.takes_state_late = True
+    _LATE_KERNELS.add(torch_chunk_gated_delta_rule)
     return torch_chunk_gated_delta_rule
 
 
@@ -125,25 +127,29 @@ def _mixer(forward):
     calls = inspect.unwrap(forward).__globals__  # where the forward's code finds the kernel it calls
 
     def forward_taking_state_late(self, *args, **kwargs):
-        # a kernel put in after apply (the user's own) is handed the state as the mixer reads it
-        late = getattr(calls.get(KERNEL), "takes_state_late", False)
+        # a kernel put in after apply (the user's own, even one wrapping ours) is handed the state as the mixer reads it
+        late = calls.get(KERNEL) in _LATE_KERNELS
         with takes_state_late() if late else contextlib.nullcontext():
             return forward(self, *args, **kwargs)
 
+    forward_taking_state_late.__wrapped__ = forward  # a second model's apply finds the forward's code and counts
     return forward_taking_state_late
 
 
 def _install(owner, name: str, wrap):
-    """Replace owner.name by wrap(original) (once per owner, counted); returns undo()."""
-    entry = _installed.setdefault(owner, [getattr(owner, name), 0])
+    """Replace owner.name by wrap(original) (once per owner, counted); returns undo(), which leaves alone what
+    someone put there after (a user's own kernel)."""
+    entry = _installed.setdefault(owner, [getattr(owner, name), 0, None])  # original, models, wrapper
     if entry[1] == 0:
-        setattr(owner, name, wrap(entry[0]))
+        entry[2] = wrap(entry[0])
+        setattr(owner, name, entry[2])
     entry[1] += 1
 
     def undo():
         entry[1] -= 1
         if entry[1] == 0:
-            setattr(owner, name, entry[0])
+            if getattr(owner, name) is entry[2]:
+                setattr(owner, name, entry[0])
             del _installed[owner]
 
     return undo

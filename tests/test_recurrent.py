@@ -11,6 +11,7 @@ process's. N = 2, 3, 4 on an uneven length, padded rows whose padding reaches in
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import warnings
@@ -294,7 +295,9 @@ def test_a_kernel_put_in_after_the_patch_gets_the_state():
     try:
         recurrent.StateChain.take = lambda chain: taken.append(chain.pending) or take(chain)
         wrapped = module.torch_chunk_gated_delta_rule
-        for kernel, late in [(wrapped, True), (lambda *a, **k: wrapped.__wrapped__(*a, **k), False)]:
+        users = [lambda *a, **k: wrapped.__wrapped__(*a, **k) for _ in range(2)]
+        functools.wraps(wrapped)(users[1])  # it copies our wrapper's attributes: still not ours
+        for kernel, late in [(wrapped, True), (users[0], False), (users[1], False)]:
             module.torch_chunk_gated_delta_rule, taken[:] = kernel, []
             got = torch.cat([p for p, _ in chained(model, ids, None, ids[:, :1], 3)], 1)
             assert (got - want).abs().max().item() < EXACT
@@ -303,6 +306,26 @@ def test_a_kernel_put_in_after_the_patch_gets_the_state():
     finally:
         recurrent.StateChain.take = take
         undo()
+
+
+def test_the_patch_counts_models_and_leaves_a_users_kernel():
+    """Two models of one class: undoing one keeps the other's patch. Undoing the last puts transformers' own kernel
+    back, unless a user's own went in after."""
+    from hf_contextpar.patches import gated_delta
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+
+    original = module.torch_chunk_gated_delta_rule
+    a, b = recurrent_model("qwen3_next"), recurrent_model("qwen3_next")
+    undo_a, undo_b = gated_delta.apply(a), gated_delta.apply(b)
+    undo_a()
+    assert module.torch_chunk_gated_delta_rule in gated_delta._LATE_KERNELS
+    undo_b()
+    assert module.torch_chunk_gated_delta_rule is original
+    undo = gated_delta.apply(a)
+    module.torch_chunk_gated_delta_rule = mine = lambda *args, **kw: original(*args, **kw)
+    undo()
+    assert module.torch_chunk_gated_delta_rule is mine
+    module.torch_chunk_gated_delta_rule = original
 
 
 def test_split_kernel_is_transformers_own():

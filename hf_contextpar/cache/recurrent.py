@@ -126,7 +126,11 @@ class StateChain:
         return unpack(header, payload) if nbytes else {}
 
     def receive_states(self, device) -> dict:
-        """The next states rank - 1 sent (a header, then the payload): messages match in posting order."""
+        """The next states rank - 1 sent (a header, then the payload): messages match in posting order, so a
+        recurrent layer's second message still due is taken first."""
+        if self.deferred:
+            self._refuse_untaken()
+        self.complete()
         return self._payload(self.comm.recv_prev((HEADER,), torch.long, device, op="state_recv").wait())
 
     def send_states(self, states: dict, device, more: bool = False) -> None:
