@@ -18,7 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from hf_contextpar.patches import gated_delta
+from hf_contextpar.patches import wrapping
 
 import hf_contextpar
 from hf_contextpar.models import tiny_model
@@ -26,14 +26,10 @@ from hf_contextpar.models import tiny_model
 
 def swapped_out():
     """Put the originals back for a while: the state is read where the mixer reads it."""
-    saved = {(owner, name): getattr(owner, name) for owner in gated_delta._installed for name in _names(owner)}
-    for (owner, name), _ in saved.items():
-        setattr(owner, name, gated_delta._installed[owner][0])
+    saved = {(owner, name): getattr(owner, name) for owner, name in wrapping.wrapped()}
+    for owner, name in saved:
+        setattr(owner, name, wrapping.original(owner, name))
     return lambda: [setattr(owner, name, value) for (owner, name), value in saved.items()]
-
-
-def _names(owner):
-    return ["forward"] if isinstance(owner, type) else [gated_delta.KERNEL]
 
 
 def main(length: int = 16384, rounds: int = 4, strategy: str = "kv_runahead"):

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from hf_contextpar.cache.recurrent import deferred_state, takes_state_late
 
+from .wrapping import install
+
 KERNEL = "torch_chunk_gated_delta_rule"
-_installed: dict = {}  # module or mixer class -> [original, models patched, wrapper]
 _LATE_KERNELS = weakref.WeakSet()  # the wrapped kernels: a mixer hands its state late to these alone
 
 
@@ -102,13 +103,14 @@ def _runs_torch(kernel) -> bool:
 
 def _late(kernel):
     torch_path = _runs_torch(kernel)
-    params = inspect.signature(kernel).parameters
+    signature = inspect.signature(kernel)
+    params = signature.parameters
 
     def torch_chunk_gated_delta_rule(*args, **kwargs):
         take = deferred_state()
         if take is None:
             return kernel(*args, **kwargs)
-        bound = inspect.signature(kernel).bind(*args, **kwargs).arguments
+        bound = signature.bind(*args, **kwargs).arguments
         packed = kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None
         if not torch_path or packed:
             kwargs["initial_state"] = take()
@@ -136,25 +138,6 @@ def _mixer(forward):
     return forward_taking_state_late
 
 
-def _install(owner, name: str, wrap):
-    """Replace owner.name by wrap(original) (once per owner, counted); returns undo(), which leaves alone what
-    someone put there after (a user's own kernel)."""
-    entry = _installed.setdefault(owner, [getattr(owner, name), 0, None])  # original, models, wrapper
-    if entry[1] == 0:
-        entry[2] = wrap(entry[0])
-        setattr(owner, name, entry[2])
-    entry[1] += 1
-
-    def undo():
-        entry[1] -= 1
-        if entry[1] == 0:
-            if getattr(owner, name) is entry[2]:
-                setattr(owner, name, entry[0])
-            del _installed[owner]
-
-    return undo
-
-
 def apply(model):
     """Wrap the chunked kernel of each modeling module whose mixers call it, and those mixers' forwards (the ones
     whose code calls it by that name: a forward replaced by other code reads its state as before); returns undo()."""
@@ -163,7 +146,7 @@ def apply(model):
         module = sys.modules[mixer.__module__]
         code = getattr(inspect.unwrap(mixer.forward), "__code__", None)  # under transformers' decorators
         if code is not None and KERNEL in code.co_names and hasattr(module, KERNEL):
-            undos += [_install(module, KERNEL, _late), _install(mixer, "forward", _mixer)]
+            undos += [install(module, KERNEL, _late), install(mixer, "forward", _mixer)]
 
     def undo():
         for u in reversed(undos):

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from hf_contextpar.cache.recurrent import received_state
 from hf_contextpar.errors import PatchStateError
 
-_installed: dict = {}  # module or mixer class -> [original scan or forward, models patched]
+from .wrapping import install
+
 # Zamba's mixer splits its channels into n_mamba_heads and scans each head apart, in head order, from one state
 # (batch, heads, head_dim, d_state): while such a mixer runs, the index of its next head's scan
 _head: ContextVar = ContextVar("hf_contextpar_mamba1_head", default=None)
@@ -80,29 +81,13 @@ def _head_loop(forward):
     return mixer_forward
 
 
-def _install(owner, name: str, wrap) -> callable:
-    """Replace owner.name by wrap(original) (once per owner, counted); returns undo()."""
-    entry = _installed.setdefault(owner, [getattr(owner, name), 0])
-    if entry[1] == 0:
-        setattr(owner, name, wrap(entry[0]))
-    entry[1] += 1
-
-    def undo():
-        entry[1] -= 1
-        if entry[1] == 0:
-            setattr(owner, name, entry[0])
-            del _installed[owner]
-
-    return undo
-
-
 def apply(model):
     """Wrap the scan of the model's modeling module, and the forward of a mixer that scans per head (Zamba's
     n_mamba_heads); returns undo()."""
     module = sys.modules[type(model.get_decoder()).__module__]
-    undos = [_install(module, "mamba_selective_scan", _continued)]
+    undos = [install(module, "mamba_selective_scan", _continued)]
     for mixer in {type(m) for m in model.modules() if hasattr(m, "n_mamba_heads")}:
-        undos.append(_install(mixer, "forward", _head_loop))
+        undos.append(install(mixer, "forward", _head_loop))
 
     def undo():
         for u in undos:
