@@ -4,6 +4,7 @@
     python dev/profile_decode.py --plan-only --length 4096 --steps 1000     # the decode plan alone, one process
     torchrun --nproc_per_node 2 dev/profile_decode.py --ops                 # aten ops per step, by library function
     torchrun --nproc_per_node 2 dev/profile_decode.py --contention          # the unpatched step alone vs on every rank
+    torchrun --nproc_per_node 2 dev/profile_decode.py --ab --rounds 12      # the TTIT ratio, paired round by round
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
 `--length` tokens, one thread a rank, passing the growing attention mask as generate() does; during the patched steps it times each piece of the library's
@@ -17,6 +18,10 @@ changes), so the times include one Python call each.
 `--contention` times instead the unpatched step alone (the other ranks asleep, in no collective) against the
 same step while every rank runs it at once, in alternating rounds: what cores that share caches and memory charge
 any N-process decode that runs the model's layers on every rank, before the library adds anything.
+
+`--ab` gives the bench's TTIT ratio (patched step on every rank / unpatched step on rank 0 alone) with the
+machine's drift paired out: the two alternate in short rounds, and the ratio is that of the two medians over all
+rounds, with the spread of the per-round ratios beside it.
 
 `--ops` counts instead the top-level aten ops of a decode step (torch.profiler, ops not issued by another op),
 unpatched and patched, and the patched step's ops by the library function that issued them: a count the load
@@ -103,21 +108,25 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     return dict(TIMES)
 
 
-def contention(model, ids, steps: int, rounds: int = 3) -> dict:
-    """{"alone": seconds of rank 0's unpatched decode steps while the others sleep, "together": every rank's at once}."""
-    alone, together = [], []
+def contention(model, ids, steps: int, rounds: int = 3, together_model=None) -> dict:
+    """{"alone": seconds of rank 0's unpatched decode steps while the others sleep, "together": every rank's at once,
+    running `together_model` (default: the same model), "rounds": the pairs of per-round medians}."""
+    alone, together, pairs = [], [], []
     store = dist.distributed_c10d._get_default_store()
     for i in range(rounds):
         dist.barrier()
         if dist.get_rank() == 0:
-            alone += decode_steps(model, ids, steps, "step")["step"]
+            a = decode_steps(model, ids, steps, "step")["step"]
             store.set(f"contention_{i}", "done")
         else:  # asleep until rank 0 is done (a collective's wait may spin)
             while not store.check([f"contention_{i}"]):
                 time.sleep(0.05)
         dist.barrier()
-        together += decode_steps(model, ids, steps, "step")["step"]
-    return dict(alone=alone, together=together)
+        t = decode_steps(together_model or model, ids, steps, "step")["step"]
+        if dist.get_rank() == 0:
+            alone, together = alone + a, together + t
+            pairs.append((statistics.median(a), statistics.median(t)))
+    return dict(alone=alone, together=together, rounds=pairs)
 
 
 @torch.no_grad()
@@ -194,27 +203,32 @@ def main():
     p.add_argument("--no-mask", action="store_true", help="decode without the attention mask generate() passes")
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing it")
     p.add_argument("--contention", action="store_true", help="the unpatched step alone vs on every rank at once")
+    p.add_argument("--ab", action="store_true", help="the patched step vs the unpatched one alone, in paired rounds")
+    p.add_argument("--rounds", type=int, default=3, help="--contention and --ab: alternating rounds of --steps")
     args = p.parse_args()
     global MASK
     MASK = not args.no_mask
     torch.set_num_threads(1)
     if args.plan_only:
         return plan_only(args.length, args.steps)
-    if not (args.ops or args.contention):
+    if not (args.ops or args.contention or args.ab):
         instrument()
     family = args.model.removeprefix("tiny-")
     ref = tiny_model(family)
     cp = hf_contextpar.apply_context_parallel(tiny_model(family), strategy=args.strategy, timeout=600)
     ids = torch.randint(0, ref.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     dist.barrier()
-    if args.contention:
-        times = contention(ref, ids, args.steps)
+    if args.contention or args.ab:
+        times = contention(ref, ids, args.steps, args.rounds, cp if args.ab else None)
         if dist.get_rank() == 0:
             a, t = (statistics.median(times[k]) for k in ("alone", "together"))
+            what = "patched step on every rank   " if args.ab else "unpatched step on every rank "
             print(f"{args.model}, {args.length} tokens, {dist.get_world_size()} processes, one thread each")
             print(f"unpatched step alone          median {a * 1e3:.3f} ms  min {min(times['alone']) * 1e3:.3f} ms")
-            print(f"unpatched step on every rank  median {t * 1e3:.3f} ms  min {min(times['together']) * 1e3:.3f} ms")
-            print(f"together / alone: {t / a:.3f} (medians)")
+            print(f"{what} median {t * 1e3:.3f} ms  min {min(times['together']) * 1e3:.3f} ms")
+            ratios = sorted(t / a for a, t in times["rounds"])
+            print(f"together / alone: {t / a:.3f} (medians); per round {ratios[0]:.3f} .. {ratios[-1]:.3f}")
+        hf_contextpar.remove_context_parallel(cp)
         return
     if args.ops:
         one = count_ops(ref, ids) if dist.get_rank() == 0 else None

@@ -9,11 +9,12 @@ benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by
 (optionally narrowed to some parameters); a name here that matches no collected test is an error,
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
 
-The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness,
-hybrid matrices, split by family: a family runs at N = 3 one day in three and at N = 4 one day in three (the
-exactness matrix: in six); N = 3 or 4, on alternate days, of the multi-turn, strategy and CSA matrices and of the
-census's re-run; N = 3 of the holes and user-code matrices; the geometry and interleave matrices at one N a day;
-one of the three script orders of the exit check and two of its four tools; lm-eval on 3 processes, under TP 2 x CP 2 and as two nodes; needlebench on
+The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness and
+hybrid matrices, split by family: a family runs at N = 3 one day in six and at N = 4 one day in six; N = 3 or 4,
+on alternate days, of the strategy and CSA matrices; one N of 2, 3, 4 a day of the multi-turn matrix and of the
+census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
+and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
+one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
 3 processes; the Llama-like exactness families at N = 2 too, see ONE_N_A_DAY) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
@@ -105,6 +106,11 @@ def _by_n(p: dict, key: str = "n") -> set[int] | None:
     return {k for k in range(SLICES) if k % 2 == p[key] % 2} if p[key] > 2 else None
 
 
+def _one_n_a_day(n: int) -> set[int]:
+    """Every third day: N = 2, 3 and 4 (or any three cases numbered alike) each on their own days."""
+    return {k for k in range(SLICES) if k % 3 == n % 3}
+
+
 def _alternate(parity: int) -> set[int]:
     """Every other day (the slices of that parity)."""
     return {k for k in range(SLICES) if k % 2 == parity}
@@ -113,16 +119,20 @@ def _alternate(parity: int) -> set[int]:
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
     ("test_exactness.py", "test_exact"): lambda p: (
-        _by_name(p["family"], p["n"], 6 if p["n"] == 4 else 3) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
+        _by_name(p["family"], p["n"], 6 if p["n"] > 2 else 3) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
     ),
-    ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"]) if p["n"] > 2 else None,
-    ("test_multiturn.py", "test_multiturn_exact_and_balanced"): _by_n,
+    ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"], 6) if p["n"] > 2 else None,
+    # the default strategy runs in test_hybrid_exact every day; the others two or three at a time
+    ("test_hybrid.py", "test_hybrid_strategies"): lambda p: _alternate(
+        1 if p["strategy"] in ("ring_pass_q", "ulysses") else 0
+    ),
+    ("test_multiturn.py", "test_multiturn_exact_and_balanced"): lambda p: _one_n_a_day(p["n"]),
     ("test_strategies.py", "test_strategy_exact"): _by_n,
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): _by_n,
     ("test_strategies.py", "test_traffic_matches_the_formulas"): _by_n,
     ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
     ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,
-    ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _by_n(p, "world"),
+    ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _one_n_a_day(p["world"]),
     ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
@@ -130,9 +140,10 @@ ROTATING = {
     ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {
         k for k in range(SLICES) if k % 3 == ("group", "model", "library").index(p["order"])
     },
-    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _alternate(0),
-    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _alternate(1),
-    ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _alternate(1),
+    # lm-eval's three context-parallel runs, one a day (each also needs the one-process reference run)
+    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _one_n_a_day(0),
+    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
+    ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
     # one mechanism (comm/group.py's teardown) under four tools: two a day, the heavier pair on the lighter days
     ("test_exit.py", "test_tools_leave_no_gloo_thread_to_finalization"): lambda p: _alternate(

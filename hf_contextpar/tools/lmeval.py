@@ -152,22 +152,27 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+def _refuse(model, use_cache) -> None:
+    """What `hf_contextpar lm_eval` does not run: another model than hf-cp, or lm-eval's response cache."""
+    if model != MODEL and not isinstance(model, ContextParallelLM):
+        raise SystemExit(
+            f"error: `hf_contextpar lm_eval` runs lm-eval with --model {MODEL}, got --model {model!r}; "
+            f"under torchrun, lm-eval's own models shard the requests over the processes (data parallelism)."
+        )
+    if use_cache is not None:
+        raise SystemExit(
+            "error: `hf_contextpar lm_eval` does not take --use_cache: lm-eval keeps that response cache in "
+            "one database per local rank, so a rank that finds a request there would skip the forward its "
+            "peers run for it. Leave --use_cache out."
+        )
+
+
 def _results_on_rank_zero(simple_evaluate):
     """lm-eval's simple_evaluate, run with hf-cp only, returning results on global rank 0 alone: lm-eval's
     command line prints and writes whatever it returns."""
 
     def run(model=None, *args, **kwargs):
-        if model != MODEL and not isinstance(model, ContextParallelLM):
-            raise SystemExit(
-                f"error: `hf_contextpar lm_eval` runs lm-eval with --model {MODEL}, got --model {model!r}; "
-                f"under torchrun, lm-eval's own models shard the requests over the processes (data parallelism)."
-            )
-        if inspect.signature(simple_evaluate).bind(model, *args, **kwargs).arguments.get("use_cache") is not None:
-            raise SystemExit(
-                "error: `hf_contextpar lm_eval` does not take --use_cache: lm-eval keeps that response cache in "
-                "one database per local rank, so a rank that finds a request there would skip the forward its "
-                "peers run for it. Leave --use_cache out."
-            )
+        _refuse(model, inspect.signature(simple_evaluate).bind(model, *args, **kwargs).arguments.get("use_cache"))
         results = simple_evaluate(model, *args, **kwargs)
         return results if _global_rank() == 0 else None
 
@@ -177,11 +182,19 @@ def _results_on_rank_zero(simple_evaluate):
 def main(argv: list[str]) -> None:
     """`python -m hf_contextpar lm_eval ARGS`: lm-eval's command line (`lm_eval ARGS`) with hf-cp."""
     import lm_eval.evaluator
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     lm_eval.evaluator.simple_evaluate = _results_on_rank_zero(lm_eval.evaluator.simple_evaluate)
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()  # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
+    setup_logging()  # lm-eval's cli_evaluate, with the refusals read off its parsed arguments: before its task index
+    cli = HarnessCLI()
+    args = cli.parse_args()
+    if getattr(args, "command", None) == "run":
+        _refuse(args.model, args.use_cache)
+    cli.execute(
+        args
+    )  # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
     for note in sorted({lm.approximate for lm in _models if lm.approximate}):
         if _global_rank() == 0:  # under the table, where a reader looks
             print(approximate_note(note), flush=True)
