@@ -155,6 +155,28 @@ def test_other_models_are_refused(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_refusals_read_the_command_line_and_leave_a_config_file_to_lm_eval(tmp_path, monkeypatch):
+    """The early refusal reads what the command line names; a model named in a --config file (no --model) is not
+    refused there: it reaches lm-eval, whose simple_evaluate (wrapped) checks the model it resolved."""
+    import lm_eval.evaluator
+    from lm_eval._cli.harness import HarnessCLI
+
+    from hf_contextpar.tools import lmeval
+
+    monkeypatch.setattr(lm_eval.evaluator, "simple_evaluate", lm_eval.evaluator.simple_evaluate)  # main wraps it
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    ran = []
+    monkeypatch.setattr(HarnessCLI, "execute", lambda self, args: ran.append(args))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: hf-cp\nmodel_args: pretrained={MODEL}\n")
+    lmeval.main(["--config", str(config), "--tasks", "cp_needle_mc"])
+    assert len(ran) == 1 and ran[0].model is None
+    for extra, needle in [(["--model", "hf"], "data parallelism"), (["-M", "hf-cp", "-c", "x"], "--use_cache")]:
+        with pytest.raises(SystemExit, match=needle):
+            lmeval.main([*extra, "--tasks", "cp_needle_mc"])
+    assert len(ran) == 1
+
+
 def test_tensor_parallel_inside_context_parallel(reference, tmp_path):
     """`tp=2` on 4 processes: TP 2 x CP 2 through mesh.py's loader (weights read sharded), the
     reference's evaluation (TP's all-reduces only reorder fp32 sums: within the same bounds)."""

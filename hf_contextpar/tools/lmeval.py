@@ -187,14 +187,13 @@ def main(argv: list[str]) -> None:
 
     lm_eval.evaluator.simple_evaluate = _results_on_rank_zero(lm_eval.evaluator.simple_evaluate)
     sys.argv = ["lm_eval", *argv]
-    setup_logging()  # lm-eval's cli_evaluate, with the refusals read off its parsed arguments: before its task index
+    setup_logging()  # lm-eval's cli_evaluate, refusing what the command line names before lm-eval's task index
     cli = HarnessCLI()
     args = cli.parse_args()
-    if getattr(args, "command", None) == "run":
-        _refuse(args.model, args.use_cache)
-    cli.execute(
-        args
-    )  # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
+    if getattr(args, "command", None) == "run":  # a --config file's model and cache: refused in simple_evaluate
+        _refuse(MODEL if args.model is None else args.model, args.use_cache)
+    # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
+    cli.execute(args)
     for note in sorted({lm.approximate for lm in _models if lm.approximate}):
         if _global_rank() == 0:  # under the table, where a reader looks
             print(approximate_note(note), flush=True)
