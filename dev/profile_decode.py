@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 2 dev/profile_decode.py --ops                 # aten ops per step, by library function
     torchrun --nproc_per_node 2 dev/profile_decode.py --contention          # the unpatched step alone vs on every rank
     torchrun --nproc_per_node 2 dev/profile_decode.py --ab --rounds 12      # the TTIT ratio, paired round by round
+    torchrun --nproc_per_node 2 dev/profile_decode.py --floor --rounds 12   # the unpatched step in lockstep vs alone
+    torchrun --nproc_per_node 2 dev/profile_decode.py --ab --floor          # both, and patched / lockstep, paired
 
 Rank 0 times the unpatched model's decode step, then the patched model's, each after a prefill of
 `--length` tokens, one thread a rank, passing the growing attention mask as generate() does; during the patched steps it times each piece of the library's
@@ -22,6 +24,12 @@ any N-process decode that runs the model's layers on every rank, before the libr
 `--ab` gives the bench's TTIT ratio (patched step on every rank / unpatched step on rank 0 alone) with the
 machine's drift paired out: the two alternate in short rounds, and the ratio is that of the two medians over all
 rounds, with the spread of the per-round ratios beside it.
+
+`--floor` pairs the same way the unpatched step alone against the unpatched step run on every rank in lockstep: one
+shared-memory all-gather of a decode partial's size after each attention layer, as decode synchronises the ranks,
+and nothing else of the library. What any exact N-process decode pays on this machine before its own host work
+and before its attention over 1/N of the keys saves anything: each gather waits for the slower rank. With `--ab`
+every round runs all three, and the patched step over the lockstep one is the library's own cost.
 
 `--ops` counts instead the top-level aten ops of a decode step (torch.profiler, ops not issued by another op),
 unpatched and patched, and the patched step's ops by the library function that issued them: a count the load
@@ -108,10 +116,30 @@ def decode_steps(model, ids, steps: int, name: str) -> list:
     return dict(TIMES)
 
 
-def contention(model, ids, steps: int, rounds: int = 3, together_model=None) -> dict:
-    """{"alone": seconds of rank 0's unpatched decode steps while the others sleep, "together": every rank's at once,
-    running `together_model` (default: the same model), "rounds": the pairs of per-round medians}."""
-    alone, together, pairs = [], [], []
+def lockstep(model):
+    """The unpatched model with one shared-memory all-gather (a decode partial's bytes: one query row's out and LSE
+    per head) after every attention layer, the ranks kept in step as decode keeps them (`--floor`)."""
+    from hf_contextpar.comm.shm import open_shm_gather
+
+    gather = open_shm_gather(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), torch.device("cpu"), 600)
+    config = model.config
+    partial = torch.zeros(config.num_attention_heads * (config.head_dim + 1))
+
+    def meet(module, args, out):  # returns None: the layer's output stays its own
+        gather.all_gather(partial)
+
+    for m in model.modules():
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx"):
+            m.register_forward_hook(meet)
+    return model
+
+
+def contention(model, ids, steps: int, rounds: int = 3, together: dict | None = None) -> dict:
+    """Rank 0's unpatched decode steps alone (the other ranks asleep), then each of `together` (name -> model,
+    default {"together": the same model}) run on every rank at once, in alternating rounds. Returns {"alone":
+    seconds, name: seconds, ..., "rounds": per round, the medians in that order}."""
+    together = together or {"together": model}
+    times, medians = {"alone": [], **{name: [] for name in together}}, []
     store = dist.distributed_c10d._get_default_store()
     for i in range(rounds):
         dist.barrier()
@@ -121,12 +149,17 @@ def contention(model, ids, steps: int, rounds: int = 3, together_model=None) -> 
         else:  # asleep until rank 0 is done (a collective's wait may spin)
             while not store.check([f"contention_{i}"]):
                 time.sleep(0.05)
-        dist.barrier()
-        t = decode_steps(together_model or model, ids, steps, "step")["step"]
+        row = [a] if dist.get_rank() == 0 else []
+        for name, m in together.items():
+            dist.barrier()
+            t = decode_steps(m, ids, steps, "step")["step"]
+            row.append(t)
+            if dist.get_rank() == 0:
+                times[name] += t
         if dist.get_rank() == 0:
-            alone, together = alone + a, together + t
-            pairs.append((statistics.median(a), statistics.median(t)))
-    return dict(alone=alone, together=together, rounds=pairs)
+            times["alone"] += a
+            medians.append([statistics.median(t) for t in row])
+    return dict(times, rounds=medians)
 
 
 @torch.no_grad()
@@ -204,30 +237,39 @@ def main():
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing it")
     p.add_argument("--contention", action="store_true", help="the unpatched step alone vs on every rank at once")
     p.add_argument("--ab", action="store_true", help="the patched step vs the unpatched one alone, in paired rounds")
-    p.add_argument("--rounds", type=int, default=3, help="--contention and --ab: alternating rounds of --steps")
+    p.add_argument("--floor", action="store_true", help="the unpatched step alone vs in lockstep on every rank")
+    p.add_argument("--rounds", type=int, default=3, help="--contention, --ab, --floor: alternating rounds of --steps")
     args = p.parse_args()
     global MASK
     MASK = not args.no_mask
     torch.set_num_threads(1)
     if args.plan_only:
         return plan_only(args.length, args.steps)
-    if not (args.ops or args.contention or args.ab):
+    if not (args.ops or args.contention or args.ab or args.floor):
         instrument()
     family = args.model.removeprefix("tiny-")
     ref = tiny_model(family)
     cp = hf_contextpar.apply_context_parallel(tiny_model(family), strategy=args.strategy, timeout=600)
     ids = torch.randint(0, ref.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
     dist.barrier()
-    if args.contention or args.ab:
-        times = contention(ref, ids, args.steps, args.rounds, cp if args.ab else None)
+    if args.contention or args.ab or args.floor:
+        runs = {"unpatched step in lockstep": lockstep(tiny_model(family))} if args.floor else {}
+        runs.update({"patched step on every rank": cp} if args.ab else {})
+        times = contention(ref, ids, args.steps, args.rounds, runs or {"unpatched step on every rank": ref})
         if dist.get_rank() == 0:
-            a, t = (statistics.median(times[k]) for k in ("alone", "together"))
-            what = "patched step on every rank   " if args.ab else "unpatched step on every rank "
             print(f"{args.model}, {args.length} tokens, {dist.get_world_size()} processes, one thread each")
-            print(f"unpatched step alone          median {a * 1e3:.3f} ms  min {min(times['alone']) * 1e3:.3f} ms")
-            print(f"{what} median {t * 1e3:.3f} ms  min {min(times['together']) * 1e3:.3f} ms")
-            ratios = sorted(t / a for a, t in times["rounds"])
-            print(f"together / alone: {t / a:.3f} (medians); per round {ratios[0]:.3f} .. {ratios[-1]:.3f}")
+            names = [n for n in times if n != "rounds"]
+            med = {n: statistics.median(times[n]) for n in names}
+            names = [n.replace("alone", "unpatched step alone") for n in names]
+            med["unpatched step alone"] = med["alone"]
+            times["unpatched step alone"] = times["alone"]
+            for n in names:
+                print(f"{n:29s} median {med[n] * 1e3:.3f} ms  min {min(times[n]) * 1e3:.3f} ms")
+            pairs = [(names[0], n) for n in names[1:]] + ([tuple(names[1:])] if len(names) == 3 else [])
+            for a, b in pairs:
+                ia, ib = names.index(a), names.index(b)
+                ratios = sorted(r[ib] / r[ia] for r in times["rounds"])
+                print(f"{b} / {a}: {med[b] / med[a]:.3f} (medians); per round {ratios[0]:.3f} .. {ratios[-1]:.3f}")
         hf_contextpar.remove_context_parallel(cp)
         return
     if args.ops:

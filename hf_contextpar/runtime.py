@@ -176,7 +176,7 @@ class ContextParallelRuntime:
             uses_cache=inputs.cache is not None,
         )
         if self.settings.check_inputs:
-            self.ranks.inputs(inputs, self._sizing(inputs))
+            self.ranks.inputs(inputs)
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
         self._shard_inputs(kwargs, plan, inputs)
@@ -359,16 +359,6 @@ class ContextParallelRuntime:
             return None
         return choose(*self._last_prefill, self.world, self.shape, s.calibration, s.planner_rule)
 
-    @staticmethod
-    def _sizing(inputs: Inputs) -> list:
-        """What, besides the inputs, sets this forward's message sizes (the cache's sliding state)
-        and its output gathers (return_dict, hidden states, logits_to_keep): checked beside them."""
-        keep = inputs.logits_to_keep
-        keep = keep.flatten().tolist() if isinstance(keep, torch.Tensor) else [keep]
-        hidden = inputs.output_hidden_states
-        cache = inputs.cache.sizing() if inputs.cache is not None else []
-        return cache + [inputs.as_tuple, hidden is None, bool(hidden), *keep]
-
     def _shard_inputs(self, kwargs, plan: ForwardPlan, inputs: Inputs):
         """This rank's share of the inputs: its new tokens (sequence sharding) or its sequences (batched decode)."""
         kwargs["position_ids"] = inputs.position_ids
@@ -397,4 +387,14 @@ class ContextParallelRuntime:
         if isinstance(keep, int):  # the rows an int means, as an index: a model may act on an int itself (Gemma 4
             # drops the other rows before its KV-shared layers, by each rank's own token count)
             x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
-            kwargs["logits_to_keep"] = torch.arange(x.shape[1], device=x.device)[slice(-keep, None)]
+            n = x.shape[1]
+            kwargs["logits_to_keep"] = (
+                _kept_rows(n, keep, x.device) if n <= 8 else torch.arange(n, device=x.device)[-keep:]
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def _kept_rows(num: int, keep: int, device) -> torch.Tensor:
+    """logits_to_keep=keep as an index into num rows, built once per shape for decode's few tokens (two tensor ops a
+    step otherwise); shared read-only, as models only index with it."""
+    return torch.arange(num, device=device)[-keep:]

@@ -313,7 +313,7 @@ def test_gather_rows_puts_every_ranks_rows_back_along_the_token_or_batch_dim(sha
 def test_input_fingerprint_is_its_definition():
     """The input check's hash (Python for small parts, one dot against cached weights for large ones) equals
     the five tensor ops it is defined by, wrapping in int64, across the small/large boundary, growing the
-    weights past what an earlier call cached, and for lists of ints; and it tells one changed element."""
+    weights past what an earlier call cached, for lists of ints and float masks; and it tells one changed element."""
     from hf_contextpar.comm.agreement import _SMALL, _reference_fingerprint, int_fingerprint
 
     g = torch.Generator().manual_seed(0)
@@ -321,6 +321,7 @@ def test_input_fingerprint_is_its_definition():
         parts = [torch.randint(-(2**62), 2**62, (s,), generator=g) for s in sizes]
         parts += [torch.ones(2, 3, dtype=torch.bool), torch.randint(0, 9, (70,), dtype=torch.int32, generator=g)]
         parts += [[3, True, 0], list(range(_SMALL + 4))]
+        parts += [torch.tensor([[1.0, 0.0, 1.0]]), torch.rand(2, 20, generator=g) * 3]  # a float mask: as its .long()
         assert int_fingerprint(parts) == _reference_fingerprint(parts), sizes
     mask = torch.ones(1, 5000, dtype=torch.long)
     before = int_fingerprint([mask])

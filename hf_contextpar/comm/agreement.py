@@ -8,6 +8,8 @@ is a `RankMismatchError` on every rank, never a hang or gloo's size abort.
 
 from __future__ import annotations
 
+import operator
+
 import numpy
 import torch
 
@@ -36,10 +38,9 @@ def int_fingerprint(tensors) -> int:
     total, offset = 0, 0
     for t in tensors:  # a list of ints reads as a 1D tensor of them
         n = len(t) if isinstance(t, list) else t.numel()
-        if n <= _SMALL:
-            w = offset * 1000003 + 7919
-            values = t if isinstance(t, list) else _flat_list(t)
-            total += sum(int(v) * (w + 1000003 * (j + 1)) for j, v in enumerate(values))
+        if n <= _SMALL:  # sum of v_j * (w + 1000003 * j), j = 1.., as two sums in C (no Python loop per element)
+            values = t if isinstance(t, list) else _flat_list(t.long() if t.is_floating_point() else t)  # as int(v)
+            total += (offset * 1000003 + 7919) * sum(values) + 1000003 * sum(map(operator.mul, values, range(1, n + 1)))
         elif n:
             t = torch.tensor(t, dtype=torch.long) if isinstance(t, list) else t
             v, w = t.reshape(-1), _weights(offset, n, t.device)
@@ -169,11 +170,11 @@ class RankCheck:
     def __init__(self, comm, tp_group=None):
         self.comm, self.tp_group = comm, tp_group
 
-    def inputs(self, inputs, sizing: list):
-        """Every rank's input fingerprint, compared before the forward's first message (see
-        Comm.check_before_next: over shared memory it costs no collective of its own). `sizing`: the
-        integers that, besides the inputs, set the message sizes and the output gathers (the cache's
-        `ShardedCache.sizing`, return_dict, hidden states, logits_to_keep)."""
+    def inputs(self, inputs):
+        """Every rank's input fingerprint (model/contract.py's checked `Inputs`), compared before the forward's
+        first message (see Comm.check_before_next: over shared memory it costs no collective of its own), with
+        the integers that, besides the inputs, set the message sizes and the output gathers (`_sizing`)."""
+        sizing = _sizing(inputs)
         # the integer inputs hashed as one vector; their sizes follow from the header (the mask's is
         # past + num_new, checked before, position_ids are (batch, num_new)), what is present from the
         # flags. Every rank's fingerprint must have the same length: it is all-gathered. A mask of ones alone
@@ -245,6 +246,16 @@ class RankCheck:
                 "prompt, mask, cache, logits_to_keep, return_dict and output_hidden_states, and generate() with the "
                 "same settings; for sampling, seed every rank identically (e.g. torch.manual_seed(s) on all ranks)."
             )
+
+
+def _sizing(inputs) -> list:
+    """What, besides the inputs, sets a forward's message sizes (the cache's sliding state, `ShardedCache.sizing`)
+    and its output gathers (return_dict, hidden states, logits_to_keep)."""
+    keep = inputs.logits_to_keep
+    keep = keep.flatten().tolist() if isinstance(keep, torch.Tensor) else [keep]
+    hidden = inputs.output_hidden_states
+    cache = inputs.cache.sizing() if inputs.cache is not None else []
+    return cache + [inputs.as_tuple, hidden is None, bool(hidden), *keep]
 
 
 def _check_device(t):
