@@ -9,9 +9,9 @@ benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by
 (optionally narrowed to some parameters); a name here that matches no collected test is an error,
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
 
-The rotation: the exhaustive slices of the multi-process matrices (N = 3 and 4 of the exactness and
-hybrid matrices, split by family: a family runs at N = 3 one day in six and at N = 4 one day in six; N = 3 or 4,
-on alternate days, of the strategy and CSA matrices; one N of 2, 3, 4 a day of the multi-turn matrix and of the
+The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
+family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every other day; N = 3 or 4,
+on alternate days, of the strategy and CSA matrices; DCP's matrix on odd days; one N of 2, 3, 4 a day of the multi-turn matrix and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
 and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
 one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
@@ -101,6 +101,12 @@ def _by_name(name: str, n: int, period: int = 3) -> set[int]:
     return {k for k in range(SLICES) if k % period == share}
 
 
+def _period(p: dict, thirds=frozenset()) -> int:
+    """The exactness and hybrid matrices' split: a family runs at N = 3 and 4 one day in six each, at N = 2 every
+    other day (one in three for the families in `thirds`)."""
+    return 6 if p["n"] > 2 else 3 if p["family"] in thirds else 2
+
+
 def _by_n(p: dict, key: str = "n") -> set[int] | None:
     """N = 3 on odd days, N = 4 on even days; N = 2 in every run."""
     return {k for k in range(SLICES) if k % 2 == p[key] % 2} if p[key] > 2 else None
@@ -118,10 +124,14 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
+    # N = 3 and 4 in sixths by family; N = 2 in halves (the Llama-like five in thirds), but for the fast subset's
+    # anchors, llama and qwen3_next, every day
     ("test_exactness.py", "test_exact"): lambda p: (
-        _by_name(p["family"], p["n"], 6 if p["n"] > 2 else 3) if p["n"] > 2 or p["family"] in ONE_N_A_DAY else None
+        None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p, ONE_N_A_DAY))
     ),
-    ("test_hybrid.py", "test_hybrid_exact"): lambda p: _by_name(p["family"], p["n"], 6) if p["n"] > 2 else None,
+    ("test_hybrid.py", "test_hybrid_exact"): lambda p: (
+        None if (p["n"], p["family"]) == (2, "qwen3_next") else _by_name(p["family"], p["n"], _period(p))
+    ),
     # the default strategy runs in test_hybrid_exact every day; the others two or three at a time
     ("test_hybrid.py", "test_hybrid_strategies"): lambda p: _alternate(
         1 if p["strategy"] in ("ring_pass_q", "ulysses") else 0
@@ -145,6 +155,7 @@ ROTATING = {
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
+    ("test_tp.py", "test_dcp_exact"): lambda p: _alternate(1),  # DCP's matrix every other day (TP x CP's every day)
     # one mechanism (comm/group.py's teardown) under four tools: two a day, the heavier pair on the lighter days
     ("test_exit.py", "test_tools_leave_no_gloo_thread_to_finalization"): lambda p: _alternate(
         1 if p["tool"] in ("bench", "eval") else 0
