@@ -11,7 +11,7 @@ so a renamed test cannot silently move into the fast subset. See docs/testing.md
 
 The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
 family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every other day; N = 3 or 4,
-on alternate days, of the strategy and CSA matrices; DCP's matrix on odd days; one N of 2, 3, 4 a day of the multi-turn matrix and of the
+on alternate days, of the CSA matrix; DCP's matrix on odd days; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
 and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
 one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
@@ -137,11 +137,11 @@ ROTATING = {
         1 if p["strategy"] in ("ring_pass_q", "ulysses") else 0
     ),
     ("test_multiturn.py", "test_multiturn_exact_and_balanced"): lambda p: _one_n_a_day(p["n"]),
-    ("test_strategies.py", "test_strategy_exact"): _by_n,
+    ("test_strategies.py", "test_strategy_exact"): lambda p: _one_n_a_day(p["n"]),
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): _by_n,
-    ("test_strategies.py", "test_traffic_matches_the_formulas"): _by_n,
-    ("test_strategies.py", "test_kvr_search_on_a_model"): _by_n,
-    ("test_strategies.py", "test_forward_with_autograd_on"): _by_n,
+    ("test_strategies.py", "test_traffic_matches_the_formulas"): lambda p: _one_n_a_day(p["n"]),
+    ("test_strategies.py", "test_kvr_search_on_a_model"): lambda p: _one_n_a_day(p["n"]),
+    ("test_strategies.py", "test_forward_with_autograd_on"): lambda p: _one_n_a_day(p["n"]),
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _one_n_a_day(p["world"]),
     ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
@@ -155,7 +155,9 @@ ROTATING = {
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
-    ("test_tp.py", "test_dcp_exact"): lambda p: _alternate(1),  # DCP's matrix every other day (TP x CP's every day)
+    # DCP's matrix and its refusals every other day (TP x CP's every day)
+    ("test_tp.py", "test_dcp_exact"): lambda p: _alternate(1),
+    ("test_tp.py", "test_dcp_refusals_and_fp32"): lambda p: _alternate(1),
     # one mechanism (comm/group.py's teardown) under four tools: two a day, the heavier pair on the lighter days
     ("test_exit.py", "test_tools_leave_no_gloo_thread_to_finalization"): lambda p: _alternate(
         1 if p["tool"] in ("bench", "eval") else 0
