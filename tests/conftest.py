@@ -17,7 +17,8 @@ and interleave matrices at one N a day; one of the three script orders of the ex
 one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
 3 processes; the Llama-like exactness families at N = 2 too, see ONE_N_A_DAY) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
-HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all.
+HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all. A run that names its tests (`-k`, a node
+id) rotates nothing unless HF_CONTEXTPAR_SLICE is set: what it names runs, whatever the day.
 """
 
 from __future__ import annotations
@@ -170,18 +171,24 @@ ROTATING = {
 ONE_N_A_DAY = {"mistral", "olmo2", "phi3", "qwen2", "qwen3"}
 
 
-def rotation_slice() -> int | None:
-    """The slice this run rotates in (None: all of them): HF_CONTEXTPAR_SLICE, else the day's."""
+def rotation_slice(config=None) -> int | None:
+    """The slice this run rotates in (None: all of them): HF_CONTEXTPAR_SLICE, else the day's, but none where the
+    run names its tests itself (`-k`, a node id): an explicit selection is never emptied by the day's rotation."""
     chosen = os.environ.get("HF_CONTEXTPAR_SLICE", "")
-    if chosen == "all":
+    if chosen == "all" or (not chosen and config is not None and explicit_selection(config)):
         return None
     if chosen:
         return int(chosen) % SLICES
     return datetime.date.today().toordinal() % SLICES
 
 
-def _rotation_line() -> str:
-    k = rotation_slice()
+def explicit_selection(config) -> bool:
+    """The run selects tests by name: `-k EXPR` or a node id (`tests/test_x.py::test_y[...]`)."""
+    return bool(config.option.keyword) or any("::" in str(arg) for arg in config.args)
+
+
+def _rotation_line(config=None) -> str:
+    k = rotation_slice(config)
     which = "every slice" if k is None else f"slice {k} of {SLICES}"
     return (
         f"hf-contextpar rotation: {which}; replay one with HF_CONTEXTPAR_SLICE=k (0..{SLICES - 1}), "
@@ -190,12 +197,12 @@ def _rotation_line() -> str:
 
 
 def pytest_report_header(config):
-    return _rotation_line()
+    return _rotation_line(config)
 
 
 def pytest_terminal_summary(terminalreporter):
     """The slice again at the end, where `-q` (which drops the header) still prints it."""
-    terminalreporter.write_line(_rotation_line())
+    terminalreporter.write_line(_rotation_line(terminalreporter.config))
 
 
 def _rotated_out(module: str, name: str, params: dict, k: int | None) -> bool:
@@ -230,7 +237,7 @@ def _stale() -> list[str]:
 def pytest_collection_modifyitems(config, items):
     if stale := _stale():
         raise pytest.UsageError(f"tests/conftest.py lists slow or rotating tests that do not exist: {', '.join(stale)}")
-    k, kept, rotated = rotation_slice(), [], []
+    k, kept, rotated = rotation_slice(config), [], []
     for item in items:
         name = getattr(item, "originalname", None) or item.name
         params = item.callspec.params if hasattr(item, "callspec") else {}

@@ -116,6 +116,32 @@ def bypass(family):
     return dict(ok=ok, forward=one, generate=gen, padded=padded, diff_after=diff)
 
 
+def library_error(family):
+    """A bug inside the library's own code, raised from inside an attention layer's forward before it reaches the
+    library's attention (the cache's update): it reaches the user as itself, never relabelled as the user's
+    layer bypassing the library (a crash in the indexer exchange once read so); restored, the model is exact."""
+    from hf_contextpar.cache.layers import ShardedLayer
+
+    ref, model = model_of(family), model_of(family)
+    hf_contextpar.apply_context_parallel(model, timeout=60)
+    ns = {"__name__": "hf_contextpar.cache.layers"}  # the toy bug's frame is the library's, as a real one's is
+    exec("def update(self, *args, **kwargs):\n    raise TypeError('a bug inside the library')", ns)
+    original, ShardedLayer.update = ShardedLayer.update, ns["update"]
+    ids = ids_of(6 * dist.get_world_size() + 3)
+    try:
+        with torch.no_grad(), Fp64Internals():
+            model(ids)
+        got = dict(type=None, message="no error")
+    except Exception as e:
+        got = dict(type=type(e).__name__, message=str(e))
+    finally:
+        ShardedLayer.update = original
+    with torch.no_grad(), Fp64Internals():
+        diff = float((model(ids).logits - ref(ids).logits).abs().max())
+    ok = got["type"] == "TypeError" and "a bug inside the library" in got["message"]
+    return dict(ok=ok and diff <= tol(family) and same_everywhere(got["message"]), error=got, diff_after=diff)
+
+
 def bypass_direct():
     """An attention forward rewritten to call torch's SDPA itself (no transformers function on the way), on a
     padded batch: its shard meets the whole sequence's mask and torch fails; refused naming the layer."""
@@ -267,6 +293,7 @@ def cases(n):
     out = [(f"custom_attention-{f}", lambda f=f: custom_attention(f)) for f in FAMILIES]
     out += [(f"bypass-{f}", lambda f=f: bypass(f)) for f in FAMILIES]
     out += [("bypass_direct-llama", bypass_direct)]
+    out += [(f"library_error-{f}", lambda f=f: library_error(f)) for f in ("llama", "qwen3_next")]
     out += [(f"cache_copy-{f}", lambda f=f: cache_copy(f)) for f in COPIED]
     out += [(f"forward_and_inner-{f}", lambda f=f: forward_and_inner(f)) for f in ("llama", "qwen3_next")]
     out += [("training-llama", lambda: training("llama")), ("peft_lora-llama", lambda: peft_lora("llama"))]

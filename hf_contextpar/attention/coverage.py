@@ -4,7 +4,8 @@ A layer whose forward calls an attention function itself (SDPA, a KV-compression
 attention forward) attends to this rank's shard of the sequence alone: its output would be wrong. The
 adapter records the layers it ran (`Step.attended`) and the cache layers they attended (`Step.sources`);
 the runtime's forward hook calls `check_attended` before any output leaves the forward, and turns a failure
-inside transformers' own attention functions into the same error (`bypass_error`).
+inside transformers' own attention functions into the same error (`bypass_error`). A failure raised in the
+library's own code is never relabelled: it propagates as itself (a bug of ours, not the user's bypass).
 """
 
 from __future__ import annotations
@@ -40,9 +41,24 @@ def bypass_error(tb, attended=frozenset()) -> UnsupportedModelError | None:
     """The error for a forward that failed in an attention layer that bypassed the library and met this rank's
     shard: inside one of transformers' own attention functions, or in the forward of an attention module that had
     not reached the library's attention in this forward (`attended`: the layers that had; a forward patched to
-    call torch's SDPA itself). None where neither: the failure is not a bypass."""
+    call torch's SDPA itself). None where neither, or where the library's own code raised it (`tb` starts at the
+    frame that caught it: the frames after it are the forward's)."""
+    if _raised_in_library(tb.tb_next if tb is not None else None):
+        return None
     where = _other_attention(tb) or _unreached_layer(tb, attended)
     return None if where is None else UnsupportedModelError(_bypass_message([where]))
+
+
+def _raised_in_library(tb) -> bool:
+    """The failure passed through a frame of the library (the engine or a family patch; not the eval harness, whose
+    fp64 wrappers of torch functions run inside any layer): a library error, which the user must see as it is, not
+    as their layer bypassing the library (a crash in the cache's indexer exchange once read as the user's fault)."""
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.startswith("hf_contextpar.") and not module.startswith("hf_contextpar.eval."):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _unreached_layer(tb, attended) -> str | None:

@@ -208,7 +208,7 @@ class ShardedCache(ChainedStates, Cache):
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
         if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
-            self.chain.settle(self)
+            self.chain.settle()
         return self.index_exchange(self, keys, layer_idx)
 
     def end(self, storage, ok: bool = True):
