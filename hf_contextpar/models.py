@@ -160,13 +160,14 @@ def max_positions(model) -> int | None:
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
-def load(name: str, dtype: torch.dtype, device: torch.device):
-    """(model, tokenizer): a built-in model (`needle-lm`, or `tiny-<family>` with random weights and
+def load(name: str, dtype: torch.dtype | str, device: torch.device):
+    """(model, tokenizer), in `dtype` ("auto": the checkpoint's own, as transformers 5 loads it): a built-in model (`needle-lm`, or `tiny-<family>` with random weights and
     the family's reference attention), or any hub id / local directory. For the tools (CLI, eval,
     bench), so none of them imports another."""
     if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
         family = name[5:]
         impl = REGISTRY[family].reference_attn if family in REGISTRY else "sdpa"
+        dtype = torch.float32 if dtype == "auto" else dtype  # random weights: no checkpoint dtype to keep
         return tiny_model(family, dtype=dtype, attn_implementation=impl).to(device), byte_tokenizer()
     from transformers import AutoTokenizer
 

@@ -40,6 +40,7 @@ SLOW_MODULES = {
     "test_exit.py",
     "test_lmeval.py",
     "test_shm.py",
+    "test_serve.py",
 }
 
 # (module, test function): the test is slow except for the parameter sets `keep` selects
@@ -92,6 +93,13 @@ SLOW_TESTS = {
 }
 
 
+SERVE_TESTS = (
+    "test_completions_exact",
+    "test_chat_exact_and_the_second_turn_reuses_the_kept_cache",
+    "test_seeded_sampling_is_one_process_with_that_seed",
+    "test_bad_input_is_a_4xx_and_the_ranks_stay_in_step",
+    "test_concurrent_clients_and_a_dropped_stream",
+)
 SLICES = 6  # the rotation's period in days: family splits repeat every 3, everything else every 2
 
 
@@ -156,6 +164,8 @@ ROTATING = {
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
+    # the server at N = 3 every other day (N = 2 every run)
+    **{("test_serve.py", name): lambda p: _alternate(1) if p.get("server") == 3 else None for name in SERVE_TESTS},
     # DCP's matrix and its refusals every other day (TP x CP's every day)
     ("test_tp.py", "test_dcp_exact"): lambda p: _alternate(1),
     ("test_tp.py", "test_dcp_refusals_and_fp32"): lambda p: _alternate(1),

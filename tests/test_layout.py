@@ -5,8 +5,10 @@ The engine is every module of hf_contextpar/ (api, runtime, plan, attention/, ..
 patches, apart from hf_contextpar/tools/ (the command line, benchmark, self-test, prediction,
 calibration, built-in models, simulated ranks), the `python -m hf_contextpar.bench` entry point
 (hf_contextpar/bench.py) and `python -m hf_contextpar` (__main__.py). The tools and the eval
-harness use the engine's public names; the engine imports neither them nor the harness. And no
-module of hf_contextpar/ runs over 400 lines.
+harness use the engine's public names; the engine imports neither them nor the harness. The server
+(hf_contextpar/tools/serve/) is one of the tools: it drives the engine through its public names. And no module of the
+installed package (hf_contextpar/, patches/, eval/) runs over 600 lines: a size at which a module is reviewed,
+not one to split by line count.
 
 No import circles: not between files, and not between the rooms of any folder (a folder's rooms are
 its files and its subfolders, each subfolder one room, as `farm-studio look` draws them), with
@@ -24,8 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"hf_contextpar": "hf_contextpar", "eval": "hf_contextpar.eval", "patches": "hf_contextpar.patches"}
 # what the engine must not import: the tools, the eval harness, the bench entry point
 FORBIDDEN = ("hf_contextpar.tools", "hf_contextpar.eval", "eval", "hf_contextpar.bench")
-MAX_LINES = 400
-NOT_ENGINE = ("hf_contextpar.tools", "hf_contextpar.bench", "hf_contextpar.__main__", "hf_contextpar.eval")
+MAX_LINES = 600
+NOT_ENGINE = (
+    "hf_contextpar.tools",
+    "hf_contextpar.bench",
+    "hf_contextpar.__main__",
+    "hf_contextpar.eval",
+)
 
 
 def modules(root: Path = ROOT):
@@ -252,13 +259,13 @@ def test_no_private_names_across_modules():
     assert not private_violations(), "\n".join(private_violations())
 
 
-def test_no_module_over_400_lines():
+def test_no_module_over_600_lines():
     long = [
         f"{path.relative_to(ROOT)}: {n} lines"
-        for path in sorted((ROOT / "hf_contextpar").rglob("*.py"))
+        for _, _, path in modules()
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     ]
-    assert not long, f"split these by job (at most {MAX_LINES} lines a module): " + ", ".join(long)
+    assert not long, f"review these by concept (at most {MAX_LINES} lines a module): " + ", ".join(long)
 
 
 MAX_FUNCTION_LINES = 60

@@ -281,6 +281,20 @@ def cmd_kvr_table(args):
     dist.destroy_process_group()
 
 
+def _serve(args):
+    from .serve.command import run
+
+    try:
+        import fastapi  # noqa: F401
+        import openai  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name not in ("fastapi", "uvicorn", "openai", "starlette"):
+            raise
+        raise SystemExit("error: serve needs FastAPI, uvicorn and openai: pip install 'hf-contextpar[serve]'") from None
+    run(args)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m hf_contextpar", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -384,6 +398,13 @@ def main(argv=None):
 
     selftest_arguments(t)
     t.set_defaults(func=selftest)
+    v = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over the context-parallel model (rank 0 listens)"
+    )
+    from .serve.command import add_arguments as serve_arguments
+
+    serve_arguments(v)
+    v.set_defaults(func=_serve)
     sub.add_parser("lm_eval", add_help=False, help="lm-evaluation-harness with the hf-cp model (lm-eval's own flags)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["lm_eval"]:  # everything after it is lm-eval's: tools/lmeval.py
