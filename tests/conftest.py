@@ -74,6 +74,10 @@ SLOW_TESTS = {
     ("test_bench.py", "test_comm_wait_accounting"): None,
     ("test_real_model.py", "test_retrieves_builtin_needles"): None,
     ("test_census.py", "test_rotating_families_keep_their_classification"): None,
+    # every verified family in every run (about 80 s); the fast subset keeps llama and qwen4_exp_text (whose crash in
+    # the sharded cache went unseen while the census re-ran a few families a day)
+    ("test_families.py", "test_verified_family_is_exact"): lambda p: p["family"] in ("llama", "qwen4_exp_text"),
+    ("test_families.py", "test_the_check_fails_a_broken_family"): None,
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: p["n"] == 2 and p["family"] == "qwen3_next",
     ("test_hybrid.py", "test_hybrid_strategies"): None,
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): lambda p: (
@@ -97,6 +101,7 @@ SERVE_TESTS = (
     "test_completions_exact",
     "test_chat_exact_and_the_second_turn_reuses_the_kept_cache",
     "test_seeded_sampling_is_one_process_with_that_seed",
+    "test_echo_and_logprobs_are_one_process_log_softmax",
     "test_bad_input_is_a_4xx_and_the_ranks_stay_in_step",
     "test_concurrent_clients_and_a_dropped_stream",
 )

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_contextpar.eval.oracle import logit_tolerance  # noqa: E402
 from launch import free_port, torchrun  # noqa: E402
+from serving import Server  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_DIR = os.path.join(ROOT, "tests", "lmeval_task")
@@ -123,6 +124,23 @@ def test_three_processes_under_torchrun(reference, tmp_path):
     got = written(tmp_path)
     assert got[0]["config"]["context_parallel_processes"] == 3
     assert_same_evaluation(got, reference)
+
+
+def test_local_completions_through_the_server(reference, tmp_path):
+    """lm-eval's own OpenAI client (`local-completions`: token ids, `echo` + `logprobs` for loglikelihoods,
+    generation with stop sequences; the server's tokenizer through /tokenize and /tokenizer_info) against
+    `hf_contextpar serve` on 2 processes: the reference's evaluation."""
+    server = Server(2, MODEL, "--served-name", "needle-lm")
+    try:
+        url = server.url + "/completions"
+        args = f"model=needle-lm,base_url={url},num_concurrent=1,max_retries=1,tokenized_requests=True"
+        cmd = ["-m", "lm_eval", "--model", "local-completions", "--model_args", args, "--tasks", ",".join(TASKS)]
+        done = run([*cmd, "--include_path", TASK_DIR, "--log_samples", "--output_path", str(tmp_path)])
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "Auto-detected remote tokenizer support" in done.stderr + done.stdout
+    finally:
+        server.stop()
+    assert_same_evaluation(written(tmp_path), reference)
 
 
 def test_two_nodes_only_global_rank_zero_writes(reference, tmp_path):

@@ -9,15 +9,9 @@ One server per N (module-scoped): N = 2 every run, N = 3 on the rotation's days.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -26,9 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_contextpar.models import builtin_model_path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import free_port  # noqa: E402
+from serving import Server  # noqa: E402
 
-openai = pytest.importorskip("openai")
 MODEL = builtin_model_path("needle-lm")
 DOC = (
     "The harbour master of Tolvik Bay keeps the spare oars inside a green barrel. "
@@ -52,56 +45,6 @@ def reference():
         return out[0, len(ids) :].tolist()
 
     return tok, generate
-
-
-class Server:
-    """`torchrun --nproc_per_node n -m hf_contextpar serve --port 0 ...` in a subprocess; its URL from its banner."""
-
-    def __init__(self, n: int, *extra: str):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        port = str(free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", port]
-        cmd += ["-m", "hf_contextpar", "serve", "--port", "0", "--timeout", "30", *extra]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "serving " in line:
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(120):
-            self.stop()
-            raise AssertionError("the server did not start:\n" + "".join(self.lines[-40:]))
-        self.url = re.search(r"(http://\S+/v1)", next(x for x in self.lines if "serving " in x))[1]
-        self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=120)
-
-    def post(self, path: str, body, headers=None) -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url[:-3] + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired as e:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(
-                    "the server did not exit within 60 s of SIGINT:\n" + "".join(self.lines[-40:])
-                ) from e
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N{n}")
@@ -148,6 +91,28 @@ def test_chat_exact_and_the_second_turn_reuses_the_kept_cache(server, reference)
     assert text == second.choices[0].message.content
 
 
+def test_echo_and_logprobs_are_one_process_log_softmax(server, reference):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs=1, max_tokens=1) with 2 alternatives: the prompt
+    echoed, each token's log-probability that of one process's forward (within twice fp32's logit tolerance),
+    the alternatives its top ones."""
+    tok, generate = reference
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype="auto").eval()
+    ids = tok(DOC[:400]).input_ids
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    got = server.client.completions.create(
+        model="needle-lm", prompt=ids, max_tokens=1, echo=True, logprobs=2, temperature=0
+    ).choices[0]
+    assert got.text.startswith(tok.decode(ids)) and got.logprobs.token_logprobs[0] is None
+    new = generate(ids, 1)[0]
+    lps = got.logprobs.token_logprobs[1:]
+    assert len(lps) == len(ids)
+    expected = [float(want[i, t]) for i, t in enumerate(ids[1:] + [new])]
+    assert max(abs(a - b) for a, b in zip(lps, expected)) <= 2e-4
+    for row, top in zip(want, got.logprobs.top_logprobs[1:]):
+        assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+
+
 def test_seeded_sampling_is_one_process_with_that_seed(server, reference):
     tok, generate = reference
     prompt = DOC[:300]
@@ -165,7 +130,9 @@ BAD = [
     ("/v1/completions", {"prompt": [5, 99999], "max_tokens": 3}, 400, "token id"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 40000}, 400, "positions"),
     ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "'n'"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, 400, "without 'stream'"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400, "not supported"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "needle-lm"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -178,7 +145,7 @@ BAD = [
 def test_bad_input_is_a_4xx_and_the_ranks_stay_in_step(server, reference):
     tok, generate = reference
     for path, body, status, words in BAD:
-        code, answer = server.post(path, body)
+        code, answer = server.request(path, body)
         assert code == status and words in answer["error"]["message"], (path, body, code, answer)
     ids = tok(DOC[:200]).input_ids
     got = server.client.completions.create(model="needle-lm", prompt=ids, max_tokens=6)
@@ -208,18 +175,34 @@ def test_concurrent_clients_and_a_dropped_stream(server, reference):
     ids = tok(DOC[:250]).input_ids
     got = server.client.completions.create(model="needle-lm", prompt=ids, max_tokens=6)
     assert got.choices[0].text == tok.decode(generate(ids, 6), skip_special_tokens=True)
-    assert server.post("/health", b"")[0] in (200, 405)
+    assert server.request("/health") == (200, {"status": "ok"})
 
 
 def test_api_key_and_sigint():
     s = Server(2, "--api-key", "sesame")
     try:
-        code, body = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        code, body = s.request("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert code == 401 and "API key" in body["error"]["message"]
-        code, body = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"Authorization": "Bearer sesame"})
+        code, body = s.request("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"Authorization": "Bearer sesame"})
         assert code == 200 and body["usage"]["completion_tokens"] == 2
     finally:
         rc = s.stop()
     # every rank stopped in step; torchrun itself re-raises the SIGINT it got (exit status 1 after its workers' 0)
     out = "".join(s.lines)
     assert "stopped: every rank left in step" in out and "Root Cause" not in out and rc in (0, 1), out[-3000:]
+
+
+def test_a_killed_rank_fails_the_request_and_every_process_exits():
+    """Ranks started without a launcher (as on several nodes), rank 1 killed: the next request fails with a 5xx
+    and an error body, /health turns 503, and rank 0 exits non-zero within the timeout (no hang)."""
+    s = Server(2, ranks=True, timeout=10)
+    try:
+        s.ranks[1].kill()
+        s.ranks[1].wait()
+        code, body = s.request("/v1/completions", {"prompt": "hello", "max_tokens": 3})
+        assert code >= 500 and "failed" in body["error"]["message"], (code, body)
+        assert s.request("/health")[0] == 503
+        s.proc.wait(30)
+    finally:
+        s.stop()
+    assert s.proc.returncode not in (0, None), "".join(s.lines[-30:])

@@ -37,10 +37,18 @@ from transformers.cli.serving.server import build_server
 from transformers.cli.serving.utils import DirectStreamer, GenerateManager, GenerationState, _StreamError
 
 from ...models import max_positions
-from . import requests
+from . import requests, responses
 from .lockstep import Job, Lockstep, QueueFull
 
-SERVED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+SERVED = {
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+}
 _request: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hf_contextpar_request", default=None)
 
 
@@ -93,7 +101,7 @@ class LockstepManager(GenerateManager):
             raise requests.BadRequest(
                 f"'prompt' holds token id {max(ids)}; this model's ids end at {vocab - 1}.", "prompt"
             )
-        job = Job(ids, gen_config, asked.get("seed"))
+        job = Job(ids, gen_config, asked.get("seed"), scores=asked.get("logprobs"))
         self.jobs[request_id] = job
         while len(self.jobs) > 1024:  # requests that failed before reporting their usage
             self.jobs.pop(next(iter(self.jobs)))
@@ -123,8 +131,11 @@ class LockstepManager(GenerateManager):
 
     def pop_cached(self, request_id: str) -> int | None:
         """The tokens a finished request reused (None: not one of ours, or already reported)."""
-        job = self.jobs.pop(request_id, None)
+        job = self.pop_job(request_id)
         return None if job is None else job.cached_tokens
+
+    def pop_job(self, request_id: str) -> Job | None:
+        return self.jobs.pop(request_id, None)
 
     def stop(self) -> None:
         pass
@@ -158,11 +169,15 @@ class _Prologue:
     for the generate manager (transformers' handler would seed rank 0's global generator on the event loop)."""
 
     check = None
+    scores = False  # the handler takes `logprobs` and `echo` (completions)
 
     async def handle_request(self, body: dict, request_id: str):
         type(self).check(body, self.model_manager.force_model)
         self.prepare(body)
-        token = _request.set({"seed": body.pop("seed", None), "max_tokens": requests.max_tokens(body)})
+        asked = {"seed": body.pop("seed", None), "max_tokens": requests.max_tokens(body)}
+        if self.scores:
+            asked.update(logprobs=body.pop("logprobs", None), echo=body.pop("echo", False))
+        token = _request.set(asked)
         try:
             return await super().handle_request(body, request_id)
         finally:
@@ -201,6 +216,7 @@ class TextCompletionHandler(_Prologue, CompletionHandler):
     """Completions, with a prompt of text or of token ids."""
 
     check = staticmethod(requests.check_completion)
+    scores = True
 
     def prepare(self, body: dict) -> None:
         ids = requests.prompt_ids(body)
@@ -211,13 +227,22 @@ class TextCompletionHandler(_Prologue, CompletionHandler):
         return super()._build_chunk_sse(request_id, model_id, text, finish_reason, self._usage(usage, request_id))
 
     async def _non_streaming(self, request_id, *args, **kwargs):
-        """transformers' response, with the cached tokens in its usage (its handler builds the usage inline)."""
+        """transformers' response, with what its handler leaves out: the cached tokens in its usage, the prompt
+        before the answer (`echo`) and the tokens' log-probabilities (`logprobs`)."""
+        asked = _request.get() or {}
         response = await super()._non_streaming(request_id, *args, **kwargs)
-        cached = self.generation_state.manager.pop_cached(request_id)
-        if cached is None:
+        job = self.generation_state.manager.pop_job(request_id)
+        if job is None:
             return response
         body = json.loads(response.body)
-        body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+        result, choice = job.future.result(), body["choices"][0]
+        tokenizer = self.model_manager.load_model_and_processor(None)[1]
+        prompt_text = tokenizer.decode(job.ids) if asked.get("echo") else ""
+        choice["text"] = prompt_text + choice["text"]
+        if result.scores is not None:
+            start = 0 if asked.get("echo") else len(job.ids)
+            choice["logprobs"] = responses.logprobs(tokenizer, result.scores, start)
         return JSONResponse(body)
 
 
@@ -266,6 +291,35 @@ def _fitting_response_template(processor, model):
 _family_response_template = serving_utils.get_response_template
 
 
+def _tokenizer_routes(app, tokenizer, limit: int | None) -> None:
+    """/tokenize, /detokenize and /tokenizer_info, as vLLM answers them: lm-eval's `local-completions` probes
+    them and, finding them, tokenises through the server (the served tokenizer, whatever the client has)."""
+
+    @app.post("/tokenize")
+    def tokenize(body: dict):
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise requests.BadRequest("'prompt' must be a string.", "prompt")
+        ids = tokenizer(text, add_special_tokens=bool(body.get("add_special_tokens", True))).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
+
+    @app.post("/detokenize")
+    def detokenize(body: dict):
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in ids):
+            raise requests.BadRequest(f"'tokens' must be a list of token ids below {len(tokenizer)}.", "tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.get("/tokenizer_info")
+    def tokenizer_info():
+        names = ("eos_token", "bos_token", "pad_token", "unk_token", "chat_template")
+        return {
+            **{name: getattr(tokenizer, name, None) for name in names},
+            "model_max_length": limit,
+            "tokenizer_class": type(tokenizer).__mro__[2].__name__,
+        }
+
+
 def make_app(model, tokenizer, name: str, lockstep: Lockstep, api_key: str | None = None, max_body: int = 0):
     """The FastAPI app rank 0 serves: transformers' own, over the lockstep loop."""
     serving_utils.get_response_template = _fitting_response_template  # read by its chat handler's parsers
@@ -273,6 +327,7 @@ def make_app(model, tokenizer, name: str, lockstep: Lockstep, api_key: str | Non
     state = LockstepState(lockstep)
     chat, completion = ChatHandler(manager, state), TextCompletionHandler(manager, state)
     app = build_server(manager, chat, completion, None, None, None, state)
+    _tokenizer_routes(app, tokenizer, max_positions(model))
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) in SERVED]
     requests.install_errors(app, api_key=api_key, max_body=max_body, healthy=lambda: lockstep.healthy)
     return app

@@ -117,6 +117,10 @@ def run(args) -> None:
     _route_signals(lockstep, server, rank)
     try:
         lockstep.run_forever()
+    except BaseException:
+        if server is not None:  # a few seconds for clients to see the failure (5xx, /health 503), then exit non-zero
+            time.sleep(min(5.0, args.timeout))
+        raise
     finally:
         if server is not None:
             server.should_exit = True

@@ -23,7 +23,6 @@ import dataclasses
 import queue
 import random
 import threading
-import time
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -44,6 +43,7 @@ class Call:
     seed: int
     reuse: Reuse | None = None
     evict: list = dataclasses.field(default_factory=list)
+    scores: int | None = None  # the prompt's and the answer's log-probabilities, with this many top alternatives
 
 
 IDLE, STOP = "idle", "stop"  # the other messages: nothing to do yet; the server is going down
@@ -60,6 +60,7 @@ class Job:
     future: Future = dataclasses.field(default_factory=Future)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     cached_tokens: int = 0
+    scores: int | None = None
 
 
 @dataclasses.dataclass
@@ -67,6 +68,7 @@ class Result:
     sequences: torch.Tensor  # (1, prompt + new)
     prompt_tokens: int
     cached_tokens: int
+    scores: dict | None = None  # `scored`: per token of prompt and answer, its log-probability and the top ones
 
 
 class QueueFull(Exception):
@@ -89,7 +91,9 @@ class Lockstep:
 
     # -- rank 0's side: requests in --------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
-        if self.stopping.is_set() or not self.healthy:
+        if not self.healthy:
+            raise QueueFull(f"a rank of the server failed ({type(self.failure).__name__}); it is going down")
+        if self.stopping.is_set():
             raise QueueFull("the server is shutting down")
         try:
             self.jobs.put_nowait(job)
@@ -150,45 +154,65 @@ class Lockstep:
     def _plan(self, job: Job) -> Call:
         """Rank 0: the call every rank runs for this job."""
         reuse, evict = self.conversations.plan(job.ids, job.generation.max_new_tokens or 0)
+        if job.scores is not None:
+            reuse = None  # every prompt token's logits come from the call's own forward (`_score`)
         seed = job.seed if job.seed is not None else random.SystemRandom().randrange(2**63)
         job.cached_tokens = reuse.tokens if reuse is not None else 0
-        return Call(job.ids, job.generation.to_diff_dict(), seed, reuse, evict)
+        return Call(job.ids, job.generation.to_diff_dict(), seed, reuse, evict, job.scores)
 
     def _run(self, call: Call, job: Job | None) -> None:
+        """One call, on every rank: its cache out of the table, the prompt scored (if asked), generate, the
+        conversation kept. An exception is the same on every rank (same plan): the request fails, the loop goes on."""
         self.conversations.evict(call.evict)
         cache = self.conversations.take(call.reuse)
         ids = torch.tensor([call.ids], device=self.model.device)
-        config = GenerationConfig.from_dict(call.generation)
+        torch.manual_seed(call.seed)
+        try:
+            with torch.no_grad():
+                prompt_logits, cache = self._score(ids, cache) if call.scores is not None else (None, cache)
+                out = self.model.generate(**self._generate_kwargs(call, ids, cache, job))
+        except Exception as e:
+            if job is not None:
+                job.future.set_exception(e)
+            return
+        self._keep(out.sequences[0].tolist(), returned_cache(out))
+        if job is not None:
+            result = Result(out.sequences, len(call.ids), call.reuse.tokens if call.reuse is not None else 0)
+            if call.scores is not None:
+                result.scores = scored(call.ids, prompt_logits, out, call.scores)
+            job.future.set_result(result)
+
+    def _score(self, ids, cache):
+        """The prompt's logits, every rank's (gathered): one forward over all its tokens but the last, whose cache
+        generate continues (it prefills the last token). A scored call reuses no conversation: every prompt
+        token's logits come from this forward."""
+        if ids.shape[1] < 2:
+            return None, cache
+        out = self.model(ids[:, :-1], use_cache=True)
+        return out.logits, returned_cache(out)
+
+    def _generate_kwargs(self, call: Call, ids, cache, job: Job | None) -> dict:
         kwargs = dict(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            generation_config=config,
+            generation_config=GenerationConfig.from_dict(call.generation),
             stopping_criteria=StoppingCriteriaList([AgreedStop(self, job)]),
             return_dict_in_generate=True,
+            output_logits=call.scores is not None,
             tokenizer=self.tokenizer,  # stop strings: every rank checks them alike
         )
         if cache is not None:
             kwargs[cache_argument(self.model)] = cache
         if job is not None and job.streamer is not None:
             kwargs["streamer"] = job.streamer
-        torch.manual_seed(call.seed)
-        start = time.perf_counter()
-        try:
-            with torch.no_grad():
-                out = self.model.generate(**kwargs)
-        except Exception as e:  # the same on every rank (same plan): the request fails, the server goes on
-            if job is not None:
-                job.future.set_exception(e)
+        return kwargs
+
+    def _keep(self, tokens: list[int], cache) -> None:
+        """The finished call's conversation: the tokens its cache holds (its prompt and all but the last new one)."""
+        if cache is None:
             return
-        kept = returned_cache(out)
-        if kept is not None:
-            held = kept.get_seq_length()
-            nbytes = kept.local_nbytes() if hasattr(kept, "local_nbytes") else _nbytes(kept)
-            self.conversations.keep(out.sequences[0, :held].tolist(), kept, nbytes)
-        if job is not None:
-            cached = call.reuse.tokens if call.reuse is not None else 0
-            job.future.set_result(Result(out.sequences, len(call.ids), cached))
-        self.last_seconds = time.perf_counter() - start
+        nbytes = cache.local_nbytes() if hasattr(cache, "local_nbytes") else _nbytes(cache)
+        self.conversations.keep(tokens[: cache.get_seq_length()], cache, nbytes)
 
 
 class AgreedStop(StoppingCriteria):
@@ -205,6 +229,21 @@ class AgreedStop(StoppingCriteria):
             dist.broadcast(flag, src=0, group=self.lockstep.group)
             stop = bool(flag.item())
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+def scored(ids: list[int], prompt_logits, out, top: int) -> dict:
+    """Log-probabilities of the prompt's tokens (the first has none) and of the new ones, each with the `top`
+    likeliest tokens at its place: OpenAI's completions `logprobs` (lm-eval's loglikelihood reads them)."""
+    new = out.sequences[0, len(ids) :].tolist()
+    rows = [] if prompt_logits is None else list(prompt_logits[0].float().log_softmax(-1))
+    rows += [step[0].float().log_softmax(-1) for step in out.logits[: len(new)]]
+    tokens = ids + new
+    token_logprobs, tops = [None], [None]
+    for row, token in zip(rows, tokens[1:]):
+        token_logprobs.append(float(row[token]))
+        values, where = row.topk(top) if top else (row[:0], row[:0].long())
+        tops.append(list(zip(where.tolist(), values.tolist())))
+    return dict(tokens=tokens, token_logprobs=token_logprobs, top=tops)
 
 
 def _nbytes(cache) -> int:

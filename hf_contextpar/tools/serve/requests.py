@@ -21,7 +21,7 @@ from ...errors import ContextParallelError
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 # fields transformers' handlers take and ignore; what each would have to be for the answer to be what was asked
-IGNORED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalty": 0, "top_logprobs": None}
+IGNORED = {"n": 1, "best_of": 1, "presence_penalty": 0, "top_logprobs": None}
 
 
 class BadRequest(HTTPException):
@@ -86,6 +86,8 @@ def _common(body: dict, served: str) -> None:
 
 def check_chat(body: dict, served: str) -> None:
     _common(body, served)
+    if body.get("logprobs") not in (None, False):
+        raise BadRequest("chat 'logprobs' is not supported by this server (completions' is); leave it out.", "logprobs")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects.", "messages")
@@ -102,6 +104,13 @@ def check_completion(body: dict, served: str) -> None:
     if "prompt" not in body:
         raise BadRequest("'prompt' is required: a string, or a list of token ids.", "prompt")
     prompt_ids(body)  # its form
+    top = _int(body, "logprobs", low=0)
+    if top is not None and top > 20:
+        raise BadRequest(f"'logprobs' is at most 20, got {top}.", "logprobs")
+    if "echo" in body and not isinstance(body["echo"], bool):
+        raise BadRequest(f"'echo' must be true or false, got {body['echo']!r}.", "echo")
+    if body.get("stream") and (top is not None or body.get("echo")):
+        raise BadRequest("'logprobs' and 'echo' are answered whole: send them without 'stream'.", "stream")
     if body.get("suffix") is not None:
         raise BadRequest("'suffix' is not supported by this server; leave it out.", "suffix")
 
@@ -166,6 +175,12 @@ def install_errors(app, *, api_key: str | None, max_body: int, healthy) -> None:
     @app.exception_handler(ContextParallelError)
     async def refused(request: Request, exc: ContextParallelError):  # what one process runs but CP does not
         return JSONResponse(error_body(str(exc), 400), 400)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):  # a rank died under the request, or a bug of ours
+        status = 500 if healthy() else 503
+        why = "" if healthy() else "a rank of the server failed; it is going down. "
+        return JSONResponse(error_body(f"{why}{type(exc).__name__}: {exc}", status), status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
