@@ -54,16 +54,18 @@ class Server:
         self.url = re.search(r"(http://\S+/v1)", next(x for x in self.lines if "serving " in x))[1]
         self.client = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=120)
 
-    def request(self, path: str, body=None, headers=None) -> tuple[int, dict]:
-        """(status, JSON body) of a GET (no body) or a POST of `body` (bytes as they are, else JSON)."""
+    def request(self, path: str, body=None, headers=None, with_headers: bool = False) -> tuple:
+        """(status, JSON body[, response headers]) of a GET (no body) or a POST of `body` (bytes as they are,
+        else JSON)."""
         data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
         head = {"Content-Type": "application/json", **(headers or {})}
         req = urllib.request.Request(self.url[:-3] + path, data=data, headers=head)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read())
+                got = r.status, json.loads(r.read()), dict(r.headers)
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            got = e.code, json.loads(e.read()), dict(e.headers)
+        return got if with_headers else got[:2]
 
     def workers(self) -> list[tuple[int, str]]:
         """(pid, command line) of the ranks still running, in rank order."""

@@ -178,13 +178,45 @@ def test_concurrent_clients_and_a_dropped_stream(server, reference):
     assert server.request("/health") == (200, {"status": "ok"})
 
 
-def test_api_key_and_sigint():
-    s = Server(2, "--api-key", "sesame")
+def test_key_budget_queue_and_sigint(reference):
+    """A server with --api-key, a KV budget of about one conversation and a queue of one: a request without the
+    key is a 401; a second conversation evicts the first (which then re-prefills, exact, reusing nothing) while
+    its own next turn reuses it; requests past the queue are a 503 with Retry-After; SIGINT to the launcher stops
+    every rank in step."""
+    tok, generate = reference
+    s = Server(2, "--api-key", "sesame", "--kv-budget", "300KiB", "--max-queue", "1")
+    key = {"Authorization": "Bearer sesame"}
     try:
         code, body = s.request("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert code == 401 and "API key" in body["error"]["message"]
-        code, body = s.request("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"Authorization": "Bearer sesame"})
-        assert code == 200 and body["usage"]["completion_tokens"] == 2
+
+        def complete(ids, n=4):
+            code, body = s.request("/v1/completions", {"prompt": ids, "max_tokens": n}, key)
+            assert code == 200, body
+            return body
+
+        first, second = tok("Tolvik " + DOC[:500]).input_ids, tok("Amberly " + DOC[500:1000]).input_ids
+        a, b = complete(first), complete(second)  # ~150 tokens each: B's KV and A's do not both fit
+        b_next = second + tok(b["choices"][0]["text"]).input_ids + tok(" And then?").input_ids
+        got = complete(b_next)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(second)
+        a_next = first + tok(a["choices"][0]["text"]).input_ids + tok(" And then?").input_ids
+        got = complete(a_next)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] < 5  # evicted: prefilled again
+        assert got["choices"][0]["text"] == tok.decode(generate(a_next, 4), skip_special_tokens=True)
+        codes = [None] * 5
+
+        def ask(i):
+            codes[i] = s.request("/v1/completions", {"prompt": DOC[:300], "max_tokens": 60}, key, with_headers=True)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        busy = [(body, head) for code, body, head in codes if code == 503]
+        assert busy and all("waiting" in b["error"]["message"] and h.get("retry-after") == "1" for b, h in busy), codes
+        assert sum(code == 200 for code, _, _ in codes) >= 2, codes  # the one running and the one waiting
     finally:
         rc = s.stop()
     # every rank stopped in step; torchrun itself re-raises the SIGINT it got (exit status 1 after its workers' 0)
