@@ -153,6 +153,13 @@ def heldout_text() -> str:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+LOAD_DTYPES = ("auto", *sorted(DTYPES))  # what the model-loading commands take: "auto" is the checkpoint's own
+
+
+def load_dtype(name: str) -> torch.dtype | str:
+    """A `--dtype` value as transformers' from_pretrained takes it ("auto": the checkpoint's own dtype, as
+    transformers 5 loads by default; a bf16 checkpoint read as float32 would take twice the memory planned)."""
+    return "auto" if name == "auto" else DTYPES[name]
 
 
 def max_positions(model) -> int | None:

@@ -37,7 +37,7 @@ from ..cliargs import (
     writable_file,
 )
 from ..mesh import dcp_of
-from ..models import DEFAULT_MODEL, DTYPES, load, max_positions
+from ..models import DEFAULT_MODEL, DTYPES, LOAD_DTYPES, load, load_dtype, max_positions
 
 
 def needle_prompt(tok, tokens: int, depth: int, needle: int, seed: int = 0):
@@ -107,9 +107,9 @@ def cmd_generate(args):
     if args.tp > 1:  # weights read already sharded (tpload); the baseline loads the whole model on rank 0
         from .tpload import load_tp
 
-        model, tok, cp_group, tp_group = load_tp(args.model, args.tp, DTYPES[args.dtype], device)
+        model, tok, cp_group, tp_group = load_tp(args.model, args.tp, load_dtype(args.dtype), device)
     else:
-        model, tok = load(args.model, DTYPES[args.dtype], device)
+        model, tok = load(args.model, load_dtype(args.dtype), device)
     task = None
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -130,7 +130,7 @@ def cmd_generate(args):
 
     baseline = None
     if args.baseline and rank == 0:
-        whole = load(args.model, DTYPES[args.dtype], device)[0] if tp_group is not None else model
+        whole = load(args.model, load_dtype(args.dtype), device)[0] if tp_group is not None else model
         out, ttft, tok_s = _timed_generate(whole, inputs, args.max_new_tokens)
         baseline = (out.sequences, ttft, tok_s)
         del whole
@@ -186,7 +186,7 @@ def cmd_generate(args):
         if dcp_of(model) is not None:  # TP ranks sharing a KV head, each holding 1/dcp of its tokens
             layout += f" (DCP {dcp_of(model)[2]})"
         print(
-            f"model {args.model}  dtype {args.dtype}  processes {layout}  prompt {ids.shape[1]} tokens  "
+            f"model {args.model}  dtype {str(model.dtype).split('.')[-1]}  processes {layout}  prompt {ids.shape[1]} tokens  "
             f"new {new.numel()} tokens  threads/process {torch.get_num_threads()}"
         )
         print(f"TTFT {ttft * 1000:.1f} ms   decode {tok_s:.1f} tokens/s")
@@ -322,7 +322,7 @@ def main(argv=None):
     g.add_argument(
         "--max-new-tokens", type=positive_int, default=32, help="at most this many new tokens (stops at EOS)"
     )
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=LOAD_DTYPES, default="auto", help="default: the checkpoint's own (auto)")
     g.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
     g.add_argument(  # one prompt: batched pass-Q decode (B >= N) never applies
         "--decode",

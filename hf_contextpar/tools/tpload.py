@@ -20,7 +20,7 @@ from ..models import TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_mode
 from ..patches import REGISTRY
 
 
-def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device, **tiny_overrides):
+def load_tp(name: str, tp: int, dtype: torch.dtype | str, device: torch.device, **tiny_overrides):
     """(model, tokenizer, cp_group, tp_group) for a tools' model name (see models.load) on tp x cp ranks;
     tiny_overrides: config fields of a tiny-<family> model (e.g. num_key_value_heads)."""
     from transformers import AutoTokenizer
@@ -28,6 +28,7 @@ def load_tp(name: str, tp: int, dtype: torch.dtype, device: torch.device, **tiny
     if name.startswith("tiny-") and name[5:] in TINY_CONFIGS:
         family = name[5:]
         impl = REGISTRY[family].reference_attn if family in REGISTRY else "sdpa"
+        dtype = torch.float32 if dtype == "auto" else dtype  # random weights: no checkpoint dtype to keep
         init_world(device.type)
         where = [tempfile.mkdtemp(prefix="hf_contextpar_tp_") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(where, src=0)

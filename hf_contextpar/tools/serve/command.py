@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ...api import DECODES, STRATEGIES
 from ...cliargs import add_csa_arguments, csa_setting, nonnegative_int, positive_int
-from ...models import DEFAULT_MODEL, DTYPES, load
+from ...models import DEFAULT_MODEL, LOAD_DTYPES, load, load_dtype
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-name", help="the model's name in the API (default: MODEL as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=nonnegative_int, default=8000, help="port (default 8000; 0: any free port)")
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="default: the checkpoint's own")
+    p.add_argument("--dtype", choices=LOAD_DTYPES, default="auto", help="default: the checkpoint's own (auto)")
     p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="prefill algorithm (default: the planner)")
     p.add_argument("--decode", default="auto", choices=DECODES, help="decode algorithm")
     add_csa_arguments(p)
@@ -81,12 +81,12 @@ def _load(args, device):
     import hf_contextpar
 
     name = args.model_option or args.model or DEFAULT_MODEL
-    dtype = "auto" if args.dtype == "auto" else DTYPES[args.dtype]
+    dtype = load_dtype(args.dtype)
     cp_group = None
     if args.tp > 1:
         from ..tpload import load_tp
 
-        model, tok, cp_group, _ = load_tp(name, args.tp, torch.float32 if dtype == "auto" else dtype, device)
+        model, tok, cp_group, _ = load_tp(name, args.tp, dtype, device)
     else:
         model, tok = load(name, dtype, device)
     hf_contextpar.apply_context_parallel(
