@@ -198,9 +198,17 @@ class ContextParallelRuntime:
                 cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
-        layer_reads = dict(kv_shapes=self.kv_shapes, dcp=self.dcp, sparse=self.sparse, indexed=self.indexed)
-        layer_reads["cache_window"] = self.contract.cache_window
-        step = Step(plan, self.comm, cache, self.num_layers, **layer_reads)
+        step = Step(
+            plan,
+            self.comm,
+            cache,
+            self.num_layers,
+            kv_shapes=self.kv_shapes,
+            dcp=self.dcp,
+            sparse=self.sparse,
+            indexed=self.indexed,
+            cache_window=self.contract.cache_window,
+        )
         if cache is not None and self.indexed:
             cache.index_exchange = functools.partial(gather_index_keys, step)
             cache.layout.index_positions = IndexHistory(step, cache, kwargs["position_ids"])

@@ -10,12 +10,13 @@ benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by
 so a renamed test cannot silently move into the fast subset. See docs/testing.md.
 
 The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
-family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every other day; N = 3 or 4,
+family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every third day (exactness;
+every verified family's short check runs daily in test_families.py) or every other day (hybrids); N = 3 or 4,
 on alternate days, of the CSA matrix; DCP's matrix on odd days; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
 and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
 one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
-3 processes; the Llama-like exactness families at N = 2 too, see ONE_N_A_DAY) run in some of SLICES slices, one slice picked
+3 processes) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all. A run that names its tests (`-k`, a node
 id) rotates nothing unless HF_CONTEXTPAR_SLICE is set: what it names runs, whatever the day.
@@ -115,10 +116,10 @@ def _by_name(name: str, n: int, period: int = 3) -> set[int]:
     return {k for k in range(SLICES) if k % period == share}
 
 
-def _period(p: dict, thirds=frozenset()) -> int:
-    """The exactness and hybrid matrices' split: a family runs at N = 3 and 4 one day in six each, at N = 2 every
-    other day (one in three for the families in `thirds`)."""
-    return 6 if p["n"] > 2 else 3 if p["family"] in thirds else 2
+def _period(p: dict, n2: int = 2) -> int:
+    """The exactness and hybrid matrices' split: a family runs at N = 3 and 4 one day in six each, at N = 2 one day
+    in `n2`."""
+    return 6 if p["n"] > 2 else n2
 
 
 def _by_n(p: dict, key: str = "n") -> set[int] | None:
@@ -138,10 +139,11 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
-    # N = 3 and 4 in sixths by family; N = 2 in halves (the Llama-like five in thirds), but for the fast subset's
-    # anchors, llama and qwen3_next, every day
+    # N = 3 and 4 in sixths by family; N = 2 in thirds for the exactness matrix (tests/test_families.py checks every
+    # verified family at N = 2 every day) and in halves for the hybrids, but for the fast subset's anchors, llama and
+    # qwen3_next, every day
     ("test_exactness.py", "test_exact"): lambda p: (
-        None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p, ONE_N_A_DAY))
+        None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p, n2=3))
     ),
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: (
         None if (p["n"], p["family"]) == (2, "qwen3_next") else _by_name(p["family"], p["n"], _period(p))
@@ -168,6 +170,7 @@ ROTATING = {
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _one_n_a_day(0),
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
+    ("test_lmeval.py", "test_local_completions_through_the_server"): lambda p: _one_n_a_day(2),  # the lightest day
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
     # the server at N = 3 every other day (N = 2 every run)
     **{("test_serve.py", name): lambda p: _alternate(1) if p.get("server") == 3 else None for name in SERVE_TESTS},
@@ -179,12 +182,6 @@ ROTATING = {
         1 if p["tool"] in ("bench", "eval") else 0
     ),
 }
-
-# Exactness families whose attention reaches the library as plain Llama's does (their differences are
-# projections, norms and biases inside the model's own code): each runs at one N a day, N = 2 included, in
-# thirds by name as at N = 3 and 4, so each of N = 2, 3, 4 comes every third day. The rest run at N = 2 daily.
-ONE_N_A_DAY = {"mistral", "olmo2", "phi3", "qwen2", "qwen3"}
-
 
 def rotation_slice(config=None) -> int | None:
     """The slice this run rotates in (None: all of them): HF_CONTEXTPAR_SLICE, else the day's, but none where the

@@ -270,14 +270,19 @@ def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offse
 def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
     continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
-    owned, run = decode_owners(n := new_cols.numel(), rank_tokens(before.cols, batch), policy.interleave, continuing)
-    # a rank's new columns, all or none (its empty indices: _append skips them) with no index op or tensor len()
-    kv_cols = _append(
-        before.cols, [new_cols if o.numel() == n else o if o.numel() == 0 else new_cols[o] for o in owned]
-    )
+    num_new = new_cols.numel()
+    owned, run = decode_owners(num_new, rank_tokens(before.cols, batch), policy.interleave, continuing)
+    # each rank's new columns: all of them, or none (its empty indices, which _append skips), without an index op:
+    # tensor ops and len() of a tensor cost microseconds, and this runs before every decode step
+    stored = [new_cols if o.numel() == num_new else o if o.numel() == 0 else new_cols[o] for o in owned]
+    kv_cols = _append(before.cols, stored)
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
-    run = ("decode", *run) if run is not None else None
-    storage = dict(store=[RankCommit(rows=o) for o in owned], cols=kv_cols, rotation=before.rotation, run=run)
+    storage = dict(
+        store=[RankCommit(rows=o) for o in owned],
+        cols=kv_cols,
+        rotation=before.rotation,
+        run=("decode", *run) if run is not None else None,
+    )
     return "decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
 
 
