@@ -183,6 +183,7 @@ ROTATING = {
     ),
 }
 
+
 def rotation_slice(config=None) -> int | None:
     """The slice this run rotates in (None: all of them): HF_CONTEXTPAR_SLICE, else the day's, but none where the
     run names its tests itself (`-k`, a node id): an explicit selection is never emptied by the day's rotation."""
