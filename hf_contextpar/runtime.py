@@ -180,22 +180,7 @@ class ContextParallelRuntime:
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
         self._shard_inputs(kwargs, plan, inputs)
-        cache = inputs.cache
-        # no cache asked for: the states, or the index keys every rank's indexer scores, still need one to pass through
-        scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
-        if scratch:
-            cache = self.contract.new_cache()
-        if cache is not None:
-            # the cache stores this rank's DCP slots only (every slot without DCP); a cache split otherwise is refused
-            cache.layout.set_dcp(*((self.dcp.rank, self.dcp.world) if self.dcp is not None else (0, 1)))
-            if plan.chained and any(getattr(layer, "record_past", False) for layer in cache.layers):
-                raise UnsupportedInputError(  # assisted decoding's: the conv states would then grow per rank
-                    "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
-                    "on models with recurrent layers under context parallelism: decode without them."
-                )
-            cache.begin(plan.storage)
-            if plan.chained:
-                cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
+        cache, scratch = self._begin_cache(plan, inputs.cache)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(
@@ -225,6 +210,26 @@ class ContextParallelRuntime:
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         self._entered = True
         return (), kwargs
+
+    def _begin_cache(self, plan, cache):
+        """The cache this forward stores into, told the plan: the caller's, or a scratch one (`scratch`) where none
+        was asked for but the states, or the index keys every rank's indexer scores, still need one to pass."""
+        scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
+        if scratch:
+            cache = self.contract.new_cache()
+        if cache is None:
+            return None, False
+        # the cache stores this rank's DCP slots only (every slot without DCP); a cache split otherwise is refused
+        cache.layout.set_dcp(*((self.dcp.rank, self.dcp.world) if self.dcp is not None else (0, 1)))
+        if plan.chained and any(getattr(layer, "record_past", False) for layer in cache.layers):
+            raise UnsupportedInputError(  # assisted decoding's: the conv states would then grow per rank
+                "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
+                "on models with recurrent layers under context parallelism: decode without them."
+            )
+        cache.begin(plan.storage)
+        if plan.chained:
+            cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
+        return cache, scratch
 
     def _post_forward(self, module, args, kwargs, output):
         self._entered = False

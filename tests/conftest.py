@@ -11,7 +11,7 @@ so a renamed test cannot silently move into the fast subset. See docs/testing.md
 
 The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
 family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every third day (exactness;
-every verified family's short check runs daily in test_families.py) or every other day (hybrids); N = 3 or 4,
+every verified family's short check runs daily in test_families.py); N = 3 or 4,
 on alternate days, of the CSA matrix; DCP's matrix on odd days; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
 and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
@@ -103,6 +103,7 @@ SERVE_TESTS = (
     "test_chat_exact_and_the_second_turn_reuses_the_kept_cache",
     "test_seeded_sampling_is_one_process_with_that_seed",
     "test_echo_and_logprobs_are_one_process_log_softmax",
+    "test_a_client_gone_during_a_long_prefill_stops_it_at_a_layer",
     "test_bad_input_is_a_4xx_and_the_ranks_stay_in_step",
     "test_concurrent_clients_and_a_dropped_stream",
 )
@@ -116,10 +117,10 @@ def _by_name(name: str, n: int, period: int = 3) -> set[int]:
     return {k for k in range(SLICES) if k % period == share}
 
 
-def _period(p: dict, n2: int = 2) -> int:
+def _period(p: dict) -> int:
     """The exactness and hybrid matrices' split: a family runs at N = 3 and 4 one day in six each, at N = 2 one day
-    in `n2`."""
-    return 6 if p["n"] > 2 else n2
+    in three."""
+    return 6 if p["n"] > 2 else 3
 
 
 def _by_n(p: dict, key: str = "n") -> set[int] | None:
@@ -139,11 +140,10 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
-    # N = 3 and 4 in sixths by family; N = 2 in thirds for the exactness matrix (tests/test_families.py checks every
-    # verified family at N = 2 every day) and in halves for the hybrids, but for the fast subset's anchors, llama and
-    # qwen3_next, every day
+    # N = 3 and 4 in sixths by family; N = 2 in thirds (tests/test_families.py checks every verified family at N = 2
+    # every day), but for the fast subset's anchors, llama and qwen3_next, every day
     ("test_exactness.py", "test_exact"): lambda p: (
-        None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p, n2=3))
+        None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p))
     ),
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: (
         None if (p["n"], p["family"]) == (2, "qwen3_next") else _by_name(p["family"], p["n"], _period(p))

@@ -9,9 +9,12 @@ One server per N (module-scoped): N = 2 every run, N = 3 on the rotation's days.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -111,6 +114,31 @@ def test_echo_and_logprobs_are_one_process_log_softmax(server, reference):
     assert max(abs(a - b) for a, b in zip(lps, expected)) <= 2e-4
     for row, top in zip(want, got.logprobs.top_logprobs[1:]):
         assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(2).values.tolist(), abs=2e-4)
+
+
+def test_a_client_gone_during_a_long_prefill_stops_it_at_a_layer(server, reference):
+    """A streamed request of 30K tokens (seconds of prefill here) whose client hangs up after half a second: every
+    rank stops before the same decoder layer (the server says which), and the next request is answered, exact."""
+    tok, generate = reference
+    ids = tok(DOC * 80).input_ids[:30000]
+    host, port = server.url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": ids, "max_tokens": 4, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
+    time.sleep(0.5)
+    conn.close()
+    deadline = time.time() + 60
+    while not any("prefill stopped before layer" in line for line in server.lines) and time.time() < deadline:
+        time.sleep(0.1)
+    (said,) = [line for line in server.lines if "prefill stopped before layer" in line][-1:]
+    assert int(said.split("layer")[-1]) < 6, said  # needle-lm's 6 layers: it stopped inside the prefill
+    short = tok(DOC[:200]).input_ids
+    got = server.client.completions.create(model="needle-lm", prompt=short, max_tokens=6)
+    assert got.choices[0].text == tok.decode(generate(short, 6), skip_special_tokens=True)
 
 
 def test_seeded_sampling_is_one_process_with_that_seed(server, reference):

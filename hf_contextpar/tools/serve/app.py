@@ -73,7 +73,7 @@ class KeptModelManager(ModelManager):
 
 class AgreedStreamer(DirectStreamer):
     """transformers' streamer, whose cancel (the client went away) is rank 0's stop bit for the next step
-    (`AgreedStop`) instead of an exception inside rank 0's generate alone."""
+    (`StopBit`) instead of an exception inside rank 0's generate alone."""
 
     def __init__(self, job: Job, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -6,8 +6,8 @@ plan rank 0 sends before any collective (`Call`) holds everything that decides w
 ids, the generation config and the seed, which kept conversation it continues and how much of it, which ones are
 evicted. No rank decides anything alone:
 
-- **stopping**: a stop bit is agreed at every decode step (`AgreedStop`, one small broadcast from rank 0): a
-  client gone, or the server shutting down, ends the generation on every rank at the same step;
+- **stopping**: a stop bit is agreed at every decode step and, in a prefill, before every decoder layer (`StopBit`,
+  one small broadcast from rank 0): a client gone ends the generation on every rank at the same point;
 - **sampling**: every rank seeds torch's generator with the plan's seed (rank 0 draws one when the request has
   none), so every rank draws the same tokens, and they equal one process's with that seed;
 - **idle**: a rank waits for the next plan inside a broadcast; rank 0 sends an idle beat every `beat` seconds, so
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from ...api import get_runtime
 from ...cache import cache_argument, returned_cache
 from .conversations import Conversations, Reuse
 
@@ -84,6 +85,7 @@ class Lockstep:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if self.world > 1 else None
         self.conversations = Conversations(budget)
+        self.checkpoints = prefill_checkpoints(model)
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.beat, self.stopping = beat, threading.Event()
         self.healthy = True
@@ -167,14 +169,21 @@ class Lockstep:
         cache = self.conversations.take(call.reuse)
         ids = torch.tensor([call.ids], device=self.model.device)
         torch.manual_seed(call.seed)
+        stop = StopBit(self, job)
+        hooks = [layer.register_forward_pre_hook(stop.before_layer) for layer in self.checkpoints]
         try:
             with torch.no_grad():
                 prompt_logits, cache = self._score(ids, cache) if call.scores is not None else (None, cache)
-                out = self.model.generate(**self._generate_kwargs(call, ids, cache, job))
+                out = self.model.generate(**self._generate_kwargs(call, ids, cache, job, stop))
         except Exception as e:
+            if isinstance(e, PrefillCancelled) and self.rank == 0:
+                print(f"request cancelled: {e}", flush=True)
             if job is not None:
                 job.future.set_exception(e)
             return
+        finally:
+            for hook in hooks:
+                hook.remove()
         self._keep(out.sequences[0].tolist(), returned_cache(out))
         if job is not None:
             result = Result(out.sequences, len(call.ids), call.reuse.tokens if call.reuse is not None else 0)
@@ -191,12 +200,12 @@ class Lockstep:
         out = self.model(ids[:, :-1], use_cache=True)
         return out.logits, returned_cache(out)
 
-    def _generate_kwargs(self, call: Call, ids, cache, job: Job | None) -> dict:
+    def _generate_kwargs(self, call: Call, ids, cache, job: Job | None, stop: StopBit) -> dict:
         kwargs = dict(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             generation_config=GenerationConfig.from_dict(call.generation),
-            stopping_criteria=StoppingCriteriaList([AgreedStop(self, job)]),
+            stopping_criteria=StoppingCriteriaList([stop]),
             return_dict_in_generate=True,
             output_logits=call.scores is not None,
             tokenizer=self.tokenizer,  # stop strings: every rank checks them alike
@@ -215,20 +224,53 @@ class Lockstep:
         self.conversations.keep(tokens[: cache.get_seq_length()], cache, nbytes)
 
 
-class AgreedStop(StoppingCriteria):
-    """One bit a decode step, rank 0's: its client went away. Every rank stops at the step
-    rank 0 says, so none is left inside a collective the others never enter."""
+class PrefillCancelled(Exception):
+    """The client went away while its prompt was prefilled: every rank stopped before the same layer."""
+
+
+class StopBit(StoppingCriteria):
+    """Rank 0's stop bit (its client went away), agreed by every rank at the same points, so that none is left
+    inside a collective the others never enter: after every new token (as generate's stopping criterion), and while
+    the prompt is prefilled before every decoder layer (`before_layer`, a forward pre-hook), so a long prefill stops
+    within a layer of the disconnect instead of running to its end."""
 
     def __init__(self, lockstep: Lockstep, job: Job | None):
-        self.lockstep, self.job = lockstep, job
+        self.lockstep, self.job, self.prefilling = lockstep, job, True
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def agreed(self) -> bool:
         stop = self.job is not None and self.job.cancelled.is_set()
         if self.lockstep.group is not None:
             flag = torch.tensor([int(stop)], dtype=torch.uint8)
             dist.broadcast(flag, src=0, group=self.lockstep.group)
             stop = bool(flag.item())
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+        return stop
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.prefilling = False  # generate asks after each new token: the prefill is over
+        return torch.full((input_ids.shape[0],), self.agreed(), dtype=torch.bool, device=input_ids.device)
+
+    def before_layer(self, module, args):
+        if self.prefilling and self.agreed():
+            raise PrefillCancelled(f"the client went away; the prefill stopped before layer {module.hf_contextpar_at}")
+
+
+def prefill_checkpoints(model) -> list:
+    """The decoder layers a prefill may stop before (`StopBit.before_layer`): the model's list of its hidden
+    layers. None where a check between layers would cost the prefill its overlap: a model whose recurrent states
+    pass down the ranks, and KV-Runahead and CSA, which run ahead of the other ranks a layer at a time (every rank
+    would wait for the slowest at each layer's check); there a prefill stops at its first new token."""
+    runtime = get_runtime(model)
+    if runtime is not None and (
+        runtime.chain or runtime.settings.strategy == "kv_runahead" or runtime.settings.sparse is not None
+    ):
+        return []
+    count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            for i, layer in enumerate(module):
+                layer.hf_contextpar_at = i
+            return list(module)
+    return []
 
 
 def scored(ids: list[int], prompt_logits, out, top: int) -> dict:
