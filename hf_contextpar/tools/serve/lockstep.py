@@ -201,13 +201,13 @@ class Lockstep:
         return out.logits, returned_cache(out)
 
     def _generate_kwargs(self, call: Call, ids, cache, job: Job | None, stop: StopBit) -> dict:
+        config = GenerationConfig.from_dict(call.generation)
+        config.return_dict_in_generate, config.output_logits = True, call.scores is not None
         kwargs = dict(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            generation_config=GenerationConfig.from_dict(call.generation),
+            generation_config=config,
             stopping_criteria=StoppingCriteriaList([stop]),
-            return_dict_in_generate=True,
-            output_logits=call.scores is not None,
             tokenizer=self.tokenizer,  # stop strings: every rank checks them alike
         )
         if cache is not None:
