@@ -38,7 +38,7 @@ from transformers.cli.serving.utils import DirectStreamer, GenerateManager, Gene
 
 from ...models import max_positions
 from . import requests, responses
-from .lockstep import Job, Lockstep, QueueFull
+from .lockstep import Job, Lockstep, Unavailable
 
 SERVED = {
     "/v1/chat/completions",
@@ -126,7 +126,7 @@ class LockstepManager(GenerateManager):
     def _submit(self, job: Job) -> Job:
         try:
             return self.lockstep.submit(job)
-        except QueueFull as e:
+        except Unavailable as e:
             raise HTTPException(status_code=503, detail=str(e), headers={"Retry-After": "1"}) from None
 
     def pop_cached(self, request_id: str) -> int | None:

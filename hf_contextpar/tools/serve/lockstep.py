@@ -72,8 +72,9 @@ class Result:
     scores: dict | None = None  # `scored`: per token of prompt and answer, its log-probability and the top ones
 
 
-class QueueFull(Exception):
-    """More requests wait than --max-queue allows: the server answers 503 with Retry-After."""
+class Unavailable(Exception):
+    """No request is taken now (the queue holds --max-queue already, the server is stopping, or a rank failed):
+    the server answers 503 with Retry-After."""
 
 
 class Lockstep:
@@ -94,13 +95,13 @@ class Lockstep:
     # -- rank 0's side: requests in --------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
         if not self.healthy:
-            raise QueueFull(f"a rank of the server failed ({type(self.failure).__name__}); it is going down")
+            raise Unavailable(f"a rank of the server failed ({type(self.failure).__name__}); it is going down")
         if self.stopping.is_set():
-            raise QueueFull("the server is shutting down")
+            raise Unavailable("the server is shutting down")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            raise QueueFull(f"{self.jobs.maxsize} requests are already waiting") from None
+            raise Unavailable(f"{self.jobs.maxsize} requests are already waiting") from None
         return job
 
     def stop(self) -> None:
