@@ -36,6 +36,15 @@ def test_a_cache_with_sliding_or_recurrent_layers_is_reused_only_whole():
     assert table.plan([1, 2, 3, 7, 5], 4)[0] is None  # going back would need the keys its window dropped
 
 
+def test_the_footprint_decides_what_fits_before_anything_is_kept():
+    table = Conversations(budget=1000)
+    assert table.fits(10**6) and table.room() is None  # nothing measured: nothing refused
+    table.footprint.fixed, table.footprint.per_token = 200.0, 10.0  # what `Lockstep.measure` found
+    assert table.room() == 80 and table.fits(80) and not table.fits(81)
+    table.keep([1] * 10, Kept(), nbytes=400)  # a kept cache holding more per token raises the estimate
+    assert table.footprint.per_token == 20.0 and table.room() == 40
+
+
 def test_least_recently_used_goes_first_to_keep_the_budget():
     table = Conversations(budget=100)
     table.keep([1] * 4, Kept(), nbytes=40)  # 10 bytes a token

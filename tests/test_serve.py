@@ -117,25 +117,32 @@ def test_echo_and_logprobs_are_one_process_log_softmax(server, reference):
 
 
 def test_a_client_gone_during_a_long_prefill_stops_it_at_a_layer(server, reference):
-    """A streamed request of 30K tokens (seconds of prefill here) whose client hangs up after half a second: every
-    rank stops before the same decoder layer (the server says which), and the next request is answered, exact."""
+    """A request of 30K tokens (seconds of prefill here) whose client hangs up after half a second, streamed and
+    not (a non-streamed request's connection is watched while it runs): every rank stops before the same decoder
+    layer (the server says which), and the next request is answered, exact."""
     tok, generate = reference
     ids = tok(DOC * 80).input_ids[:30000]
     host, port = server.url.split("//")[1].split("/")[0].split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps({"prompt": ids, "max_tokens": 4, "stream": True}),
-        {"Content-Type": "application/json"},
-    )
-    time.sleep(0.5)
-    conn.close()
-    deadline = time.time() + 60
-    while not any("prefill stopped before layer" in line for line in server.lines) and time.time() < deadline:
-        time.sleep(0.1)
-    (said,) = [line for line in server.lines if "prefill stopped before layer" in line][-1:]
-    assert int(said.split("layer")[-1]) < 6, said  # needle-lm's 6 layers: it stopped inside the prefill
+    for stream in (True, False):
+        before = len(server.lines)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": ids, "max_tokens": 4, "stream": stream}),
+            {"Content-Type": "application/json"},
+        )
+        time.sleep(0.5)
+        conn.close()
+        deadline = time.time() + 60
+
+        def said():
+            return [line for line in server.lines[before:] if "prefill stopped before layer" in line]
+
+        while not said() and time.time() < deadline:
+            time.sleep(0.1)
+        (line,) = said()
+        assert int(line.split("layer")[-1]) < 6, (stream, line)  # needle-lm's 6 layers: it stopped inside the prefill
     short = tok(DOC[:200]).input_ids
     got = server.client.completions.create(model="needle-lm", prompt=short, max_tokens=6)
     assert got.choices[0].text == tok.decode(generate(short, 6), skip_special_tokens=True)
@@ -232,6 +239,11 @@ def test_key_budget_queue_and_sigint(reference):
         got = complete(a_next)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] < 5  # evicted: prefilled again
         assert got["choices"][0]["text"] == tok.decode(generate(a_next, 4), skip_special_tokens=True)
+        long = tok(DOC * 4).input_ids  # its KV alone is over the budget: refused before it runs, named
+        code, body = s.request("/v1/completions", {"prompt": long, "max_tokens": 4}, key)
+        assert code == 400 and "--kv-budget" in body["error"]["message"], body
+        unasked = s.request("/v1/completions", {"prompt": second}, key)[1]  # no max_tokens: what fits
+        assert 0 < unasked["usage"]["completion_tokens"] < 300, unasked
         codes = [None] * 5
 
         def ask(i):

@@ -101,11 +101,28 @@ class LockstepManager(GenerateManager):
             raise requests.BadRequest(
                 f"'prompt' holds token id {max(ids)}; this model's ids end at {vocab - 1}.", "prompt"
             )
+        self._check_budget(len(ids), gen_config, given)
         job = Job(ids, gen_config, asked.get("seed"), scores=asked.get("logprobs"))
         self.jobs[request_id] = job
         while len(self.jobs) > 1024:  # requests that failed before reporting their usage
             self.jobs.pop(next(iter(self.jobs)))
         return job
+
+    def _check_budget(self, prompt: int, config, given: int | None) -> None:
+        """A request whose KV alone would exceed the budget is a 400 (kept, it would evict every conversation and
+        still not fit); one that did not ask for a number of new tokens gets what fits, as with positions."""
+        conversations = self.lockstep.conversations
+        new = config.max_new_tokens or 0
+        if given is None and new > 1 and (room := conversations.room()) is not None:
+            new = config.max_new_tokens = max(1, min(new, room - prompt))
+        if not conversations.fits(prompt + new):
+            need, budget = conversations.footprint.need(prompt + new), conversations.budget
+            raise requests.BadRequest(
+                f"the prompt ({prompt} tokens) and up to {new} new ones need about {need / 2**20:.2f} MiB of KV "
+                f"on each rank; this server keeps at most {budget / 2**20:.2f} MiB (--kv-budget): shorten the "
+                f"prompt or max_tokens, or start the server with a larger --kv-budget or more processes.",
+                "max_tokens" if given is not None and conversations.fits(prompt + 1) else "prompt",
+            )
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         loop = asyncio.get_running_loop()
@@ -119,7 +136,7 @@ class LockstepManager(GenerateManager):
 
     async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
         job = self._submit(self._job(inputs, gen_config, request_id))
-        result = await asyncio.wrap_future(job.future)
+        result = await _answered(job, requests.client.get())
         generated = result.sequences[0, result.prompt_tokens :]
         return processor.decode(generated, skip_special_tokens=True), result.prompt_tokens, generated
 
@@ -139,6 +156,19 @@ class LockstepManager(GenerateManager):
 
     def stop(self) -> None:
         pass
+
+
+async def _answered(job: Job, client, every: float = 0.25):
+    """The job's result; a client that hangs up before it cancels the job (a streamed request learns of it from
+    its stream; this one asks its connection), which stops on every rank at the next agreed point."""
+    future = asyncio.wrap_future(job.future)
+    while client is not None and not job.cancelled.is_set():
+        done, _ = await asyncio.wait({future}, timeout=every)
+        if done:
+            break
+        if await client.is_disconnected():
+            job.cancelled.set()
+    return await future
 
 
 def _stream_failure(future, loop, queue) -> None:

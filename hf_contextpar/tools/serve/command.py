@@ -113,6 +113,7 @@ def run(args) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     budget = args.kv_budget or _default_budget(device)
     lockstep = Lockstep(model, tok, budget=budget, max_queue=args.max_queue, timeout=args.timeout)
+    lockstep.measure()
     server = _start_http(args, args.served_name or name, model, tok, lockstep) if rank == 0 else None
     _route_signals(lockstep, server, rank)
     try:

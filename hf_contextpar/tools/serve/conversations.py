@@ -30,6 +30,23 @@ class Reuse:
 
 
 @dataclasses.dataclass
+class Footprint:
+    """Bytes of KV a conversation holds on a rank: `fixed` (recurrent states, buffers of a set size) plus
+    `per_token` for each token. Measured before the first request (`Lockstep.measure`: two short prompts) and
+    raised by every kept cache, so a request's need is known before anything runs, its first included."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+
+    def need(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+    def learn(self, tokens: int, nbytes: int) -> None:
+        if tokens:
+            self.per_token = max(self.per_token, (nbytes - self.fixed) / tokens)
+
+
+@dataclasses.dataclass
 class Entry:
     tokens: list[int]
     cache: object
@@ -43,7 +60,7 @@ class Conversations:
         self.budget = budget
         self.entries: OrderedDict[int, Entry] = OrderedDict()
         self.next_key = 0
-        self.bytes_per_token = 0.0  # measured on the kept caches (rank 0's): the estimate of a new one's size
+        self.footprint = Footprint()  # rank 0's: the estimate of a request's KV (every rank's share is alike)
 
     def plan(self, ids: list[int], max_new_tokens: int) -> tuple[Reuse | None, list[int]]:
         """Rank 0: the reuse (the longest common prefix with a kept conversation, leaving at least one token to
@@ -56,7 +73,7 @@ class Conversations:
         reuse = None
         if best is not None:
             reuse = Reuse(best, best_len, crop=best_len - len(self.entries[best].tokens))
-        need = self.bytes_per_token * (len(ids) + max_new_tokens)
+        need = self.footprint.need(len(ids) + max_new_tokens)
         held = sum(e.nbytes for k, e in self.entries.items() if reuse is None or k != reuse.key)
         evict = []
         for key, entry in self.entries.items():  # oldest first
@@ -85,9 +102,18 @@ class Conversations:
         """A finished request's conversation (its prompt and answer as far as the cache holds them), newest."""
         key, self.next_key = self.next_key, self.next_key + 1
         self.entries[key] = Entry(tokens, cache, nbytes)
-        if tokens:
-            self.bytes_per_token = max(self.bytes_per_token, nbytes / len(tokens))
+        self.footprint.learn(len(tokens), nbytes)
         return key
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of this many tokens (prompt and new) fits the budget alone: one that does not is
+        refused before it runs (its KV would evict every conversation and still not fit)."""
+        return self.footprint.need(tokens) <= self.budget
+
+    def room(self) -> int | None:
+        """The most tokens a request may hold within the budget (None: no estimate yet)."""
+        fp = self.footprint
+        return int((self.budget - fp.fixed) / fp.per_token) if fp.per_token > 0 else None
 
     @property
     def nbytes(self) -> int:

@@ -32,6 +32,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from ...api import get_runtime
 from ...cache import cache_argument, returned_cache
+from ...models import max_positions
 from .conversations import Conversations, Reuse
 
 
@@ -109,6 +110,26 @@ class Lockstep:
         self.stopping.set()
 
     # -- every rank ----------------------------------------------------------------------------------------
+    def measure(self) -> None:
+        """Before the first request: the KV that two short prompts leave on this rank, fitted as a fixed part plus
+        a part per token (`Footprint`), so a request whose KV alone would exceed the budget is refused before
+        it runs, the first one included. Every rank makes the same two calls (no plan to share)."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        limit = max_positions(self.model) or 2**31
+        sizes = sorted({min(32 * n * self.world, limit - 2) for n in (1, 2)})
+        measured = []
+        for n in sizes:
+            ids = torch.tensor([[(7 * i + 3) % vocab for i in range(n)]], device=self.model.device)
+            config = GenerationConfig(max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+            with torch.no_grad():
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            cache = returned_cache(out)
+            measured.append((cache.get_seq_length(), _cache_bytes(cache)) if cache is not None else (n, 0))
+        footprint = self.conversations.footprint
+        (t1, b1), (t2, b2) = measured[0], measured[-1]
+        footprint.per_token = max(0.0, (b2 - b1) / (t2 - t1)) if t2 > t1 else b1 / max(t1, 1)
+        footprint.fixed = max(0.0, b1 - footprint.per_token * t1)
+
     def share(self, message):
         """Rank 0's message on every rank (a broadcast on the control group; one process: itself)."""
         if self.group is None:
@@ -141,10 +162,16 @@ class Lockstep:
         return self.stopping.is_set() and self.jobs.empty()
 
     def _next_job(self) -> Job | None:
-        try:
-            return self.jobs.get(timeout=0 if self.stopping.is_set() else self.beat)
-        except queue.Empty:
-            return None
+        """The next request still wanted (one whose client left while it waited fails here, on rank 0 alone: the
+        other ranks never heard of it)."""
+        while True:
+            try:
+                job = self.jobs.get(timeout=0 if self.stopping.is_set() else self.beat)
+            except queue.Empty:
+                return None
+            if not job.cancelled.is_set():
+                return job
+            job.future.set_exception(RequestCancelled("the client went away before its request ran"))
 
     def _fail_waiting(self, e: BaseException) -> None:
         while True:
@@ -221,11 +248,14 @@ class Lockstep:
         """The finished call's conversation: the tokens its cache holds (its prompt and all but the last new one)."""
         if cache is None:
             return
-        nbytes = cache.local_nbytes() if hasattr(cache, "local_nbytes") else _nbytes(cache)
-        self.conversations.keep(tokens[: cache.get_seq_length()], cache, nbytes)
+        self.conversations.keep(tokens[: cache.get_seq_length()], cache, _cache_bytes(cache))
 
 
-class PrefillCancelled(Exception):
+class RequestCancelled(Exception):
+    """The client went away: its request stopped (or never started) on every rank alike."""
+
+
+class PrefillCancelled(RequestCancelled):
     """The client went away while its prompt was prefilled: every rank stopped before the same layer."""
 
 
@@ -289,8 +319,10 @@ def scored(ids: list[int], prompt_logits, out, top: int) -> dict:
     return dict(tokens=tokens, token_logprobs=token_logprobs, top=tops)
 
 
-def _nbytes(cache) -> int:
-    """Bytes of a stock cache's K/V (one process)."""
+def _cache_bytes(cache) -> int:
+    """Bytes of this rank's share of a cache (a sharded one counts its own; a stock one, one process's K/V)."""
+    if hasattr(cache, "local_nbytes"):
+        return cache.local_nbytes()
     total = 0
     for layer in getattr(cache, "layers", ()):
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):

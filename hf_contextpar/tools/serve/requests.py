@@ -10,6 +10,7 @@ answer (`n`, `best_of`, `logprobs`, `echo`, `presence_penalty`): an ignored sett
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import os
 
@@ -153,6 +154,9 @@ def check_length(prompt: int, config, limit: int | None, given: int | None) -> N
         config.max_new_tokens = room
 
 
+client: contextvars.ContextVar = contextvars.ContextVar("client", default=None)  # the request's connection
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
@@ -195,6 +199,7 @@ def install_errors(app, *, api_key: str | None, max_body: int, healthy) -> None:
             return JSONResponse(error_body(f"the request body is over {max_body} bytes.", 413), 413)
         if request.url.path == "/health" and not healthy():
             return JSONResponse({"status": "unhealthy", "reason": "a rank failed"}, 503)
+        client.set(request)
         return await call_next(request)
 
 
