@@ -38,7 +38,7 @@ from transformers.cli.serving.utils import DirectStreamer, GenerateManager, Gene
 
 from ...models import max_positions
 from . import requests, responses
-from .lockstep import Job, Lockstep, Unavailable
+from .lockstep import Job, Lockstep, RequestCancelled, Unavailable
 
 SERVED = {
     "/v1/chat/completions",
@@ -168,7 +168,10 @@ async def _answered(job: Job, client, every: float = 0.25):
             break
         if await client.is_disconnected():
             job.cancelled.set()
-    return await future
+    try:
+        return await future
+    except RequestCancelled as e:  # nobody reads the answer: no error to log either (nginx's 499)
+        raise HTTPException(status_code=499, detail=str(e)) from None
 
 
 def _stream_failure(future, loop, queue) -> None:
