@@ -1,13 +1,13 @@
 """Which model families hf-contextpar supports, and what each needs beyond the generic hook.
 
-One registry keyed by `config.model_type` (as Liger-Kernel does). The generic hook is
-transformers' AttentionInterface + AttentionMaskInterface, a sharded cache and forward hooks
-on the *ForCausalLM module; it covers every family below. A family lists here only what is
-particular to it: a `check(config)` that rejects configurations which would not be exact, and
-an optional `apply(model) -> undo` for a family that needs a reversible patch of its own.
-An entry also carries the facts tests, eval and the CLI need: the family's tiny config, the
-reference attention implementation and its fp64 tolerance, so adding a family is one entry here
-(plus one file only if it needs a patch of its own). Installed as `hf_contextpar.patches`.
+The generic hook is transformers' AttentionInterface + AttentionMaskInterface, a sharded cache and forward hooks
+on the *ForCausalLM module; it covers every family below. This package fills the engine's family registry
+(`hf_contextpar.model.families`: `FamilyPatch`, `REGISTRY`, `register`, `resolve`, re-exported here): a family
+lists only what is particular to it, a `check(config)` that rejects configurations which would not be exact, an
+optional `apply(model) -> undo` for a family that needs a reversible patch of its own, and the facts tests, eval
+and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
+one file only if it needs a patch of its own); the engine never imports this package (the public face,
+`hf_contextpar.api`, loads it). Installed as `hf_contextpar.patches`.
 
 No opt-in for what is verified: `verified.py` is data the model census generates
 (`python -m dev.census --from-json docs/census.json --verified patches/verified.py`), the
@@ -20,63 +20,13 @@ to do; `register()` is for a family a later transformers adds, once its user has
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from hf_contextpar.errors import RegistrationError, UnsupportedModelError
+from hf_contextpar.errors import UnsupportedModelError
+from hf_contextpar.model import families
+from hf_contextpar.model.families import REGISTRY, FamilyPatch, register, resolve  # noqa: F401 (the public names)
+from hf_contextpar.model.families import add as _add
 
 from . import bamba, deepseek_v4, diffllama, gated_delta, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
-
-
-@dataclass(frozen=True)
-class FamilyPatch:
-    model_type: str
-    description: str
-    check: Callable | None = None  # check(config) raises UnsupportedModelError
-    apply: Callable | None = None  # apply(model) -> undo(); for families that need more than the generic hook
-    tiny: dict | None = None  # config overrides for the family's tiny random model (the exactness matrix)
-    reference_attn: str = "sdpa"  # the stock attention implementation exactness is measured against
-    fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
-    fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
-    census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
-    recurrent: bool = False  # its recurrent layers' mixers continue from a passed state: the chain runs them
-    # the model multiplies its hidden states by the 2D attention_mask as given (Mamba1's models): the mask must
-    # have one column per input token (one process fails on any other width), and a chained rank gets its own
-    raw_mask: bool = False
-    # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
-    # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
-    indexed: bool = False
-    # its attention has no window of its own (full causal) while the cache its config makes keeps sliding layers
-    # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
-    cache_window: bool = False
-    csa: bool = True  # sparse=CSA(...) defined for its attention (False: its layers attend otherwise, CSA refused)
-    compressed: bool = False  # DeepSeek-V4's CSA / HCA: cache layers of its own (patches/deepseek_v4.py)
-
-
-REGISTRY: dict[str, FamilyPatch] = {}
-
-
-BUILTIN: frozenset = frozenset()  # the families this module registers (set at the end of the import)
-
-
-def register(patch: FamilyPatch) -> FamilyPatch:
-    """Add a family the library does not know (or replace one you added). Users can register a family they have
-    verified themselves. A family the library already lists is refused: an entry of yours would drop its patch,
-    check and tolerances (Opt's left-padding patch, a hybrid's state chain), silently changing its results."""
-    if patch.model_type in BUILTIN:
-        raise RegistrationError(
-            f"model_type '{patch.model_type}' is already in hf-contextpar's registry (verified, with what it needs: "
-            f"{REGISTRY[patch.model_type].description}); it runs with apply_context_parallel(model) alone. "
-            "Registering it again would replace that entry and drop its patch or checks: remove the register() "
-            "call."
-        )
-    return _add(patch)
-
-
-def _add(patch: FamilyPatch) -> FamilyPatch:
-    REGISTRY[patch.model_type] = patch
-    return patch
 
 
 def _text_only_gemma3(config):
@@ -305,7 +255,8 @@ for _mt, _what, _fp32 in [
     # gated_delta: a Gated DeltaNet mixer's chained rank waits for the passed state at its scan (no-op elsewhere)
     _add(FamilyPatch(_mt, _what, recurrent=True, apply=gated_delta.apply, fp32_tolerance=_fp32))
 # why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
-NOT_CHAINED = {
+NOT_CHAINED = families.NOT_CHAINED
+NOT_CHAINED |= {
     "recurrent_gemma": (
         "its RG-LRU and short-convolution states live on its modules, outside the cache's state API, and a multi-token "
         "forward restarts the convolution from zeros, so a rank cannot continue from the states passed down the ranks "
@@ -350,7 +301,8 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 # families whose attention hf-contextpar cannot serve exactly whatever the weights: refused even when registered (a
 # user's register() replaces an entry, so a check in one would not hold). Doge's tiny census model hides it: A is
 # zero-initialized, a constant bias that softmax ignores; with A ~ N(0, 1) a registered doge was 8.6 off at N = 2
-INEXACT = {
+INEXACT = families.INEXACT
+INEXACT |= {
     # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
     # cache modes at the first recurrent layer's second loop (attending with K/V no update of its layer returned)
     "dory": (
@@ -369,34 +321,5 @@ INEXACT = {
 }
 
 
-def resolve(config) -> FamilyPatch:
-    """The registry entry for a config, after its family check; a clear error if there is none."""
-    mt = config.model_type
-    if mt in INEXACT:
-        raise UnsupportedModelError(
-            f"model_type '{mt}' cannot run under context parallelism with hf-contextpar, registered or not: "
-            f"{INEXACT[mt]}."
-        )
-    patch = REGISTRY.get(mt)
-    if patch is None:
-        found = (NOT_VERIFIED.get(mt) or "").rstrip(".")
-        census = f"the model census of transformers {CENSUS['transformers']} (docs/census.md)"
-        if found.startswith("refused"):  # opted in, the library refuses it: registering changes nothing
-            raise UnsupportedModelError(
-                f"model_type '{mt}' is not supported by hf-contextpar: {census} found it {found}. It cannot run "
-                "under context parallelism with this version."
-            )
-        why = f"{census} did not verify it ({found})" if found else f"it is not in {census} (a newer model type)"
-        raise UnsupportedModelError(
-            f"model_type '{mt}' is not supported by hf-contextpar: {why}. A family runs with no opt-in once the "
-            f"census verifies it exact at N = 2, 3, 4. To check it yourself, in a clone of the hf-contextpar "
-            f"repository (the census is a study, not installed): torchrun --nproc_per_node 2 -m dev.census --families {mt} --json census.json, then the same with --sweep at "
-            f"--nproc_per_node 2, 3 and 4; if every run is exact, opt in with "
-            f"hf_contextpar.patches.register(FamilyPatch('{mt}', '<description>'))."
-        )
-    if patch.check is not None:
-        patch.check(config)
-    return patch
-
-
-BUILTIN = frozenset(REGISTRY)
+families.CENSUS.update(transformers=CENSUS["transformers"], not_verified=NOT_VERIFIED)
+families.seal()

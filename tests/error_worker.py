@@ -49,10 +49,11 @@ def registered(scenario):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_contextpar import patches
+    from hf_contextpar.model import families
 
     model_type, config = REGISTERED[scenario]
-    patches.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
-    patches.BUILTIN -= {model_type}  # nor this: a listed family's entry (its patch) replaced by a bare one
+    families.INEXACT.pop(model_type, None)  # what a user cannot do: here it shows the guard needs no list
+    families.BUILTIN.discard(model_type)  # nor this: a listed family's entry (its patch) replaced by a bare one
     patches.register(patches.FamilyPatch(model_type, "registered by hand"))
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)).eval()
@@ -78,9 +79,9 @@ def run(scenario: str, batched: bool):
     rank = int(os.environ["RANK"])
     timeout = float(os.environ.get("CP_TIMEOUT", "60"))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
-    from hf_contextpar import patches
+    from hf_contextpar.model import families
 
-    saved = dict(patches.REGISTRY), patches.BUILTIN, dict(patches.INEXACT)  # the next scenario gets them back
+    saved = dict(families.REGISTRY), set(families.BUILTIN), dict(families.INEXACT)  # the next scenario's back
     try:
         if scenario in REGISTERED:
             model = hf_contextpar.apply_context_parallel(registered(scenario), timeout=timeout)
@@ -92,9 +93,9 @@ def run(scenario: str, batched: bool):
         print(f"RESULT {type(e).__name__} {e}", flush=True)
         return
     finally:
-        patches.REGISTRY.clear()
-        patches.REGISTRY.update(saved[0])
-        patches.BUILTIN, patches.INEXACT = saved[1], saved[2]
+        for table, kept in zip((families.REGISTRY, families.BUILTIN, families.INEXACT), saved):
+            table.clear()
+            table.update(kept)
         if scenario in REGISTERED and dist.is_initialized() and not batched:
             dist.destroy_process_group()
     if scenario == "diffllama_ulysses":  # its expansion of the cached V mixes KV heads (patches/diffllama.py)

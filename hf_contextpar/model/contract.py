@@ -28,10 +28,10 @@ from ..errors import (
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from ..patches import NOT_CHAINED, REGISTRY
-from ..patches import resolve as resolve_family
 from ..plan.costmodel import ulysses_fits
 from ..sparse import csa as sparse_csa
+from .families import NOT_CHAINED, REGISTRY
+from .families import resolve as resolve_family
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding"}  # states passed down the chain

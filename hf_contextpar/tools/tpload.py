@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import init_world, load_tp_cp
+from ..model.families import REGISTRY
 from ..models import TINY_CONFIGS, builtin_model_path, byte_tokenizer, tiny_model
-from ..patches import REGISTRY
 
 
 def load_tp(name: str, tp: int, dtype: torch.dtype | str, device: torch.device, **tiny_overrides):

@@ -1,0 +1,104 @@
+"""The family registry: the engine's side of the family-hook interface, which `patches/` fills.
+
+One registry keyed by `config.model_type` (as Liger-Kernel does). A family lists only what is particular to it
+(`FamilyPatch`: a check, an optional reversible patch, the capabilities its layers need, the facts the tests and
+the census use). The engine reads the registry and never imports the families: `hf_contextpar.patches` (the
+top-level `patches/` package) registers them when the public face (`hf_contextpar.api`) is imported, and
+declares what the census refused (`INEXACT`, `NOT_CHAINED`, `CENSUS`), which `resolve` and the contract quote.
+So the import graph has no circle between the engine and the families: patches/ imports the engine, never back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import RegistrationError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class FamilyPatch:
+    model_type: str
+    description: str
+    check: Callable | None = None  # check(config) raises UnsupportedModelError
+    apply: Callable | None = None  # apply(model) -> undo(); for families that need more than the generic hook
+    tiny: dict | None = None  # config overrides for the family's tiny random model (the exactness matrix)
+    reference_attn: str = "sdpa"  # the stock attention implementation exactness is measured against
+    fp64_tolerance: float = 1e-10  # larger only where transformers' own fp64 reference is fp32-limited
+    fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
+    census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
+    recurrent: bool = False  # its recurrent layers' mixers continue from a passed state: the chain runs them
+    # the model multiplies its hidden states by the 2D attention_mask as given (Mamba1's models): the mask must
+    # have one column per input token (one process fails on any other width), and a chained rank gets its own
+    raw_mask: bool = False
+    # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
+    # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
+    indexed: bool = False
+    # its attention has no window of its own (full causal) while the cache its config makes keeps sliding layers
+    # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
+    cache_window: bool = False
+    csa: bool = True  # sparse=CSA(...) defined for its attention (False: its layers attend otherwise, CSA refused)
+    compressed: bool = False  # DeepSeek-V4's CSA / HCA: cache layers of its own (patches/deepseek_v4.py)
+
+
+REGISTRY: dict[str, FamilyPatch] = {}
+BUILTIN: set[str] = set()  # the families patches/ registers (`seal`): register() may not replace them
+
+# what patches/ declares about the families it does not register (filled at its import)
+INEXACT: dict[str, str] = {}  # model_type -> why it cannot run exact under CP, registered or not
+NOT_CHAINED: dict[str, str] = {}  # hybrid model_type -> why its recurrent layers cannot pass their states
+CENSUS: dict = {}  # the census's record: "transformers" (its version), "not_verified" (model_type -> what it found)
+
+
+def register(patch: FamilyPatch) -> FamilyPatch:
+    """Add a family the library does not know (or replace one you added). Users can register a family they have
+    verified themselves. A family the library already lists is refused: an entry of yours would drop its patch,
+    check and tolerances (Opt's left-padding patch, a hybrid's state chain), silently changing its results."""
+    if patch.model_type in BUILTIN:
+        raise RegistrationError(
+            f"model_type '{patch.model_type}' is already in hf-contextpar's registry (verified, with what it needs: "
+            f"{REGISTRY[patch.model_type].description}); it runs with apply_context_parallel(model) alone. "
+            "Registering it again would replace that entry and drop its patch or checks: remove the register() "
+            "call."
+        )
+    return add(patch)
+
+
+def add(patch: FamilyPatch) -> FamilyPatch:
+    REGISTRY[patch.model_type] = patch
+    return patch
+
+
+def seal() -> None:
+    """patches/'s entries are the library's: a user's register() of one is refused (it would drop their patch)."""
+    BUILTIN.update(REGISTRY)
+
+
+def resolve(config) -> FamilyPatch:
+    """The registry entry for a config, after its family check; a clear error if there is none."""
+    mt = config.model_type
+    if mt in INEXACT:
+        raise UnsupportedModelError(
+            f"model_type '{mt}' cannot run under context parallelism with hf-contextpar, registered or not: "
+            f"{INEXACT[mt]}."
+        )
+    patch = REGISTRY.get(mt)
+    if patch is None:
+        found = (CENSUS.get("not_verified", {}).get(mt) or "").rstrip(".")
+        census = f"the model census of transformers {CENSUS.get('transformers', '?')} (docs/census.md)"
+        if found.startswith("refused"):  # opted in, the library refuses it: registering changes nothing
+            raise UnsupportedModelError(
+                f"model_type '{mt}' is not supported by hf-contextpar: {census} found it {found}. It cannot run "
+                "under context parallelism with this version."
+            )
+        why = f"{census} did not verify it ({found})" if found else f"it is not in {census} (a newer model type)"
+        raise UnsupportedModelError(
+            f"model_type '{mt}' is not supported by hf-contextpar: {why}. A family runs with no opt-in once the "
+            f"census verifies it exact at N = 2, 3, 4. To check it yourself, in a clone of the hf-contextpar "
+            f"repository (the census is a study, not installed): torchrun --nproc_per_node 2 -m dev.census --families {mt} --json census.json, then the same with --sweep at "
+            f"--nproc_per_node 2, 3 and 4; if every run is exact, opt in with "
+            f"hf_contextpar.patches.register(FamilyPatch('{mt}', '<description>'))."
+        )
+    if patch.check is not None:
+        patch.check(config)
+    return patch
