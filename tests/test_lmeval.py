@@ -208,6 +208,26 @@ def test_tensor_parallel_inside_context_parallel(reference, tmp_path):
     assert_same_evaluation(got, reference)
 
 
+def test_replicas_of_context_parallel_groups_through_accelerate(reference, tmp_path):
+    """2 replicas x CP 2 on 4 processes, the layout from accelerate's PARALLELISM_CONFIG_* environment under
+    `accelerate launch --multi_gpu`: lm-eval shards the requests over the replicas, each request is evaluated by
+    exactly one (the run says so), and the one results file is the reference's evaluation."""
+    env = dict(ENV, PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2", PARALLELISM_CONFIG_CP_SIZE="2")
+    launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "4"]
+    launcher += ["--main_process_port", str(free_port())]
+    done = run([*launcher, "-m", "hf_contextpar", "lm_eval", *lm_eval_args("hf-cp", tmp_path)], env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("|Version|Filter|") == 1, done.stdout[-3000:]
+    (said,) = [line for line in done.stdout.splitlines() if "replicas of CP 2 evaluated" in line]
+    shares = said.split("evaluated ")[1].split(" =")[0].split(" + ")
+    assert (
+        len(shares) == 2 and all(int(n) > 0 for n in shares) and said.endswith("0 evaluated by more than one replica")
+    )
+    got = written(tmp_path)
+    assert got[0]["config"]["context_parallel_processes"] == 2
+    assert_same_evaluation(got, reference)
+
+
 def test_use_cache_is_refused(tmp_path):
     """lm-eval's --use_cache keeps one response database per local rank: a rank finding a response there
     would skip a forward its peers run. Refused before any model loads, nothing written."""

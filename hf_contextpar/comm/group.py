@@ -3,7 +3,9 @@
 Order: an explicit `torch.distributed` group; else the default group if someone (accelerate,
 the user) already initialised one; else the environment `torchrun` / `accelerate launch` set
 (RANK, WORLD_SIZE, MASTER_ADDR), initialising gloo for CPU models and nccl for CUDA ones;
-else a single process, where context parallelism is a no-op.
+else a single process, where context parallelism is a no-op. Where an accelerate parallelism config
+(its object, or the PARALLELISM_CONFIG_* environment) splits the world into replicas x CP (x TP),
+the group is this rank's replica's CP group (replicas.py).
 
 Teardown at exit (`release_at_exit`, an `atexit` hook registered with the first group resolved
 here): every Comm drops its reference to its group, and a process group hf-contextpar created
@@ -56,6 +58,7 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
         _hook_exit()
         return group, dist.get_rank(group), dist.get_world_size(group)
     td = datetime.timedelta(seconds=timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+    made_world = False
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
             return None, 0, 1
@@ -63,6 +66,10 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=_backend_for(device), timeout=td)
         _created.append(_WORLD)
+        made_world = True
+    if (replicas := _replicas(timeout)) is not None:  # accelerate's ParallelismConfig: this replica's CP group
+        group = replicas.cp
+    elif made_world:
         group = dist.group.WORLD
     elif _same_on_every_rank(timeout) is not None:
         # A group of our own, so the caller's timeout bounds every wait of ours.
@@ -71,10 +78,32 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
     else:
         group = dist.group.WORLD
     _hook_exit()
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
         return None, 0, 1
     return group, dist.get_rank(group), world
+
+
+def _replicas(timeout):
+    """This rank's groups where an accelerate parallelism config splits the world into several CP groups (or TP
+    groups): the same layout on every rank (checked: it decides which groups are made), else None."""
+    from .replicas import accelerate_layout, make_groups
+
+    layout = accelerate_layout(dist.get_world_size())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, layout)
+    if any(x != everyone[0] for x in everyone):
+        from ..errors import RankMismatchError
+
+        raise RankMismatchError(
+            f"the accelerate parallelism config differs between ranks ({everyone}, by rank); launch every rank "
+            "with the same PARALLELISM_CONFIG_* environment."
+        )
+    if layout is None or (layout.count == 1 and layout.tp == 1):
+        return None
+    groups = make_groups(layout, timeout if timeout is not None else DEFAULT_TIMEOUT_S)
+    _created.extend(g for g in (groups.across, groups.cp) if g is not None)
+    return groups
 
 
 def _same_on_every_rank(timeout):

@@ -14,7 +14,10 @@ are approximate, and its results' config carries the settings. lm-eval's `--use_
 database per local rank, so a rank that finds a response there would skip a forward its peers run.
 Every rank evaluates every request, one sequence split over all ranks;
 lm-eval would otherwise shard the requests over the processes (data parallelism: with the patched
-model, each rank would then refuse its peers' different inputs). Only global rank 0 returns results,
+model, each rank would then refuse its peers' different inputs). `cp_size=C` (or accelerate's
+PARALLELISM_CONFIG_* environment) splits the processes into replicas of C ranks instead (comm/replicas.py):
+lm-eval shards the requests over the replicas, every rank of a replica runs its replica's, and lm-eval's
+gathers run between the replicas. Only global rank 0 returns results,
 so only it prints and writes --output_path / --log_samples (lm-eval checks LOCAL_RANK alone, which
 is 0 on every node). lm-eval loads no plugins by itself, hence the launcher: it registers `hf-cp`,
 runs lm-eval's own command line with the arguments after `lm_eval`, then unpatches the models and
@@ -27,12 +30,14 @@ import inspect
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..api import remove_context_parallel
 from ..comm.group import DEFAULT_TIMEOUT_S
+from ..comm.replicas import Replicas, accelerate_layout, make_groups
 from ..models import builtin_model_path
 
 MODEL = "hf-cp"
@@ -56,6 +61,7 @@ class ContextParallelLM(HFLM):
         decode="auto",
         timeout=DEFAULT_TIMEOUT_S,
         tp=1,
+        cp_size=None,
         csa=None,
         topology=None,
         observe=64,
@@ -78,8 +84,12 @@ class ContextParallelLM(HFLM):
             kwargs.setdefault("tokenizer", tokenizer)
         elif isinstance(pretrained, str):
             pretrained = builtin_model_path(pretrained) or pretrained
+        layout = _layout(cp_size, tp)  # before the model loads: a layout that does not divide costs nothing
         super().__init__(pretrained=pretrained, **kwargs)
         timeout = None if timeout in (None, "", "none", "None") else float(timeout)
+        self.replicas = make_groups(layout, timeout) if layout is not None else None
+        if self.replicas is not None:
+            cp_group = self.replicas.cp
         hf_contextpar.apply_context_parallel(
             self._model, strategy=strategy, decode=decode, timeout=timeout, group=cp_group, sparse=sparse
         )
@@ -88,9 +98,63 @@ class ContextParallelLM(HFLM):
         self.approximate = sparse.resolved(self.cp_world).describe() if sparse is not None else None
         if self.approximate and _global_rank() == 0:
             print(approximate_note(self.approximate), flush=True)
-        # one model for lm-eval: no request sharding, no gathers of results between ranks
-        self._rank, self._world_size = 0, 1
+        # lm-eval shards the requests over the replicas (one replica: every rank runs every request)
+        replica, count = (self.replicas.replica, self.replicas.layout.count) if self.replicas else (0, 1)
+        self._rank, self._world_size = replica, count
+        self.evaluated: set = set()  # the requests this replica evaluated (said at the end: each by one replica)
         _models.append(self)
+
+    # lm-eval's data parallelism over replicas: its gathers run between the replicas, each rank with its peers
+    # of the same place in the other replicas (HFLM's would gather over the whole world, every CP rank twice)
+    def all_gather(self, tensor):
+        if self.world_size <= 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.replicas.across)
+        return torch.cat([p.reshape(-1) if p.dim() == 0 else p for p in parts])
+
+    def gather_object(self, obj, dst=0):
+        if self.world_size <= 1:
+            return [obj]
+        result = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, result, group=self.replicas.across, group_dst=dst)
+        return result
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _count(self, requests) -> None:
+        self.evaluated.update((r.task_name, r.doc_id, r.idx) for r in requests)  # lm-eval's padding repeats some
+
+    def replicas_report(self) -> str | None:
+        """Global rank 0: which replica evaluated how many requests, and that none was evaluated twice (every
+        rank calls it: a gather between the replicas)."""
+        if self.world_size <= 1:
+            return None
+        shares = self.gather_object(sorted(self.evaluated, key=str))
+        if _global_rank() != 0:
+            return None
+        seen = [set(map(tuple, share)) for share in shares]
+        twice = sum(len(a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+        counts = " + ".join(str(len(share)) for share in seen)
+        layout = self.replicas.layout
+        return (
+            f"{MODEL}: {layout.count} replicas of CP {layout.cp} evaluated {counts} = {sum(map(len, seen))} "
+            f"requests; {twice} evaluated by more than one replica"
+        )
+
+    def loglikelihood(self, requests, *args, **kwargs):
+        self._count(requests)
+        return super().loglikelihood(requests, *args, **kwargs)
+
+    def loglikelihood_rolling(self, requests, *args, **kwargs):
+        self._count(requests)
+        return super().loglikelihood_rolling(requests, *args, **kwargs)
+
+    def generate_until(self, requests, *args, **kwargs):
+        self._count(requests)
+        return super().generate_until(requests, *args, **kwargs)
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
@@ -148,6 +212,31 @@ def _load_tp(name: str, tp: int, dtype, kwargs: dict):
     return model, tokenizer, cp_group
 
 
+def _layout(cp_size, tp: int):
+    """The replicas x CP x TP layout (None: one CP group of every rank, as without it): `cp_size` given, else an
+    accelerate parallelism config's (its PARALLELISM_CONFIG_* environment)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cp_size in (None, ""):
+        layout = accelerate_layout(world)
+        if layout is not None and layout.tp != tp:
+            raise ValueError(
+                f"{MODEL}: the accelerate parallelism config sets tp_size={layout.tp}; pass tp={layout.tp}."
+            )
+    else:
+        try:
+            layout = Replicas.of(world, int(cp_size), tp)
+        except (TypeError, ValueError):
+            raise ValueError(f"{MODEL}: cp_size must be a positive number of processes, got {cp_size!r}.") from None
+    if layout is None or layout.count == 1:
+        return None
+    if layout.tp > 1:
+        raise ValueError(
+            f"{MODEL}: replicas of TP x CP groups (cp_size={layout.cp}, tp={layout.tp} on {world} processes) are not "
+            f"supported yet; use cp_size={world // layout.tp} (one replica) with tp={layout.tp}, or tp=1."
+        )
+    return layout
+
+
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
@@ -194,6 +283,9 @@ def main(argv: list[str]) -> None:
         _refuse(MODEL if args.model is None else args.model, args.use_cache)
     # an error propagates: the exit hook tears down what hf-contextpar made, no barrier with a failed peer
     cli.execute(args)
+    for lm in _models:
+        if (report := lm.replicas_report()) is not None:
+            print(report, flush=True)
     for note in sorted({lm.approximate for lm in _models if lm.approximate}):
         if _global_rank() == 0:  # under the table, where a reader looks
             print(approximate_note(note), flush=True)
