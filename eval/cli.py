@@ -66,6 +66,12 @@ def _common(p):
     p.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a rank waits for its peers (default 1800)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even if CUDA is available")
+    p.add_argument(
+        "--cp-size",
+        type=positive_int,
+        help="processes per CP group: the launch splits into replicas that share the cases (needlebench, "
+        "bookcorpus; default: one group of all, or accelerate's PARALLELISM_CONFIG_CP_SIZE)",
+    )
 
 
 TOLERANCE_HELP = (

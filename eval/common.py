@@ -38,7 +38,7 @@ def setup(args):
             "use either --reference FILE (read a saved single-process run) or --save-reference FILE (make one)."
         )
     cuda = torch.cuda.is_available() and not args.cpu
-    d = Dist(args.timeout, cuda)
+    d = Dist(args.timeout, cuda, getattr(args, "cp_size", None))
     if args.save_reference and d.world > 1:
         raise SystemExit(
             "--save-reference records the single-process run: start it as one process "

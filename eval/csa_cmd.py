@@ -61,6 +61,8 @@ def cmd_csa(args) -> int:
     names = exact_strategies(args.exact_strategies)
     args.reference = args.save_reference = None  # this command computes its references itself
     d, model, tok = setup(args)
+    if d.replicas > 1:
+        raise SystemExit("error: csa runs one CP group of every process; leave --cp-size and PARALLELISM_CONFIG_* out.")
     try:  # this model under CSA: refused now, with the library's message, rather than half-way
         hf_contextpar.apply_context_parallel(model, group=d.group, sparse=csa)
     except (hf_contextpar.ContextParallelError, ValueError) as e:

@@ -52,6 +52,8 @@ def cmd_csa_config(args) -> int:
     except (ValueError, IndexError) as e:
         raise SystemExit(f"--grid / --topology / --observe: {e}") from None
     d, model, tok = setup(args)
+    if d.replicas > 1:
+        raise SystemExit("error: csa runs one CP group of every process; leave --cp-size and PARALLELISM_CONFIG_* out.")
     cases = _on_rank0_cases(d, args, tok)
     exact = distributed_runs(d, model, tok, cases, args, dict(strategy=args.strategy))
     exact_score = _mean_score(cases, exact, tok)

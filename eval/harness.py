@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import hf_contextpar
 from hf_contextpar.comm.group import resolve_group
+from hf_contextpar.comm.replicas import Replicas, accelerate_layout, make_groups
 
 from .needlebench import DataError
 from .oracle import fingerprint
@@ -30,7 +31,7 @@ __all__ = ["Dist", "load_reference", "on_rank0", "run_rounds", "save_reference"]
 class Dist:
     """Rank, world size and the few object collectives the harness needs (no-ops on one process)."""
 
-    def __init__(self, timeout: float, cuda: bool):
+    def __init__(self, timeout: float, cuda: bool, cp_size: int | None = None):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{local}" if cuda else "cpu")
         if cuda:
@@ -38,30 +39,51 @@ class Dist:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in os.environ:
             raise SystemExit("WORLD_SIZE > 1 but no MASTER_ADDR: start the harness with torchrun or accelerate launch.")
         # the library's one process-group start-up; the harness's own collectives use the default group
-        _, self.rank, self.world = resolve_group(device=self.device, timeout=None if dist.is_initialized() else timeout)
+        timeout = None if dist.is_initialized() else timeout
+        _, self.rank, self.world = resolve_group(device=self.device, timeout=timeout, replicas=False)
         self.group = dist.group.WORLD if self.world > 1 else None
+        self.processes, self.cp_rank, self.replica, self.replicas = self.world, self.rank, 0, 1
+        layout = self._layout(cp_size)
+        if layout is not None and layout.count > 1:  # replicas x CP: each replica its share of the cases
+            groups = make_groups(layout, timeout, across=False)
+            self.group, self.world = groups.cp, layout.cp  # `world`: the N of the report, a replica's CP group
+            self.cp_rank, self.replica, self.replicas = self.rank % layout.cp, groups.replica, layout.count
+
+    def _layout(self, cp_size: int | None):
+        """The replicas x CP layout: --cp-size, else accelerate's parallelism config (its environment)."""
+        if self.world == 1:
+            return None
+        try:
+            layout = Replicas.of(self.world, cp_size) if cp_size else accelerate_layout(self.world)
+        except hf_contextpar.ContextParallelError as e:
+            raise SystemExit(f"error: {e}") from None
+        if layout is not None and layout.tp > 1:
+            raise SystemExit("error: the eval harness runs no tensor parallelism: leave tp_size at 1.")
+        if layout is not None and layout.cp < 2:
+            raise SystemExit("error: a replica of one process runs no context parallelism: give cp_size 2 or more.")
+        return layout
 
     def broadcast(self, obj):
-        """rank 0's `obj` on every rank."""
-        if self.world == 1:
+        """rank 0's `obj` on every rank (every process of the launch, every replica)."""
+        if self.processes == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def all_gather(self, obj) -> list:
-        if self.world == 1:
+        if self.processes == 1:
             return [obj]
-        out = [None] * self.world
+        out = [None] * self.processes
         dist.all_gather_object(out, obj)
         return out
 
     def barrier(self):
-        if self.world > 1:
+        if self.processes > 1:
             dist.barrier()
 
     def close(self):
-        if self.world > 1 and dist.is_initialized():
+        if self.processes > 1 and dist.is_initialized():
             dist.barrier()  # nobody tears the group down while a peer still uses it
             dist.destroy_process_group()
         self.group = None  # a reference kept past the exit hook would destroy the group during finalization
@@ -92,10 +114,11 @@ def run_rounds(
 
     mine = []
     patched = False
-    bar = tqdm(total=len(cases), desc=desc, disable=d.rank != 0, dynamic_ncols=True)
-    for start in range(0, len(cases), d.world):
-        chunk = cases[start : start + d.world]
-        own = chunk[d.rank] if d.rank < len(chunk) else None
+    share = cases[d.replica :: d.replicas]  # replicas: each runs every replicas-th case, all of them together
+    bar = tqdm(total=len(share), desc=desc, disable=d.rank != 0, dynamic_ncols=True)
+    for start in range(0, len(share), d.world):
+        chunk = share[start : start + d.world]
+        own = chunk[d.cp_rank] if d.cp_rank < len(chunk) else None
         if reference is None:
             if patched:
                 hf_contextpar.remove_context_parallel(model)
@@ -113,7 +136,7 @@ def run_rounds(
             t0 = time.perf_counter()
             out = cp_fn(model, case)
             cp_s = time.perf_counter() - t0
-            if i == d.rank:
+            if i == d.cp_rank:
                 rec = compare_fn(case, ref, out)
                 rec.update(
                     index=case["index"],
@@ -125,7 +148,7 @@ def run_rounds(
     bar.close()
     if patched:
         hf_contextpar.remove_context_parallel(model)
-    records = [r for part in d.all_gather(mine) for r in part]
+    records = [r for part in d.all_gather(mine) for r in part]  # every rank's, from every replica: each case once
     return sorted(records, key=lambda r: r["index"])
 
 

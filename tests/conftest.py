@@ -173,6 +173,9 @@ ROTATING = {
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_lmeval.py", "test_local_completions_through_the_server"): lambda p: _one_n_a_day(2),  # the lightest day
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
+    # replicas x CP: the harness's and the library's (lm-eval's is with its other runs above), on alternate days
+    ("test_eval.py", "test_needlebench_replicas_write_the_single_groups_report"): lambda p: _alternate(0),
+    ("test_replicas.py", "test_apply_makes_a_cp_group_per_replica"): lambda p: _alternate(1),
     # the server at N = 3 every other day (N = 2 every run)
     **{("test_serve.py", name): lambda p: _alternate(1) if p.get("server") == 3 else None for name in SERVE_TESTS},
     # DCP's matrix and its refusals every other day (TP x CP's every day)

@@ -144,6 +144,23 @@ def test_needlebench_equivalent_n2(tmp_path):
     assert "**Verdict: equivalent**" in md and md.count("| single_retrieval |") == 6
 
 
+def test_needlebench_replicas_write_the_single_groups_report(tmp_path):
+    """4 processes as 2 replicas of CP 2 (`--cp-size 2`): each replica runs half the cases, and the one report
+    rank 0 writes is the report of one CP group of 2 running them all (the same answers, the same logits)."""
+    args = ["-m", "hf_contextpar.eval", "needlebench", "--model", "tiny-llama", "--lengths", "1024"]
+    args += ["--depths", "0,50,100", "--max-new-tokens", "6", "--needles", "0,3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _check(launch(2, [*args, "--out", str(one)], timeout=300), 0)
+    procs = launch(4, [*args, "--cp-size", "2", "--out", str(two)], timeout=300)
+    _check(procs, 0)
+    assert all(out == "" for _, out, _ in procs[1:])  # rank 0 reports
+    single, replicas = _report(one), _report(two)
+    assert replicas["summary"]["world"] == 2 and replicas["summary"]["cases"] == 12
+    assert replicas["summary"]["verdict"] == single["summary"]["verdict"] == "equivalent"
+    same = ("key", "task", "depth", "ref_answer", "cp_answer", "tokens_identical", "max_logit_diff", "new_tokens")
+    assert [{k: c[k] for k in same} for c in replicas["cases"]] == [{k: c[k] for k in same} for c in single["cases"]]
+
+
 def test_needlebench_needle_lm_n3_real_scores(tmp_path):
     """The shipped model through the harness on 3 processes: equivalent to one process (tokens identical,
     logits within fp32 tolerance), and the scores are real retrieval, not 0 both ways."""

@@ -78,7 +78,7 @@ def test_lm_eval_replicas_of_tp_groups_are_refused_clearly(env, monkeypatch):
         _layout("x", 1)
 
 
-def test_apply_under_accelerates_environment_makes_a_cp_group_per_replica():
+def test_apply_makes_a_cp_group_per_replica():
     env = dict(os.environ, PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2", PARALLELISM_CONFIG_CP_SIZE="2")
     done = torchrun(4, [os.path.join(os.path.dirname(__file__), "replicas_worker.py")], timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -52,8 +52,9 @@ def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def resolve_group(group=None, *, device: torch.device, timeout: float | None = None):
-    """Return (group, rank, world_size); group is None when running on one process."""
+def resolve_group(group=None, *, device: torch.device, timeout: float | None = None, replicas: bool = True):
+    """Return (group, rank, world_size); group is None when running on one process. `replicas=False`: the
+    whole world, whatever accelerate's parallelism config says (a tool that splits it into replicas itself)."""
     if group is not None:
         _hook_exit()
         return group, dist.get_rank(group), dist.get_world_size(group)
@@ -67,8 +68,8 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
         dist.init_process_group(backend=_backend_for(device), timeout=td)
         _created.append(_WORLD)
         made_world = True
-    if (replicas := _replicas(timeout)) is not None:  # accelerate's ParallelismConfig: this replica's CP group
-        group = replicas.cp
+    if replicas and (mine := _replicas(timeout)) is not None:  # accelerate's parallelism config: the replica's
+        group = mine.cp
     elif made_world:
         group = dist.group.WORLD
     elif _same_on_every_rank(timeout) is not None:
@@ -101,8 +102,9 @@ def _replicas(timeout):
         )
     if layout is None or (layout.count == 1 and layout.tp == 1):
         return None
-    groups = make_groups(layout, timeout if timeout is not None else DEFAULT_TIMEOUT_S)
-    _created.extend(g for g in (groups.across, groups.cp) if g is not None)
+    groups = make_groups(layout, timeout if timeout is not None else DEFAULT_TIMEOUT_S, across=False)
+    if groups.cp is not None:
+        _created.append(groups.cp)  # this model's: released when it is unpatched (release_group)
     return groups
 
 

@@ -74,8 +74,9 @@ class ReplicaGroups:
     layout: Replicas
 
 
-def make_groups(layout: Replicas, timeout: float | None = None) -> ReplicaGroups:
-    """Every rank makes every group, in one order (`new_group` is a collective of the whole world)."""
+def make_groups(layout: Replicas, timeout: float | None = None, *, across: bool = True) -> ReplicaGroups:
+    """Every rank makes every group, in one order (`new_group` is a collective of the whole world); the across
+    groups only where asked (a tool gathering between replicas; a model needs its CP group alone)."""
     td = datetime.timedelta(seconds=timeout) if timeout is not None else None
     kwargs = dict(timeout=td) if td is not None else {}
     replica, c, t = layout.coordinates(dist.get_rank())
@@ -85,7 +86,7 @@ def make_groups(layout: Replicas, timeout: float | None = None) -> ReplicaGroups
             group = dist.new_group(layout.cp_ranks(r, tt), **kwargs)
             if (r, tt) == (replica, t):
                 mine_cp = group
-    for cc in range(layout.cp):
+    for cc in range(layout.cp if across else 0):
         for tt in range(layout.tp):
             group = dist.new_group(layout.across_ranks(cc, tt), **kwargs)
             if (cc, tt) == (c, t):
