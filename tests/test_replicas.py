@@ -65,6 +65,22 @@ def test_the_environment_is_read_and_checked(env):
         accelerate_layout(4)
 
 
+def test_an_accelerators_parallelism_config_is_read(env):
+    """The object form: the config an `Accelerator(parallelism_config=...)` keeps in accelerate's shared state
+    (accelerate's own class, whose unset sizes it reads from the environment; sharded data parallelism counts
+    as replicas for inference)."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    config = accelerate.ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2)
+    AcceleratorState._shared_state["parallelism_config"] = config  # what Accelerator.__init__ stores
+    try:
+        with pytest.warns(UserWarning, match="cp_backend"):
+            assert accelerate_layout(8) == Replicas(2, 2, 2)
+    finally:
+        AcceleratorState._shared_state.pop("parallelism_config", None)
+
+
 def test_lm_eval_replicas_of_tp_groups_are_refused_clearly(env, monkeypatch):
     pytest.importorskip("lm_eval")
     from hf_contextpar.tools.lmeval import _layout
