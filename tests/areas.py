@@ -40,14 +40,17 @@ def _algorithm(name: str):
 
 
 def _strategy(name: str):
-    """test_hybrid.py::test_hybrid_strategies and test_strategies.py::test_strategy_exact at one strategy."""
+    """test_hybrid.py::test_hybrid_strategies and test_strategies.py::test_strategy_exact at one strategy, and the
+    traffic of every strategy."""
     return [
         ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] == name),
         ("test_strategies.py::test_strategy_exact", lambda p: p["strategy"] == name),
+        TRAFFIC,
     ]
 
 
 A = "hf_contextpar/attention/"
+TRAFFIC = "test_strategies.py::test_traffic_matches_the_formulas"  # every strategy's bytes against its formula
 ANCHOR = ("test_exactness.py::test_exact", lambda p: (p["n"], p["family"]) == (2, "llama"))  # the default path, daily
 
 AREAS: dict[str, Area] = {
@@ -57,13 +60,14 @@ AREAS: dict[str, Area] = {
         (A + "ring_pass_kv.py",),
         (
             _algorithm("ring_pass_kv"),
-            _algorithm("kv_runahead"),  # KV-Runahead's chain runs in ring pass-KV's file
             "test_algorithms.py::test_random_forward_sequences",
             "test_algorithms.py::test_a_skipped_last_ring_hop_fails",
             "test_algorithms.py::test_a_wrong_message_size_is_an_error",
             "test_algorithms.py::test_simulator_matches_the_real_comm",
             ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] in ("ring_pass_kv", "uneven")),
             "test_eval.py::test_needlebench_broken_ring_is_not_equivalent",
+            "test_multiturn.py",  # partial prefill over a kept cache (KV-Runahead's too) runs ring pass-KV
+            TRAFFIC,
             ANCHOR,
         ),
     ),
@@ -76,6 +80,7 @@ AREAS: dict[str, Area] = {
             "test_algorithms.py::test_random_forward_sequences",
             ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] == "ring_pass_q"),
             "test_multiturn.py",
+            TRAFFIC,
         ),
     ),
     "allgather_kv": Area(
@@ -185,7 +190,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/cache/layers.py",
             "hf_contextpar/cache/sharded.py",
         ),
-        ("test_cache.py", "test_multiturn.py", "test_interleave.py", "test_conversations.py", ANCHOR),
+        ("test_cache.py", "test_multiturn.py", "test_interleave.py", ANCHOR),
     ),
     "recurrent": Area(
         "recurrent layers (linear attention, state-space, convolutions): the state chain and the states' wire format",
@@ -194,7 +199,6 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/cache/states.py",
             "patches/gated_delta.py",
             "patches/mamba1.py",
-            "patches/bamba.py",
         ),
         (
             "test_recurrent.py",
