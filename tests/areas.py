@@ -385,7 +385,12 @@ def source_files() -> list[str]:
 
 def areas_of(path: str) -> list[str]:
     """The areas whose sources include `path` (from the repository root, or absolute)."""
-    rel = Path(path).resolve().relative_to(ROOT).as_posix() if Path(path).is_absolute() else Path(path).as_posix()
+    given = Path(path)
+    if given.is_absolute():
+        if not given.resolve().is_relative_to(ROOT):
+            return []
+        given = given.resolve().relative_to(ROOT)
+    rel = given.as_posix()
     return [m for m, area in AREAS.items() if any(fnmatch.fnmatchcase(rel, pattern) for pattern in area.sources)]
 
 
@@ -402,9 +407,16 @@ def main(argv: list[str]) -> int:
     if not found:
         return 1
     expr = " or ".join(found)
-    print(f'python -m pytest -q -m "{expr}"                   # the tests aimed at it (today\'s slice of its matrices)')
-    print(f'python -m pytest -q -m "{expr} or end_to_end"    # and the whole-model runs through every file')
-    print(f'HF_CONTEXTPAR_SLICE=all python -m pytest -q -m "{expr}"   # every slice of the rotation')
+    grouped = f"({expr})" if len(found) > 1 else expr
+    commands = [
+        (f'python -m pytest -q -m "{expr}"', "the tests aimed at it (today's slice of its matrices)"),
+        (f'python -m pytest -q -m "{grouped} and not slow"', "its share of the fast subset"),
+        (f'python -m pytest -q -m "{expr} or end_to_end"', "and the whole-model runs through every file"),
+        (f'HF_CONTEXTPAR_SLICE=all python -m pytest -q -m "{expr}"', "every slice of the rotation"),
+    ]
+    width = max(len(c) for c, _ in commands)
+    for command, what in commands:
+        print(f"{command.ljust(width)}   # {what}")
     return 0
 
 
