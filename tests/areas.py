@@ -8,7 +8,8 @@ source files it covers (paths from the repository root; a glob only where a whol
 tests aimed at them: a module (`test_x.py`), a test function (`test_x.py::test_y`), or a test function with a
 predicate of its parameters (`("test_x.py::test_y", lambda p: ...)`, as in conftest's SLOW_TESTS). The end-to-end
 tests that run a whole model through every file (the exactness matrix, the fuzz, every family, the geometries)
-carry the marker `end_to_end` and no other: `-m "ring_pass_kv or end_to_end"` adds them.
+carry the marker `end_to_end`: `-m "ring_pass_kv or end_to_end"` adds them; the repository's rules (docs, lint,
+layout, this table) carry `house`. Every test file is named here.
 
 tests/test_areas.py keeps this table true: every module of the installed packages (hf_contextpar/, patches/, eval/)
 is a source of some area, every source and test named here exists, and every area keeps a test that the day's
@@ -354,7 +355,13 @@ END_TO_END = Area(
     (),
     ("test_exactness.py", "test_families.py", "test_fuzz.py", "test_geometries.py", "test_holes.py", "test_hybrid.py"),
 )
-MARKERS = {**AREAS, "end_to_end": END_TO_END}
+# the repository's own rules, about no one source file: the docs, lint and format, the import layout, this table
+HOUSE = Area(
+    "the repository's rules: docs, lint and format, the import layout, this table",
+    (),
+    ("test_docs.py", "test_lint.py", "test_layout.py", "test_areas.py"),
+)
+MARKERS = {**AREAS, "end_to_end": END_TO_END, "house": HOUSE}
 
 
 def _entries():

@@ -103,6 +103,11 @@ SLOW_TESTS = {
     ("test_tp.py", "test_bench_layouts"): None,
     ("test_tp.py", "test_main_job_tp4_dcp"): None,
     ("test_tp.py", "test_main_job_refuses_tp_that_splits_a_head"): None,
+    # the area table's checks that collect the suite in a subprocess (about 20 s); its static checks stay fast
+    ("test_areas.py", "test_a_keyword_selection_is_not_rotated"): None,
+    ("test_areas.py", "test_a_node_id_is_not_rotated"): None,
+    ("test_areas.py", "test_every_area_selects_tests_on_every_day"): None,
+    ("test_areas.py", "test_every_entry_selects_a_test"): None,
 }
 
 

@@ -65,6 +65,13 @@ def test_every_test_named_exists():
     assert not stale, f"tests/areas.py names tests that do not exist: {stale}"
 
 
+def test_every_test_file_is_in_an_area():
+    """So the table answers the other way round too: what a test file covers."""
+    named = {module for _, module, _, _ in areas.ENTRIES}
+    missing = sorted(p.name for p in HERE.glob("test_*.py") if p.name not in named)
+    assert not missing, f"test files in no area of tests/areas.py: {missing}"
+
+
 def test_the_markers_are_registered(request):
     registered = {line.split(":")[0].strip() for line in request.config.getini("markers")}
     assert set(areas.MARKERS) <= registered
