@@ -40,11 +40,11 @@ def _algorithm(name: str):
     return ("test_algorithms.py::test_algorithm", lambda p: p["case"].algorithm == name)
 
 
-def _strategy(name: str):
-    """test_hybrid.py::test_hybrid_strategies and test_strategies.py::test_strategy_exact at one strategy, and the
-    traffic of every strategy."""
+def _strategy(name: str, hybrid: str | None = None):
+    """test_hybrid.py::test_hybrid_strategies (at `hybrid`, its name there) and test_strategies.py::test_strategy_exact
+    at one strategy, and the traffic of every strategy."""
     return [
-        ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] == name),
+        ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] == (hybrid or name)),
         ("test_strategies.py::test_strategy_exact", lambda p: p["strategy"] == name),
         TRAFFIC,
     ]
@@ -99,8 +99,7 @@ AREAS: dict[str, Area] = {
         (A + "kv_runahead.py", "hf_contextpar/plan/partitions.py"),
         (
             _algorithm("kv_runahead"),
-            *_strategy("kv_runahead"),
-            ("test_hybrid.py::test_hybrid_strategies", lambda p: p["strategy"] == "uneven"),
+            *_strategy("kv_runahead", hybrid="uneven"),  # test_hybrid_strategies' uneven partitions
             "test_strategies.py::test_kvr_search_on_a_model",
             "test_strategies.py::test_search_finds_the_minimum_of_a_known_cost",
             "test_strategies.py::test_partition_table_interpolates_and_clamps",
@@ -376,13 +375,19 @@ def _entries():
 ENTRIES = list(_entries())
 
 
-def markers_of(module: str, function: str, params: dict) -> set[str]:
-    """The area markers of one collected test (its module's file name, its function, its parameters)."""
-    return {
-        marker
-        for marker, mod, fn, keep in ENTRIES
+def entries_of(module: str, function: str, params: dict) -> list[int]:
+    """The entries (indices into ENTRIES) that select one collected test (its module's file name, its function, its
+    parameters)."""
+    return [
+        i
+        for i, (_, mod, fn, keep) in enumerate(ENTRIES)
         if mod == module and fn in (None, function) and (keep is None or keep(params))
-    }
+    ]
+
+
+def markers_of(module: str, function: str, params: dict) -> set[str]:
+    """The area markers of one collected test."""
+    return {ENTRIES[i][0] for i in entries_of(module, function, params)}
 
 
 def source_files() -> list[str]:
