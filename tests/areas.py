@@ -308,9 +308,17 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "families": Area(
-        "the family patches and their registry, position-dependent RoPE, the built-in models",
-        ("patches/*.py", "hf_contextpar/model/rope.py", "hf_contextpar/models.py"),
-        ("test_families.py", "test_family_patches.py", "test_census.py", "test_real_model.py", "test_geometries.py"),
+        "the family registry (model/families.py) and the patches that fill it, position-dependent RoPE, built-in models",
+        ("patches/*.py", "hf_contextpar/model/families.py", "hf_contextpar/model/rope.py", "hf_contextpar/models.py"),
+        (
+            "test_families.py",
+            "test_family_patches.py",
+            "test_census.py",
+            "test_real_model.py",
+            "test_geometries.py",
+            "test_user_code.py::test_reregistering_a_verified_family_is_refused",
+            "test_errors.py::test_unsupported_models_are_rejected",
+        ),
     ),
     # the tools
     "cli": Area(
