@@ -19,17 +19,25 @@ one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two node
 3 processes) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all. A run that names its tests (`-k`, a node
-id) rotates nothing unless HF_CONTEXTPAR_SLICE is set: what it names runs, whatever the day.
+id) rotates nothing unless HF_CONTEXTPAR_SLICE is set: what it names runs, whatever the day. A marker expression
+(`-m ring_pass_kv`, `-m "not slow"`) or a file path keeps the day's slice: it names an area or a file, not tests.
+
+The area markers (`python -m pytest -m ring_pass_kv`: the tests aimed at hf_contextpar/attention/ring_pass_kv.py)
+are assigned from tests/areas.py, the one table of areas, their source files and their tests.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import zlib
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import areas  # noqa: E402  (the area markers: which tests cover which source file)
 
 # whole modules: multi-process matrices, the fuzz, process-exit checks, lm-eval runs
 SLOW_MODULES = {
@@ -95,6 +103,11 @@ SLOW_TESTS = {
     ("test_tp.py", "test_bench_layouts"): None,
     ("test_tp.py", "test_main_job_tp4_dcp"): None,
     ("test_tp.py", "test_main_job_refuses_tp_that_splits_a_head"): None,
+    # the area table's checks that collect the suite in a subprocess (about 20 s); its static checks stay fast
+    ("test_areas.py", "test_a_keyword_selection_is_not_rotated"): None,
+    ("test_areas.py", "test_a_node_id_is_not_rotated"): None,
+    ("test_areas.py", "test_every_area_selects_tests_on_every_day"): None,
+    ("test_areas.py", "test_every_entry_selects_a_test"): None,
 }
 
 
@@ -200,7 +213,9 @@ def rotation_slice(config=None) -> int | None:
 
 
 def explicit_selection(config) -> bool:
-    """The run selects tests by name: `-k EXPR` or a node id (`tests/test_x.py::test_y[...]`)."""
+    """The run selects tests by name: `-k EXPR` or a node id (`tests/test_x.py::test_y[...]`). Not `-m`: a marker
+    names an area (tests/areas.py) or the fast subset, whose matrices rotate as in CI (tests/test_areas.py checks
+    that every area marker selects tests on every day)."""
     return bool(config.option.keyword) or any("::" in str(arg) for arg in config.args)
 
 
@@ -211,6 +226,12 @@ def _rotation_line(config=None) -> str:
         f"hf-contextpar rotation: {which}; replay one with HF_CONTEXTPAR_SLICE=k (0..{SLICES - 1}), "
         "run all with HF_CONTEXTPAR_SLICE=all (tests/conftest.py ROTATING)"
     )
+
+
+def pytest_configure(config):
+    """Register the area markers from tests/areas.py, the one place they are assigned."""
+    for marker, area in areas.MARKERS.items():
+        config.addinivalue_line("markers", f"{marker}: {area.what} (tests/areas.py)")
 
 
 def pytest_report_header(config):
@@ -242,8 +263,8 @@ def _is_slow(module: str, name: str, params: dict) -> bool:
 def _stale() -> list[str]:
     """Listed modules and tests that no longer exist (read from the test files, whatever is selected)."""
     here = Path(__file__).parent
-    missing = [m for m in sorted(SLOW_MODULES) if not (here / m).exists()]
-    for module, name in [*SLOW_TESTS, *ROTATING]:
+    missing = [m for m in sorted(SLOW_MODULES | {e[1] for e in areas.ENTRIES}) if not (here / m).exists()]
+    for module, name in [*SLOW_TESTS, *ROTATING, *((e[1], e[2]) for e in areas.ENTRIES if e[2])]:
         path = here / module
         if not path.exists() or f"def {name}(" not in path.read_text():
             missing.append(f"{module}::{name}")
@@ -253,13 +274,17 @@ def _stale() -> list[str]:
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect
 def pytest_collection_modifyitems(config, items):
     if stale := _stale():
-        raise pytest.UsageError(f"tests/conftest.py lists slow or rotating tests that do not exist: {', '.join(stale)}")
+        raise pytest.UsageError(
+            f"tests/conftest.py or tests/areas.py lists tests that do not exist: {', '.join(stale)}"
+        )
     k, kept, rotated = rotation_slice(config), [], []
     for item in items:
         name = getattr(item, "originalname", None) or item.name
         params = item.callspec.params if hasattr(item, "callspec") else {}
         if _is_slow(item.path.name, name, params):
             item.add_marker(pytest.mark.slow)
+        for marker in sorted(areas.markers_of(item.path.name, name, params)):
+            item.add_marker(marker)
         (rotated if _rotated_out(item.path.name, name, params, k) else kept).append(item)
     if rotated:
         config.hook.pytest_deselected(items=rotated)
