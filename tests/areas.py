@@ -258,6 +258,15 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "shm": Area("the shared-memory all-gather of CPU ranks", ("hf_contextpar/comm/shm.py",), ("test_shm.py",)),
+    "replicas": Area(
+        "data-parallel replicas x CP (x TP): accelerate's parallelism config, lm-eval's and the harness's replicas",
+        ("hf_contextpar/comm/replicas.py",),
+        (
+            "test_replicas.py",
+            "test_lmeval.py::test_replicas_of_context_parallel_groups_through_accelerate",
+            "test_eval.py::test_needlebench_replicas_write_the_single_groups_report",
+        ),
+    ),
     "tp": Area(
         "tensor parallelism inside x context parallelism across, DCP, and the (tp, cp) layout",
         ("hf_contextpar/mesh.py", "hf_contextpar/tools/tpload.py", "hf_contextpar/tools/layout.py"),
