@@ -264,6 +264,7 @@ AREAS: dict[str, Area] = {
         (
             "test_replicas.py",
             "test_lmeval.py::test_replicas_of_context_parallel_groups_through_accelerate",
+            "test_lmeval.py::test_replicas_of_tensor_and_context_parallel_groups",
             "test_eval.py::test_needlebench_replicas_write_the_single_groups_report",
         ),
     ),

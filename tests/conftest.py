@@ -182,6 +182,7 @@ ROTATING = {
     # lm-eval's context-parallel runs, a third of them a day (each also needs the one-process reference run)
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _one_n_a_day(0),
     ("test_lmeval.py", "test_replicas_of_context_parallel_groups_through_accelerate"): lambda p: _one_n_a_day(0),
+    ("test_lmeval.py", "test_replicas_of_tensor_and_context_parallel_groups"): lambda p: {4},  # 8 processes
     ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
     ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
     ("test_lmeval.py", "test_local_completions_through_the_server"): lambda p: _one_n_a_day(2),  # the lightest day

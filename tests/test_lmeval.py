@@ -228,6 +228,19 @@ def test_replicas_of_context_parallel_groups_through_accelerate(reference, tmp_p
     assert_same_evaluation(got, reference)
 
 
+def test_replicas_of_tensor_and_context_parallel_groups(reference, tmp_path):
+    """`cp_size=2,tp=2` on 8 processes: 2 replicas of CP 2 x TP 2 (TP groups of consecutive ranks, loaded by
+    the (cp, tp) mesh; each replica's CP group one rank of each of its TP groups), the reference's evaluation."""
+    args = lm_eval_args("hf-cp", tmp_path)
+    args[args.index("--model_args") + 1] += ",cp_size=2,tp=2"
+    done = torchrun(8, ["-m", "hf_contextpar", "lm_eval", *args], timeout=1200, env=ENV)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "0 evaluated by more than one replica" in done.stdout, done.stdout[-3000:]
+    got = written(tmp_path)
+    assert got[0]["config"]["context_parallel_processes"] == 2
+    assert_same_evaluation(got, reference)
+
+
 def test_use_cache_is_refused(tmp_path):
     """lm-eval's --use_cache keeps one response database per local rank: a rank finding a response there
     would skip a forward its peers run. Refused before any model loads, nothing written."""

@@ -81,17 +81,20 @@ def test_an_accelerators_parallelism_config_is_read(env):
         AcceleratorState._shared_state.pop("parallelism_config", None)
 
 
-def test_lm_eval_replicas_of_tp_groups_are_refused_clearly(env, monkeypatch):
+def test_lm_eval_reads_cp_size(env, monkeypatch):
     pytest.importorskip("lm_eval")
     from hf_contextpar.tools.lmeval import _layout
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert _layout(None, 1) is None and _layout("8", 1) is None  # one replica: as without cp_size
-    assert _layout("2", 1) == Replicas(4, 2, 1)
-    with pytest.raises(ValueError, match="not supported yet"):
-        _layout("2", 2)
+    assert _layout("2", 1) == Replicas(4, 2, 1) and _layout("2", 2) == Replicas(2, 2, 2)
     with pytest.raises(ValueError, match="cp_size must be a positive number"):
         _layout("x", 1)
+    with pytest.raises(ContextParallelError, match="must divide"):
+        _layout("3", 1)
+    env(dp_replicate=2, cp=2, tp=2)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="pass tp=2"):
+        _layout(None, 1)
 
 
 def test_apply_makes_a_cp_group_per_replica():

@@ -79,12 +79,13 @@ class ContextParallelLM(HFLM):
             # the search catches out-of-memory errors, which one rank may meet and its peers not: they would hang
             raise ValueError(f"{MODEL}: --batch_size auto is not supported; give a number (default 1).")
         tp, cp_group = int(tp), None
+        layout = _layout(cp_size, tp)  # before the model loads: a layout that does not divide costs nothing
         if tp > 1:  # HFLM takes the loaded model as it is: no Accelerator, no device move
+            # TP groups are tp consecutive ranks with or without replicas: the (cp, tp) mesh over the world loads it
             pretrained, tokenizer, cp_group = _load_tp(pretrained, tp, kwargs.get("dtype", "auto"), kwargs)
             kwargs.setdefault("tokenizer", tokenizer)
         elif isinstance(pretrained, str):
             pretrained = builtin_model_path(pretrained) or pretrained
-        layout = _layout(cp_size, tp)  # before the model loads: a layout that does not divide costs nothing
         super().__init__(pretrained=pretrained, **kwargs)
         timeout = None if timeout in (None, "", "none", "None") else float(timeout)
         self.replicas = make_groups(layout, timeout) if layout is not None else None
@@ -227,14 +228,7 @@ def _layout(cp_size, tp: int):
             layout = Replicas.of(world, int(cp_size), tp)
         except (TypeError, ValueError):
             raise ValueError(f"{MODEL}: cp_size must be a positive number of processes, got {cp_size!r}.") from None
-    if layout is None or layout.count == 1:
-        return None
-    if layout.tp > 1:
-        raise ValueError(
-            f"{MODEL}: replicas of TP x CP groups (cp_size={layout.cp}, tp={layout.tp} on {world} processes) are not "
-            f"supported yet; use cp_size={world // layout.tp} (one replica) with tp={layout.tp}, or tp=1."
-        )
-    return layout
+    return None if layout is None or layout.count == 1 else layout
 
 
 def _global_rank() -> int:

@@ -110,6 +110,7 @@ def run(args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     name, model, tok = _load(args, device)
+    _one_replica(model, args.tp)
     rank = dist.get_rank() if dist.is_initialized() else 0
     budget = args.kv_budget or _default_budget(device)
     lockstep = Lockstep(model, tok, budget=budget, max_queue=args.max_queue, timeout=args.timeout)
@@ -130,6 +131,21 @@ def run(args) -> None:
         dist.destroy_process_group()
     if rank == 0:
         print("stopped: every rank left in step", flush=True)
+
+
+def _one_replica(model, tp: int) -> None:
+    """The server is one CP group (x TP) of every process: rank 0 listens for all. Replicas (accelerate's
+    PARALLELISM_CONFIG_DP_*_SIZE) would each run every request again; run one server per replica instead."""
+    from ...api import get_runtime
+
+    runtime = get_runtime(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if (runtime.world if runtime is not None else 1) * tp != world:
+        raise SystemExit(
+            f"error: serve runs one context-parallel group over all {world} processes; accelerate's parallelism "
+            "config splits them into replicas (unset PARALLELISM_CONFIG_DP_REPLICATE_SIZE / _DP_SHARD_SIZE, or "
+            "start one server per replica)."
+        )
 
 
 def _start_http(args, name: str, model, tok, lockstep):
