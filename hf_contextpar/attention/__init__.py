@@ -274,15 +274,13 @@ def _source_layer(step, module, key, value) -> int:
     every rank runs whole ("local": fewer tokens than ranks) attends this forward's whole K/V, whichever layer
     calls: a shared module's call then counts as a layer of its own (-1, -2, ...), for `check_attended`'s count."""
     idx = own_index(module)
-    layers = step.cache.layers if step.cache is not None else None
-    if idx is None and layers is None and step.algorithm == "local":
+    stored = step.context.stored if step.cache is not None else None  # cache layer -> the K/V its update returned
+    if idx is None and stored is None and step.algorithm == "local":
         return -1 - len(step.attended)
     source = idx
-    if layers is not None and (idx is None or not _handed(layers[idx], key, value)):  # the tensors a layer returned
-        source = next(
-            (j for j, layer in enumerate(layers) if getattr(layer, "handed", False) and key is layer.keys), None
-        )
-        if source is not None and value is not layers[source].values:
+    if stored is not None and (idx is None or not _handed(stored.get(idx), key, value)):
+        source = next((j for j in sorted(stored) if key is stored[j][0]), None)
+        if source is not None and value is not stored[source][1]:
             source = None
     if (source if idx is None else idx) in step.attended or source is None:
         raise UnsupportedModelError(
@@ -300,10 +298,10 @@ def own_index(module) -> int | None:
     return idx if idx is not None and idx >= 0 else None
 
 
-def _handed(layer, key, value) -> bool:
-    """The layer's cache was updated in this forward and these are the K/V its update returned
-    (a second call for the layer is `Step.attended`'s to catch)."""
-    return layer.handed and _same_view(key, layer.keys) and _same_view(value, layer.values)
+def _handed(stored, key, value) -> bool:
+    """The layer's cache was updated in this forward (`stored`: the K/V its update returned, else None) and these
+    are those K/V (a second call for the layer is `Step.attended`'s to catch)."""
+    return stored is not None and _same_view(key, stored[0]) and _same_view(value, stored[1])
 
 
 def _same_view(a, b) -> bool:

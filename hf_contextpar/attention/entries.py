@@ -62,9 +62,9 @@ def split(step, module, key: torch.Tensor, value: torch.Tensor):
     w = key.shape[2] - n
     ok = w >= 0 and value is key and (keys is None or torch.equal(key[:, :, w:], keys))
     if step.cache is not None and ok:
-        layer = step.cache.layers[module.layer_idx]
-        ok = layer.handed and layer.keys.shape == key[:, :, :w].shape and torch.equal(layer.keys, key[:, :, :w])
-        own = (layer.keys, layer.values) if ok else None
+        stored = step.context.stored.get(module.layer_idx)  # what its cache layer's update returned
+        ok = stored is not None and stored[0].shape == key[:, :, :w].shape and torch.equal(stored[0], key[:, :, :w])
+        own = stored if ok else None
     else:
         own = (key[:, :, :w], value[:, :, :w])
     if not ok:

@@ -16,6 +16,7 @@ from ..cache.blocks import unpack_kv
 from ..cache.layers import ChainedLayer
 from ..cache.states import is_recurrent
 from ..comm.collectives import Comm
+from ..plan.context import ForwardContext
 from ..plan.forward import ForwardPlan
 from .masks import Chunked, classify
 
@@ -68,6 +69,9 @@ class Step:
     indexed: frozenset = frozenset()
     # the family's attention has no window and attends to all its sliding cache layers hold (FamilyPatch.cache_window)
     cache_window: bool = False
+    # what this forward accumulates, shared with the cache (plan/context.py): the cache layers that stored (the K/V
+    # they returned) and the received blocks this rank keeps; None where no cache runs (the simulated ranks)
+    context: ForwardContext | None = None
 
     def __post_init__(self):
         self.windows = self.cache.windows if self.cache is not None else (None,) * self.num_layers
@@ -143,17 +147,17 @@ class Step:
     def rebalance_span(self) -> tuple | None:
         """The new columns [lo, hi) the running layer keeps of the blocks it receives (rebalancing, forward._rebalanced),
         where the layer stores its own K/V (not another's, shared); else None."""
-        store = self.plan.storage.store[self.comm.rank] if self.plan.storage is not None else None
+        store = self.context.store if self.context is not None else None
         if store is None or store.rebalance is None or self.cache is None or self.kv_layer != self.layer:
             return None
         return store.rebalance[:2]
 
     def received(self, block: torch.Tensor, src: int) -> None:
         """An algorithm hands over rank src's K/V block of the running layer as it arrives; the cache keeps what
-        this rank commits of it (rebalancing, forward._rebalanced). The algorithm itself writes nothing."""
-        span = self.rebalance_span()
-        if span is not None and src != self.comm.rank:
-            self.cache.layers[self.kv_layer].stash(block, self.kv_cols[src], *span)
+        this rank commits of it (rebalancing, forward._rebalanced), through the forward's context. The algorithm
+        itself writes nothing."""
+        if src != self.comm.rank and self.rebalance_span() is not None:
+            self.context.arrive(self.kv_layer, block, self.kv_cols[src])
 
     def chained_at(self, layer: int) -> bool:
         """Does `layer` pass a recurrent state down the ranks in this forward (a hybrid layer's, beside its K/V; a
