@@ -75,14 +75,10 @@ def split(step, module, key: torch.Tensor, value: torch.Tensor):
     return *own, (keys, bias) if n else None
 
 
-def run(step, algorithm, q: torch.Tensor, kv_local, attn: dict, extra):
+def run(call, algorithm, q: torch.Tensor, kv_local, attn: dict, extra):
     """The algorithm over the cache layer's K/V (no sinks, with its LSE), then the entries for this rank's queries,
-    merged in that order: (out, lse) for the adapter, which applies the sinks."""
-    sinks, step.sinks, step.wants_lse = step.sinks, None, True
-    try:
-        out, lse = algorithm(step, q, kv_local, **attn)
-    finally:
-        step.sinks, step.wants_lse = sinks, False
+    merged in that order: (out, lse) for the adapter, which applies the sinks. `call`: the layer's step.LayerStep."""
+    out, lse = algorithm(call.but(sinks=None, wants_lse=True), q, kv_local, **attn)
     e_out, e_lse = attend_entries(q, *extra, attn["scale"])
     if out is None:
         return e_out, e_lse
