@@ -24,9 +24,7 @@ from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
 from .attention.entries import check as check_entries
-from .attention.indexed import History as IndexHistory
 from .attention.indexed import check_indexed
-from .attention.indexed import gather_keys as gather_index_keys
 from .attention.step import Step
 from .cache.states import share_final_states
 from .comm.agreement import RankCheck
@@ -47,6 +45,7 @@ from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
 from .plan.choice import choose
+from .plan.context import forward_context
 from .plan.forward import ForwardPlan, Policy, build_plan
 from .plan.partitions import MeasuredWork, balanced, key_pairs, weighted
 from .settings import Settings
@@ -180,7 +179,10 @@ class ContextParallelRuntime:
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
         self._shard_inputs(kwargs, plan, inputs)
-        cache, scratch = self._begin_cache(plan, inputs.cache)
+        context = forward_context(
+            plan, self.rank, self.comm, indexed=bool(self.indexed), position_ids=kwargs["position_ids"]
+        )
+        cache, scratch = self._begin_cache(context, inputs.cache)
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(
@@ -193,10 +195,8 @@ class ContextParallelRuntime:
             sparse=self.sparse,
             indexed=self.indexed,
             cache_window=self.contract.cache_window,
+            context=context,
         )
-        if cache is not None and self.indexed:
-            cache.index_exchange = functools.partial(gather_index_keys, step)
-            cache.layout.index_positions = IndexHistory(step, cache, kwargs["position_ids"])
         self._record(plan, inputs)
         token = current_step.set(step)
         # Inference only: the collectives are not differentiable, and autograd would only keep
@@ -211,9 +211,10 @@ class ContextParallelRuntime:
         self._entered = True
         return (), kwargs
 
-    def _begin_cache(self, plan, cache):
-        """The cache this forward stores into, told the plan: the caller's, or a scratch one (`scratch`) where none
-        was asked for but the states, or the index keys every rank's indexer scores, still need one to pass."""
+    def _begin_cache(self, context, cache):
+        """The cache this forward stores into, handed the forward's context: the caller's, or a scratch one (`scratch`)
+        where none was asked for but the states, or the index keys every rank's indexer scores, still need one to pass."""
+        plan = context.plan
         scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
         if scratch:
             cache = self.contract.new_cache()
@@ -226,7 +227,7 @@ class ContextParallelRuntime:
                 "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
                 "on models with recurrent layers under context parallelism: decode without them."
             )
-        cache.begin(plan.storage)
+        cache.begin(context)
         if plan.chained:
             cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         return cache, scratch
@@ -267,7 +268,7 @@ class ContextParallelRuntime:
                 step.cache.drop_chain()  # a forward that raised leaves its chain unfinished
             self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
             if step.cache is not None and not scratch:  # a scratch cache is dropped as it is
-                step.cache.end(plan.storage, ok)
+                step.cache.end(ok)
             torch.set_grad_enabled(grad)
         return output
 

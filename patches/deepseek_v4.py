@@ -119,7 +119,7 @@ class CompressedLayer(ChainedLayer):
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
         """This forward's new entries in; every entry so far (B, C, D) out, in global order (every rank's)."""
         step = current_step.get()
-        if step is None or self.layout.store is None:
+        if step is None or self.context is None:
             raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."

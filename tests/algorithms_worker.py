@@ -47,8 +47,7 @@ def main():
                 step = Step(plan, comm, None, layers_for(plan))
                 real = []
                 for layer in range(layers_for(plan)):
-                    step.layer = layer
-                    real.append(algorithm(plan.algorithm)(step, qs[rank], kvs[rank], **attn))
+                    real.append(algorithm(plan.algorithm)(step.at(layer), qs[rank], kvs[rank], **attn))
                 identical = all(same(a[0], b[0]) and same(a[1], b[1]) for a, b in zip(real, sim_out[rank]))
                 records.append(
                     dict(

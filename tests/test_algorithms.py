@@ -169,7 +169,9 @@ def test_a_skipped_last_ring_hop_fails(monkeypatch):
 def test_a_wrong_message_size_is_an_error(monkeypatch):
     """A receive sized from the wrong rank's key count is reported, not silently truncated."""
     monkeypatch.setattr(
-        step_module.Step, "kv_size", lambda self, r: self.plan.shards.kv_size((r + 1) % self.plan.world)
+        step_module.LayerStep,
+        "kv_size",
+        lambda self, r: self.forward.plan.shards.kv_size((r + 1) % self.forward.plan.world),
     )
     with pytest.raises(SimulationError, match="ring_shift receive #"):
         check_case(CASES[0], 3, 16, "gqa", "causal", torch.float64, 1e-12)

@@ -6,7 +6,6 @@ selection, reset, early initialisation, the length and mask-size queries) its ke
 must equal DynamicCache's exactly. Multi-rank behaviour of the same methods is covered by the
 multi-process tests (assisted decoding, prompt lookup, beams, the caller-kept cache)."""
 
-import functools
 import types
 
 import pytest
@@ -14,8 +13,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_contextpar
-from hf_contextpar.attention.indexed import gather_keys
 from hf_contextpar.cache.sharded import ShardedCache
+from hf_contextpar.plan.context import forward_context
 from hf_contextpar.plan.forward import Policy, build_plan
 
 LAYERS, B, H, D = 2, 3, 2, 4
@@ -33,12 +32,12 @@ def forward(cache: ShardedCache, dyn: DynamicCache, num_new: int, seed: int):
         position_ids=torch.arange(past, past + num_new).expand(B, -1),
         padding=None,
     )
-    cache.begin(plan.storage)
+    cache.begin(forward_context(plan, 0, None))
     for layer in range(LAYERS):
         k, v = torch.randn(2, B, H, num_new, D, generator=g, dtype=torch.float64)
         cache.update(k, v, layer)
         dyn.update(k, v, layer)
-    cache.end(plan.storage)
+    cache.end()
 
 
 def same(cache: ShardedCache, dyn: DynamicCache):
@@ -139,9 +138,9 @@ def test_failed_forward_leaves_no_trace():
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(4, 6).expand(B, -1), padding=None
     )
-    cache.begin(plan.storage)
+    cache.begin(forward_context(plan, 0, None))
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)  # layer 0 stored, then the forward failed
-    cache.end(plan.storage, ok=False)
+    cache.end(ok=False)
     same(cache, dyn)
 
 
@@ -269,9 +268,9 @@ def test_sliding_beam_methods_and_failed_forward():
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=2, position_ids=torch.arange(10, 12).expand(B, -1), padding=None
     )
-    cache.begin(plan.storage)
+    cache.begin(forward_context(plan, 0, None))
     cache.update(*torch.randn(2, B, H, 2, D, dtype=torch.float64), 0)
-    cache.end(plan.storage, ok=False)
+    cache.end(ok=False)
     same_kept(cache, dyn)
     forward(cache, dyn, 1, 2)
     same_kept(cache, dyn)
@@ -345,14 +344,13 @@ def indexed_forward(cache: ShardedCache, ref: list, num_new: int, seed: int, ok:
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=num_new, position_ids=torch.arange(past, past + num_new), padding=None
     )
-    cache.begin(plan.storage)
-    cache.index_exchange = functools.partial(gather_keys, types.SimpleNamespace(plan=plan, comm=_OneRank()))
+    cache.begin(forward_context(plan, 0, _OneRank(), indexed=True))
     new = torch.randn(B, num_new, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     full = cache.update_indexer(new, 0)
     assert torch.equal(full, torch.cat([*ref, new], dim=1))  # every column, in order
     for layer in range(LAYERS):
         cache.update(*torch.randn(2, B, H, num_new, D, dtype=torch.float64), layer)
-    cache.end(plan.storage, ok)
+    cache.end(ok)
     if ok:
         ref.append(new)
 
@@ -367,7 +365,7 @@ def test_index_keys_follow_the_cache_through_beams_crop_and_failure():
     cache.crop(-2)
     ref[:] = [torch.cat(ref, 1)[:, :4]]
     indexed_forward(cache, ref, 1, 2)  # and it keeps working afterwards
-    assert cache.index_length == 5 and cache.index_exchange is None  # none outside a forward
+    assert cache.index_length == 5 and cache.context is None  # none outside a forward
     with pytest.raises(hf_contextpar.errors.PatchStateError, match="works only with the patched model"):
         cache.update_indexer(ref[0], 0)
     cache.reset()
@@ -391,8 +389,6 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
     """What the model reads is every column's positions in global order (this forward's included), whatever this
     rank's (head-tail) query columns; what it writes back is checked; each rank stores its own columns' share,
     which follows a failed forward, beams and crop as the index keys do."""
-    from hf_contextpar.attention.indexed import History
-
     caches = [ShardedCache(LAYERS, r, world) for r in range(world)]
     truth = torch.empty(B, 0, dtype=torch.long)
     for num_new, ok in ((11, True), (4, False), (5, True), (1, True)):
@@ -403,14 +399,15 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
         for cache in caches:
             plan = build_plan(Policy(world), cache.layout, batch=B, num_new=num_new, position_ids=pos, padding=None)
             plans.append(plan)
-            cache.begin(plan.storage)
+            rank = cache.layout.rank
+            mine = pos[:, plan.shards.q_cols[rank] - past]  # this rank's new tokens' positions (q: global columns)
+            cols = [torch.cat([c, n]) for c, n in zip(cache.layout.cols, plan.shards.q_cols)]
+            comm = _Ranks(rank, world, new_truth, cols)
+            cache.begin(forward_context(plan, rank, comm, indexed=True, position_ids=mine))
         for cache, plan in zip(caches, plans):
             rank = cache.layout.rank
             q = plan.shards.q_cols[rank]
-            mine = pos[:, q - past]  # this rank's new tokens' positions (q: global columns)
-            cols = [torch.cat([c, n]) for c, n in zip(cache.layout.cols, plan.shards.q_cols)]
-            comm = _Ranks(rank, world, new_truth, cols)
-            cache.layout.index_positions = History(types.SimpleNamespace(plan=plan, comm=comm), cache, mine)
+            mine = pos[:, q - past]
             layer = cache.layers[0]
             seen = layer.indexer_position_ids
             assert (
@@ -426,9 +423,9 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
             for i in range(LAYERS):
                 k = torch.randn(2, B, H, q.numel(), D, dtype=torch.float64)
                 cache.update(k[0], k[1], i)
-        for cache, plan in zip(caches, plans):
-            cache.end(plan.storage, ok)
-            assert cache.layout.index_positions is None and cache.layers[0].indexer_position_ids is None
+        for cache in caches:
+            cache.end(ok)
+            assert cache.context is None and cache.layers[0].indexer_position_ids is None
         if ok:
             truth = new_truth
         for cache in caches:  # this rank's columns' positions only: 1/N of the history

@@ -192,7 +192,7 @@ def _simulated_csa(n: int, sizes: list, window, keep, layers: int, gen):
     run = SparseRun.of(CSA(keep=keep, topology=f"{n}x1", observe=3), n, list(range(layers)) if window is None else [])
 
     def algorithm(step, q, kv, **attn):
-        step.sparse = run
+        step.forward.sparse = run  # the forward's setting (every layer's LayerStep reads it there)
         return csa(step, q, kv, **attn)
 
     qs, kvs = shard_inputs(plan, q, k, v, empty=1e3)

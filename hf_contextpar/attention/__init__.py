@@ -60,16 +60,16 @@ def context_parallel_attention(
     chunk = chunk_size(module)
     kv_local = _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window)
     step.kv_shapes[idx] = (kv_local.shape[0], kv_local.shape[2], kv_local.shape[4])  # for runahead
-    step.layer, step.kv_layer, step.sinks = idx, source, kwargs.get("s_aux")
     width = max(query.shape[-1], value.shape[-1])
-    step.kv = LayerKV(
+    kv = LayerKV(
         key_dim=cached_k.shape[-1] if cached_k.shape[-1] != cached_v.shape[-1] else None,
         expand=expanded.expand if expanded is not None else None,
         local=(key, value) if expanded is not None else None,
         width=width if key.shape[-1] != value.shape[-1] else None,
         out_dim=value.shape[-1] if value.shape[-1] < width else None,
     )
-    q = step.kv.pad(query)
+    call = step.at(idx, source, sinks=kwargs.get("s_aux"), kv=kv)  # this layer's call, handed to the algorithm
+    q = kv.pad(query)
     attn = dict(
         scale=scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
         window=Chunked(chunk, step.left_padding) if chunk is not None else sliding_window,
@@ -77,19 +77,18 @@ def context_parallel_attention(
         **({"select": select} if select is not None else {}),
     )
     if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
-        heads, sinks, step.sinks = q.shape[1], step.sinks, None
+        heads = q.shape[1]
         q = _gather_heads(step.dcp, q)
-        out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
-        out, lse = _merge_heads(step, q, out, lse, heads)
-        step.sinks = sinks
+        out, lse = algorithm(step.algorithm)(call.but(sinks=None), q, kv_local, **attn)
+        out, lse = _merge_heads(call, q, out, lse, heads)
     elif extra is not None:  # the entries after the algorithm's (out, LSE), then the sinks below
-        out, lse = entries.run(step, algorithm(step.algorithm), q, kv_local, attn, extra)
+        out, lse = entries.run(call, algorithm(step.algorithm), q, kv_local, attn, extra)
     else:
-        out, lse = algorithm(step.algorithm)(step, q, kv_local, **attn)
+        out, lse = algorithm(step.algorithm)(call, q, kv_local, **attn)
     if out is None:  # no key visible for any row (only padding rows can be in that state)
-        out = q.new_zeros(step.out_shape(q))
-    elif step.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
-        out = with_sink(out, lse, step.sinks)
+        out = q.new_zeros(call.out_shape(q))
+    elif call.sinks is not None and lse is not None:  # an algorithm without an LSE applied them at its merge
+        out = with_sink(out, lse, call.sinks)
     if out.shape[-1] != value.shape[-1]:  # a padded head size (LayerKV.width)
         out = out[..., : value.shape[-1]]
     if out.dtype != query.dtype:  # outputs come in the accumulation dtype
@@ -274,15 +273,13 @@ def _source_layer(step, module, key, value) -> int:
     every rank runs whole ("local": fewer tokens than ranks) attends this forward's whole K/V, whichever layer
     calls: a shared module's call then counts as a layer of its own (-1, -2, ...), for `check_attended`'s count."""
     idx = own_index(module)
-    layers = step.cache.layers if step.cache is not None else None
-    if idx is None and layers is None and step.algorithm == "local":
+    stored = step.context.stored if step.cache is not None else None  # cache layer -> the K/V its update returned
+    if idx is None and stored is None and step.algorithm == "local":
         return -1 - len(step.attended)
     source = idx
-    if layers is not None and (idx is None or not _handed(layers[idx], key, value)):  # the tensors a layer returned
-        source = next(
-            (j for j, layer in enumerate(layers) if getattr(layer, "handed", False) and key is layer.keys), None
-        )
-        if source is not None and value is not layers[source].values:
+    if stored is not None and (idx is None or not _handed(stored.get(idx), key, value)):
+        source = next((j for j in sorted(stored) if key is stored[j][0]), None)
+        if source is not None and value is not stored[source][1]:
             source = None
     if (source if idx is None else idx) in step.attended or source is None:
         raise UnsupportedModelError(
@@ -300,10 +297,10 @@ def own_index(module) -> int | None:
     return idx if idx is not None and idx >= 0 else None
 
 
-def _handed(layer, key, value) -> bool:
-    """The layer's cache was updated in this forward and these are the K/V its update returned
-    (a second call for the layer is `Step.attended`'s to catch)."""
-    return layer.handed and _same_view(key, layer.keys) and _same_view(value, layer.values)
+def _handed(stored, key, value) -> bool:
+    """The layer's cache was updated in this forward (`stored`: the K/V its update returned, else None) and these
+    are those K/V (a second call for the layer is `Step.attended`'s to catch)."""
+    return stored is not None and _same_view(key, stored[0]) and _same_view(value, stored[1])
 
 
 def _same_view(a, b) -> bool:

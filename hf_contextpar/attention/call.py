@@ -1,9 +1,9 @@
 """What an attention algorithm may read of the forward it runs in: `LayerCall`.
 
-An algorithm is `fn(step: LayerCall, q, kv_local, *, scale, window, softcap) -> (out, LSE)`. `Step`
-(step.py) is the one implementation; it carries more (the plan, the cache, the adapter's per-layer
-bookkeeping), which an algorithm does not touch: it returns (out, LSE) and hands received blocks to
-`received`, and the cache and the runtime do their own bookkeeping. tests/test_layout.py checks that
+An algorithm is `fn(step: LayerCall, q, kv_local, *, scale, window, softcap) -> (out, LSE)`. `LayerStep`
+(step.py, one per layer, made by `Step.at`) is the one implementation; it reaches more (the forward's `Step`:
+the plan, the cache, the forward's context), which an algorithm does not touch: it returns (out, LSE) and hands
+received blocks to `received`, and the cache and the runtime do their own bookkeeping. tests/test_layout.py checks that
 every algorithm file reads only these names of its step.
 """
 

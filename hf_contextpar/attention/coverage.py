@@ -19,13 +19,7 @@ def check_attended(model, step, expected: int) -> None:
     """Every attention layer went through the library's attention once in this forward, and every cache layer
     whose K/V this forward updated was attended through it. The same code runs on every rank, so every rank
     raises alike. Costs two set sizes per forward."""
-    missed = (
-        []
-        if step.cache is None
-        else [
-            i for i, layer in enumerate(step.cache.layers) if getattr(layer, "handed", False) and i not in step.sources
-        ]
-    )
+    missed = [] if step.cache is None else [i for i in sorted(step.context.stored) if i not in step.sources]
     if len(step.attended) == expected and not missed:
         return
     names = [

@@ -62,9 +62,9 @@ def split(step, module, key: torch.Tensor, value: torch.Tensor):
     w = key.shape[2] - n
     ok = w >= 0 and value is key and (keys is None or torch.equal(key[:, :, w:], keys))
     if step.cache is not None and ok:
-        layer = step.cache.layers[module.layer_idx]
-        ok = layer.handed and layer.keys.shape == key[:, :, :w].shape and torch.equal(layer.keys, key[:, :, :w])
-        own = (layer.keys, layer.values) if ok else None
+        stored = step.context.stored.get(module.layer_idx)  # what its cache layer's update returned
+        ok = stored is not None and stored[0].shape == key[:, :, :w].shape and torch.equal(stored[0], key[:, :, :w])
+        own = stored if ok else None
     else:
         own = (key[:, :, :w], value[:, :, :w])
     if not ok:
@@ -75,14 +75,10 @@ def split(step, module, key: torch.Tensor, value: torch.Tensor):
     return *own, (keys, bias) if n else None
 
 
-def run(step, algorithm, q: torch.Tensor, kv_local, attn: dict, extra):
+def run(call, algorithm, q: torch.Tensor, kv_local, attn: dict, extra):
     """The algorithm over the cache layer's K/V (no sinks, with its LSE), then the entries for this rank's queries,
-    merged in that order: (out, lse) for the adapter, which applies the sinks."""
-    sinks, step.sinks, step.wants_lse = step.sinks, None, True
-    try:
-        out, lse = algorithm(step, q, kv_local, **attn)
-    finally:
-        step.sinks, step.wants_lse = sinks, False
+    merged in that order: (out, lse) for the adapter, which applies the sinks. `call`: the layer's step.LayerStep."""
+    out, lse = algorithm(call.but(sinks=None, wants_lse=True), q, kv_local, **attn)
     e_out, e_lse = attend_entries(q, *extra, attn["scale"])
     if out is None:
         return e_out, e_lse

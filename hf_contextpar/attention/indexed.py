@@ -8,7 +8,7 @@ makes, ties included: a top-k per rank merged afterwards picks among equal score
 rank-dependent order (the bug that gave vLLM garbled tokens), and even a merge that keeps every
 tie cannot reproduce how `torch.topk` orders equal values in a row it never saw whole.
 
-So every rank gives the model's own indexer the whole row: `gather_keys` (the cache's
+So every rank gives the model's own indexer the whole row: `cache.index_keys.gather_keys` (the cache's
 `update_indexer`) all-gathers every rank's stored index keys and this forward's new ones into
 global column order, and `indexer_mask` (the mask function's output for these models) is the
 causal and padding visibility of this rank's query columns over every column. The indexer then
@@ -84,63 +84,3 @@ def selection(step, indices: torch.Tensor) -> torch.Tensor:
         )
     keep = torch.zeros((plan.batch, indices.shape[1], total), dtype=torch.bool, device=indices.device)
     return keep.scatter_(-1, indices.long(), True)
-
-
-def gather_keys(step, cache, keys: torch.Tensor, layer: int) -> torch.Tensor:
-    """The cache's `update_indexer`: every column's index keys (B, T, D) in global order, from every rank's
-    stored share and this forward's new keys (one broadcast per rank, exact sizes); this rank keeps the
-    columns the plan commits to it (its share of the K/V), so the index cache is 1/N per rank too."""
-    plan, comm, layout = step.plan, step.comm, cache.layout
-    if layout.dcp_size > 1 or any(c.dim() != 1 for c in layout.cols):
-        raise PatchStateError("indexed attention runs without DCP and batched pass-Q decode (refused at apply).")
-    held = cache.index_keys.get(layer)
-    held = keys[:, :0] if held is None else held
-    if held.shape[1] != layout.cols[comm.rank].numel():
-        raise PatchStateError(
-            f"layer {layer}'s index keys cover {held.shape[1]} columns but its K/V {layout.cols[comm.rank].numel()}: "
-            "this model updates its indexer cache otherwise than once per forward with every new token."
-        )
-    cols = [torch.cat([before, new]) for before, new in zip(layout.cols, plan.shards.q_cols)]
-    b, _, d = keys.shape
-    pending = comm.broadcast_blocks(torch.cat([held, keys], dim=1), [(b, c.numel(), d) for c in cols], op="index_keys")
-    full = keys.new_empty((b, plan.past + plan.num_new, d))
-    for c, block in zip(cols, pending):
-        full[:, c.to(full.device)] = block.wait()
-    if plan.storage is not None:
-        cache.index_keys[layer] = full[:, plan.storage.cols[comm.rank].to(full.device)]
-    return full
-
-
-POSITIONS = "positions"  # the key of the position history among the cache's index keys
-
-
-class History:
-    """Qwen4-Exp's position history (`indexer_position_ids` on its first indexed cache layer): the model reads it,
-    appends its forward's own position ids and takes the query positions as the last of them, the keys' by global
-    column (its block starts). So the history it reads is every column's positions in global order, this forward's
-    new ones included (each rank's share of the past stored 1/N with the index keys, gathered as they are): the
-    model's rotary table is then every column's then this rank's queries', and both lookups are one process's.
-    Its 3 rows (MRoPE's) are the text positions on every row, as the model makes them from 2D ids."""
-
-    rows = 3
-
-    def __init__(self, step, cache, local: torch.Tensor):
-        self.step, self.cache, self.local = step, cache, local  # local: this rank's new position ids (B, Tq)
-        self.full = None
-
-    def __call__(self) -> torch.Tensor:
-        if self.full is None:  # once per forward: the model reads it twice and the gather stores this rank's share
-            cols = gather_keys(self.step, self.cache, self.local.unsqueeze(-1), POSITIONS)
-            self.full = cols[..., 0].unsqueeze(0).expand(self.rows, -1, -1)
-        return self.full
-
-    def check(self, value: torch.Tensor):
-        """What the model writes back must be the history then this rank's queries' positions."""
-        full = self()
-        want = torch.cat([full, self.local.unsqueeze(0).expand(self.rows, -1, -1).to(full.device)], dim=-1)
-        if value.shape != want.shape or not torch.equal(value.to(want.device), want):
-            raise PatchStateError(
-                f"the model stored position ids of shape {tuple(value.shape)} on its indexer cache layer, not the "
-                f"whole sequence's then this rank's queries' {tuple(want.shape)}: it keeps its position history "
-                "otherwise than Qwen4-Exp does. Please report this model."
-            )

@@ -303,7 +303,7 @@ def attend(
     with out (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
     nothing is returned: how a ring accumulates its blocks without merging empty partials. kind: the block's
-    `masks.classify`, where the caller has it already (`Step.block_kind`: once per forward, not per layer).
+    `masks.classify`, where the caller has it already (`LayerStep.block_kind`: once per forward, not per layer).
     """
     acc = into if into is not None else Accumulator(q.shape[2])
     if q.shape[2] > 0 and k.shape[2] > 0:

@@ -31,21 +31,21 @@ class ShardedLayer(CacheLayerMixin):
         self.key_dim: int | None = None  # where a joint (1, ...) buffer splits into keys and values
         self.first = 0  # buffer index of the oldest kept token (a sliding layer drops older ones)
         self.n = 0  # buffer index after the newest
-        self.handed = False  # updated in the running forward (reset by ShardedCache.begin)
-        self.stashed: list = []  # rebalancing (forward._rebalanced): (first column, K/V) of received blocks this rank keeps
+        self.cache_index: int | None = None  # its index among its cache's layers (set by ShardedCache)
+        self.context = None  # the running forward's plan/context.ForwardContext (ShardedCache.begin); None between
 
     # Qwen4-Exp's QSA keeps the whole sequence's position ids on its first indexed layer and reads query positions
-    # as the last of them: inside a patched forward, every column's (global order) through `layout.index_positions`
-    # (attention/indexed.py `history`), this rank's share stored with the index keys; what the model writes back
-    # is checked, never stored
+    # as the last of them: inside a patched forward, every column's (global order) through the forward's context's
+    # position history (cache/index_keys.py `History`), this rank's share stored with the index keys; what the model
+    # writes back is checked, never stored
     @property
     def indexer_position_ids(self):
-        history = getattr(self.layout, "index_positions", None)
+        history = self.context.history if self.context is not None else None
         return history() if history is not None else None
 
     @indexer_position_ids.setter
     def indexer_position_ids(self, value):
-        history = getattr(self.layout, "index_positions", None)
+        history = self.context.history if self.context is not None else None
         if history is None:
             raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
@@ -118,20 +118,28 @@ class ShardedLayer(CacheLayerMixin):
         self._keep(self.first + live)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        store = self.layout.store
-        if store is None:  # e.g. the stock model after remove_context_parallel: it would attend to 1/N of the keys
-            raise PatchStateError(
+        """Store this rank's share of the layer's new K/V (the running forward's `store`) and return every key and
+        value it holds; the forward's context records what it returned (the adapter attends exactly that)."""
+        context = self.context
+        if context is None or context.store is None:  # e.g. the stock model after remove_context_parallel: it
+            raise PatchStateError(  # would attend to 1/N of the keys
                 "this ShardedCache holds one rank's share of a context-parallel KV cache and works only with "
                 "the patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
-        if self.handed:
+        if self.cache_index in context.stored:
             raise UnsupportedModelError(
                 "this model updates one cache layer twice in a forward; hf-contextpar's sharded cache stores each "
                 "layer's new tokens once, so it cannot run under context parallelism."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.handed = True
+        self._store(key_states, value_states, context.store)
+        context.stored[self.cache_index] = (self.keys, self.values)
+        return self.keys, self.values
+
+    def _store(self, key_states, value_states, store):
+        """Keep the rows `store` (a forward.RankCommit) says this rank keeps: a batched decode's slots, or some or
+        all of its new tokens (under DCP those of its slots)."""
         if store.slots is not None:  # batched decode: one token for some sequences
             rows, slots = store.slots
             layout, base = self.layout, self.first - self.layout.held(self.dropped())
@@ -150,10 +158,10 @@ class ShardedLayer(CacheLayerMixin):
             keys[rows, :, slots] = key_states[:, :, 0]
             values[rows, :, slots] = value_states[:, :, 0]
             self._keep(n)
-            return self.keys, self.values
+            return
         if store.rows is not None and store.rows.numel() < key_states.shape[2]:
             if store.rows.numel() == 0:  # decode: this token is stored on another rank
-                return self.keys, self.values
+                return
             rows = store.rows.to(key_states.device)  # ascending and distinct: all of them means every token
             key_states, value_states = key_states.index_select(2, rows), value_states.index_select(2, rows)
         if self.layout.dcp_size > 1:  # DCP: of the new slots (after the layout's), those this rank holds
@@ -167,29 +175,21 @@ class ShardedLayer(CacheLayerMixin):
         keys.copy_(key_states)
         values.copy_(value_states)
         self._keep(self.n + m)
-        return self.keys, self.values
 
-    def stash(self, block: torch.Tensor, cols: torch.Tensor, lo: int, hi: int):
-        """Keep the new columns [lo, hi) of another rank's block (its columns `cols`): a copy, so the message
-        buffer can go, placed among this rank's own new tokens by `rebalance` when the forward ends."""
-        keep = torch.nonzero((cols >= lo) & (cols < hi)).flatten()
-        if keep.numel():
-            self.stashed.append((int(cols[keep[0]]), block.index_select(3, keep.to(block.device))))
-
-    def rebalance(self, lo: int, hi: int, start: int, added: int):
+    def rebalance(self, lo: int, hi: int, start: int, added: int, arrived: list):
         """End of a rebalanced prefill: of this forward's `added` own tokens (columns from `start` on) keep those
-        in [lo, hi), with the stashed ones in column order, where its own tokens were: what the layer held
-        before stays in place (no copy of the whole cache)."""
+        in [lo, hi), with the received ones this rank kept (`arrived`: ForwardContext.arrive's (first column, K/V))
+        in column order, where its own tokens were: what the layer held before stays in place (no copy of the
+        whole cache)."""
         if self.kv is None:  # a layer this model never filled (another layer holds its K/V)
             return
         base = self.n - added  # buffer index of this forward's first own token
         a, b = max(lo, start) - start, min(hi, start + added) - start
-        ahead = sum(kv.shape[3] for col, kv in self.stashed if col < start)  # received columns before its own
-        pieces = list(self.stashed)
+        ahead = sum(kv.shape[3] for col, kv in arrived if col < start)  # received columns before its own
+        pieces = list(arrived)
         if b > a:  # its kept tokens, copied only if they move
             own = self.kv[:, :, :, base + a : base + b]
             pieces.append((start + a, own if ahead == a else own.clone()))
-        self.stashed = []
         if sum(kv.shape[3] for _, kv in pieces) != hi - lo:
             raise PatchStateError(
                 f"rebalancing the K/V expected columns {lo}..{hi} from this rank and the blocks it received; this "
@@ -221,7 +221,6 @@ class ShardedLayer(CacheLayerMixin):
     def reset(self):
         self.kv, self.keys, self.values, self.is_initialized, self.key_dim = None, None, None, False, None
         self.first = self.n = 0
-        self.stashed = []
 
     @property
     def live(self) -> int:

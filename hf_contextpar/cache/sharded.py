@@ -32,8 +32,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from ..errors import CacheMismatchError, PatchStateError
+from ..plan.context import ForwardContext
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
+from .index_keys import History, gather_keys
 from .layers import ChainedLayer, ChainedLayerFactory, ShardedHybridLayer, ShardedLayer
 from .recurrent import ChainedStates
 from .states import is_recurrent
@@ -151,13 +153,14 @@ class ShardedCache(ChainedStates, Cache):
                 layers.append(LinearAttentionLayer(number_of_states=r[0]))
         super().__init__(layers=layers)
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, ShardedLayer):
+                layer.cache_index = i  # what it records its stores under in the running forward's context
         self._windows = tuple(getattr(layer, "window", None) for layer in self.layers)  # read every forward
         # indexed attention (DSA, attention/indexed.py): per layer, the index keys (B, held, D) of the columns this
-        # rank holds (its layout's, in order); `index_exchange(keys, layer)`, set by the runtime for each forward,
-        # gathers them whole for the indexer and keeps this rank's share
+        # rank holds (its layout's, in order), gathered whole for the indexer by `update_indexer` (index_keys.py)
         self.index_keys: dict = {}
-        self.index_exchange = None
-        self._index_before: dict = {}
+        self.context: ForwardContext | None = None  # the running forward's (plan/context.py); None between forwards
 
     @property
     def windows(self) -> tuple:
@@ -189,45 +192,48 @@ class ShardedCache(ChainedStates, Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return (self.layout.seq_length if layer_idx < len(self.layers) else 0) + query_length, 0
 
-    # -- one forward: told the plan at the start, the layout committed at the end ----------------
-    def begin(self, storage):
-        self.layout.store = storage.store[self.layout.rank]
+    # -- one forward: handed its context at the start, the layout committed at the end ----------------
+    def begin(self, context: ForwardContext):
+        """The forward `context` runs from now on: every K/V layer stores into it, and what the cache held before is
+        kept in it, so a failed forward can be forgotten (`end`)."""
+        self.context = context
         for layer in self.kv_layers:
-            layer.handed, layer.stashed = False, []
+            layer.context = context
             if isinstance(layer, ChainedLayer):  # a family's chained layer: its states as before, for a failure
                 layer.remember()
-        self._sizes = [layer.live for layer in self.kv_layers]
-        self._index_before = dict(self.index_keys)
+        context.undo = ([layer.live for layer in self.kv_layers], dict(self.index_keys))
+        context.history = History(context, self) if context.indexed else None
 
     def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """A DSA indexer's new keys (B, T_new, D) in; every column's (B, T, D) out, in global order, so its
         top-k is the one-process top-k (attention/indexed.py). Only inside a patched forward."""
-        if self.index_exchange is None or self.layout.store is None:
+        if self.context is None or not self.context.indexed:
             raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
         if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
             self.chain.settle()
-        return self.index_exchange(self, keys, layer_idx)
+        return gather_keys(self.context, self, keys, layer_idx)
 
-    def end(self, storage, ok: bool = True):
-        """Commit the plan's layout (sliding layers drop what no later query sees); if the forward
-        failed, forget what it stored."""
-        rebalance = self.layout.store.rebalance if self.layout.store is not None else None
-        self.layout.store, self.index_exchange, self.layout.index_positions = None, None, None
+    def end(self, ok: bool = True):
+        """Commit the running forward's plan's layout (sliding layers drop what no later query sees) and drop its
+        context; if the forward failed, forget what it stored."""
+        context, self.context = self.context, None
+        for layer in self.kv_layers:
+            layer.context = None
+        sizes, index_before = context.undo
+        rebalance = context.store.rebalance if context.store is not None else None
         if not ok:  # the index keys as they were before the forward
-            self.index_keys = self._index_before
-        self._index_before = {}
+            self.index_keys = index_before
         if ok:
             before = [layer.held_dropped() for layer in self.kv_layers]
-            self.layout.commit(storage)
-            for layer, live in zip(self.kv_layers, self._sizes) if rebalance is not None else ():  # even shares
-                layer.rebalance(*rebalance, layer.live - live)
+            self.layout.commit(context.plan.storage)
+            for layer, live in zip(self.kv_layers, sizes) if rebalance is not None else ():  # even shares
+                layer.rebalance(*rebalance, layer.live - live, context.arrived.get(layer.cache_index, []))
             self._trim(before)
         else:
-            for layer, live in zip(self.kv_layers, self._sizes):
-                layer.stashed = []
+            for layer, live in zip(self.kv_layers, sizes):
                 layer._keep(layer.first + live)
         for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
             if isinstance(layer, ChainedLayer):

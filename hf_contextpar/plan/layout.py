@@ -28,7 +28,6 @@ class ShardLayout:
         self.seq_length = 0  # committed global length (tokens of finished forwards)
         self.rotation = -1  # offset of the latest batched decode step (sequence b ran on rank (b + offset) % N)
         self.run = None  # the decode run left open (plan.Storage.run), continued by the next decode step
-        self.store = None  # the running forward's forward.RankCommit for this rank; None between forwards
         # per sliding window: how many leading slots of each rank's columns its layers have dropped
         self.dropped = {w: [0] * world for w in sorted(set(windows) - {None})}
         self.record_past = False  # generate()'s assisted decoding: keep everything until crop()
@@ -36,7 +35,6 @@ class ShardLayout:
         # DCP (TP ranks sharing a KV head): this rank stores the slots s of its layout columns with
         # s % dcp_size == dcp_index (vLLM's interleave of 1: each rank within a token of the others); (0, 1): all
         self.dcp_index, self.dcp_size = 0, 1
-        self.index_positions = None  # the running forward's position history (attention/indexed.History); None between
 
     def set_dcp(self, index: int, size: int):
         """Store every size-th slot from `index` on (the runtime's DCP group); a cache that holds tokens

@@ -363,7 +363,7 @@ def run_algorithm(
     byte counts).
     """
     from ...attention import algorithm as algorithm_of
-    from ...attention.step import Step
+    from ...attention.step import LayerKV, Step
 
     fn = algorithm if callable(algorithm) else algorithm_of(algorithm or plan.algorithm)
     sim = SimulatedWorld(plan.world, timeout)
@@ -371,14 +371,13 @@ def run_algorithm(
     def rank_body(comm):
         geometry = (kvs[comm.rank].shape[0], kvs[comm.rank].shape[2], kvs[comm.rank].shape[4])
         step = Step(plan, comm, None, num_layers, kv_shapes=dict.fromkeys(range(num_layers), geometry))  # warmed
-        if layer_kv is not None:
-            step.kv = layer_kv(comm.rank)
-        q = step.kv.pad(qs[comm.rank])
+        kv = layer_kv(comm.rank) if layer_kv is not None else LayerKV()
+        q = kv.pad(qs[comm.rank])
         outs = []
         for layer in range(num_layers):
-            step.layer = step.kv_layer = layer
-            out, lse = fn(step, q, kvs[comm.rank], scale=scale, window=window, softcap=softcap)
-            outs.append((out[..., : step.out_shape(q)[-1]] if out is not None else None, lse))
+            call = step.at(layer, kv=kv)
+            out, lse = fn(call, q, kvs[comm.rank], scale=scale, window=window, softcap=softcap)
+            outs.append((out[..., : call.out_shape(q)[-1]] if out is not None else None, lse))
         return outs
 
     outputs = sim.run([rank_body] * plan.world)
