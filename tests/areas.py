@@ -149,7 +149,7 @@ AREAS: dict[str, Area] = {
     ),
     "indexed": Area(
         "indexed attention (DeepSeek Sparse Attention: the indexer's top-k)",
-        (A + "indexed.py",),
+        (A + "indexed.py", "hf_contextpar/cache/index_keys.py"),
         (
             "test_errors.py::test_indexed_attention_refuses_what_moves_a_query_from_its_top_k",
             "test_cache.py::test_index_keys_follow_the_cache_through_beams_crop_and_failure",
@@ -189,6 +189,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/cache/blocks.py",
             "hf_contextpar/cache/layers.py",
             "hf_contextpar/cache/sharded.py",
+            "hf_contextpar/plan/context.py",  # the per-forward context the cache and the attention are handed
         ),
         ("test_cache.py", "test_multiturn.py", "test_interleave.py", ANCHOR),
     ),
