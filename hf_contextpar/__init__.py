@@ -7,6 +7,7 @@ hf_contextpar.remove_context_parallel(model)
 
 from __future__ import annotations
 
+from . import patches  # noqa: F401 (the families: patches/ fills the engine's registry at its import)
 from .api import apply_context_parallel, get_runtime, remove_context_parallel
 from .cache.sharded import ShardedCache
 from .errors import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 
-from . import attention, patches  # noqa: F401 (patches: the families, registered at its import)
+from . import attention
 from .attention import latent
 from .comm.agreement import agree_settings
 from .comm.group import DEFAULT_TIMEOUT_S, release_dropped, release_group, resolve_group

@@ -6,8 +6,8 @@ on the *ForCausalLM module; it covers every family below. This package fills the
 lists only what is particular to it, a `check(config)` that rejects configurations which would not be exact, an
 optional `apply(model) -> undo` for a family that needs a reversible patch of its own, and the facts tests, eval
 and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
-one file only if it needs a patch of its own); the engine never imports this package (the public face,
-`hf_contextpar.api`, loads it). Installed as `hf_contextpar.patches`.
+one file only if it needs a patch of its own); the engine never imports this package (the package face,
+`hf_contextpar/__init__.py`, loads it). Installed as `hf_contextpar.patches`.
 
 No opt-in for what is verified: `verified.py` is data the model census generates
 (`python -m dev.census --from-json docs/census.json --verified patches/verified.py`), the

@@ -3,7 +3,7 @@
 One registry keyed by `config.model_type` (as Liger-Kernel does). A family lists only what is particular to it
 (`FamilyPatch`: a check, an optional reversible patch, the capabilities its layers need, the facts the tests and
 the census use). The engine reads the registry and never imports the families: `hf_contextpar.patches` (the
-top-level `patches/` package) registers them when the public face (`hf_contextpar.api`) is imported, and
+top-level `patches/` package) registers them when the package face (`hf_contextpar/__init__.py`) is imported, and
 declares what the census refused (`INEXACT`, `NOT_CHAINED`, `CENSUS`), which `resolve` and the contract quote.
 So the import graph has no circle between the engine and the families: patches/ imports the engine, never back.
 """
