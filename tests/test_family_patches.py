@@ -1,5 +1,5 @@
 """The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py, the
-ported hand-written attentions of xglm.py and gpt_neo.py), on one
+ported hand-written attentions of xglm.py, gpt_neo.py, gpt_neox_japanese.py and falcon.py), on one
 process with transformers' own attention: the patched model computes what the unpatched one does (the multi-process
 census and its sweeps check them under context parallelism), and what a patch refuses it refuses."""
 
@@ -9,10 +9,10 @@ import inspect
 
 import pytest
 import torch
-from hf_contextpar.patches import diffllama, gpt_neo, hrm_text, jetmoe, xglm
+from hf_contextpar.patches import diffllama, falcon, gpt_neo, gpt_neox_japanese, hrm_text, jetmoe, xglm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_contextpar.errors import UnsupportedInputError
+from hf_contextpar.errors import UnsupportedInputError, UnsupportedModelError
 
 _SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_size=256)
 CONFIGS = {
@@ -82,6 +82,14 @@ PORTED = {
         torch.float64,
         dict(num_layers=2, hidden_size=64, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=7),
     ),
+    # partial RoPE, the last layer's output bias
+    "gpt_neox_japanese": (
+        gpt_neox_japanese.apply,
+        torch.float64,
+        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_multiple_size=1),
+    ),
+    # multi-query (Falcon-7B's geometry: one K/V head)
+    "falcon": (falcon.apply, torch.float64, dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)),
 }
 
 
@@ -110,3 +118,10 @@ def test_a_ported_attention_computes_what_the_model_does(family):
     torch.testing.assert_close(ours[rows], ref[rows], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(back[rows], ref[rows], rtol=0, atol=0)
+
+
+def test_falcon_refuses_alibi():
+    config = AutoConfig.for_model("falcon", alibi=True)
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        falcon.check(config)
+    falcon.check(AutoConfig.for_model("falcon"))  # RoPE: no refusal
