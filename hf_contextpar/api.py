@@ -122,9 +122,10 @@ def _install(model, runtime, family, device):
     try:
         comm.shm = open_shm_gather(comm.group, comm.rank, comm.world, device, DEFAULT_TIMEOUT_S)
         undo.append(comm.close_shm)
-        _switch_attention(model, runtime, undo)
+        # a family's patch first: it may be what lets the model take an attention implementation (patches/ported.py)
         if family.apply is not None:
             undo.append(family.apply(model))
+        _switch_attention(model, runtime, undo)
         undo.append(latent.install(model))
         runtime.install()
         undo.append(runtime.uninstall)

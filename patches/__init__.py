@@ -25,7 +25,22 @@ from hf_contextpar.model import families
 from hf_contextpar.model.families import REGISTRY, FamilyPatch, register, resolve  # noqa: F401 (the public names)
 from hf_contextpar.model.families import add as _add
 
-from . import bamba, deepseek_v4, diffllama, gated_delta, hrm_text, jetmoe, llama4_text, mamba1, minimax, opt
+from . import (
+    bamba,
+    deepseek_v4,
+    diffllama,
+    falcon,
+    gated_delta,
+    gpt_neo,
+    gpt_neox_japanese,
+    hrm_text,
+    jetmoe,
+    llama4_text,
+    mamba1,
+    minimax,
+    opt,
+    xglm,
+)
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
 
@@ -195,6 +210,25 @@ for _patch in [
     FamilyPatch("diffllama", "DiffLlama: one call over both value halves", apply=diffllama.apply, csa=False),
     # HRM's cycles repeat every layer: its unpatched fp32 model is 1.4e-4 to 2.6e-4 from fp64 (census config, 6 prompts)
     FamilyPatch("hrm_text", "HRM (text): H/L cycles", apply=hrm_text.apply, csa=False, fp32_tolerance=5e-4),
+    # families whose attention transformers keeps hand-written, ported to its AttentionInterface (patches/ported.py)
+    FamilyPatch("xglm", "XGLM: sinusoidal positions, a hand-written attention ported", apply=xglm.apply),
+    FamilyPatch(
+        "gpt_neo",
+        "GPT-Neo: alternating global and local (windowed) layers, a hand-written attention ported",
+        apply=gpt_neo.apply,
+        fp64_tolerance=1e-4,  # its scores are fp32 even in an fp64 model (the census measures the bound)
+    ),
+    FamilyPatch(
+        "gpt_neox_japanese",
+        "GPT-NeoX-Japanese: fused QKV, partial RoPE, a hand-written attention ported",
+        apply=gpt_neox_japanese.apply,
+    ),
+    FamilyPatch(
+        "falcon",
+        "Falcon (RoPE configurations): multi-query or grouped K/V, a hand-written attention ported; ALiBi refused",
+        check=falcon.check,
+        apply=falcon.apply,
+    ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
     FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", cache_window=True, csa=False),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key

@@ -1,4 +1,5 @@
-"""The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py), on one
+"""The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py, the
+ported hand-written attentions of xglm.py, gpt_neo.py, gpt_neox_japanese.py and falcon.py), on one
 process with transformers' own attention: the patched model computes what the unpatched one does (the multi-process
 census and its sweeps check them under context parallelism), and what a patch refuses it refuses."""
 
@@ -8,10 +9,10 @@ import inspect
 
 import pytest
 import torch
-from hf_contextpar.patches import diffllama, hrm_text, jetmoe
+from hf_contextpar.patches import diffllama, falcon, gpt_neo, gpt_neox_japanese, hrm_text, jetmoe, xglm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_contextpar.errors import UnsupportedInputError
+from hf_contextpar.errors import UnsupportedInputError, UnsupportedModelError
 
 _SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_size=256)
 CONFIGS = {
@@ -69,3 +70,58 @@ def test_hrm_refuses_a_prefix_block():
         with pytest.raises(UnsupportedInputError, match="bidirectional prefix block"):
             model(ids, *by_position[1 : names.index("token_type_ids") + 1])
     undo()
+
+
+# the families whose hand-written attention patches/ported.py ports to the AttentionInterface: the port's eager path
+# is the model's own arithmetic (XGLM's unpatched model fails in fp64: its mask clamp is an fp32 constant)
+PORTED = {
+    "xglm": (xglm.apply, torch.float32, dict(num_layers=2, d_model=64, ffn_dim=64, attention_heads=4)),
+    # a window shorter than the prompt on the local layer
+    "gpt_neo": (
+        gpt_neo.apply,
+        torch.float64,
+        dict(num_layers=2, hidden_size=64, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=7),
+    ),
+    # partial RoPE, the last layer's output bias
+    "gpt_neox_japanese": (
+        gpt_neox_japanese.apply,
+        torch.float64,
+        dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_multiple_size=1),
+    ),
+    # multi-query (Falcon-7B's geometry: one K/V head)
+    "falcon": (falcon.apply, torch.float64, dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PORTED))
+def test_a_ported_attention_computes_what_the_model_does(family):
+    apply, dtype, sizes = PORTED[family]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=256, **sizes)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    assert not model._can_set_attn_implementation()
+    ids = torch.randint(1, 256, (2, 23), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        undo = apply(model)
+        assert model._can_set_attn_implementation()  # what lets hf-contextpar switch its attention in
+        ours = model(ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        undo()
+        back = model(ids, attention_mask=mask).logits
+    assert not model._can_set_attn_implementation()
+    rows = mask.bool()
+    torch.testing.assert_close(ours[rows], ref[rows], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(back[rows], ref[rows], rtol=0, atol=0)
+
+
+def test_falcon_refuses_alibi():
+    config = AutoConfig.for_model("falcon", alibi=True)
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        falcon.check(config)
+    falcon.check(AutoConfig.for_model("falcon"))  # RoPE: no refusal

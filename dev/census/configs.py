@@ -90,7 +90,7 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "gemma4_text": dict(**SHARED_KV, vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "glm_moe_dsa": DSA,
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=24),
     "gptj": dict(rotary_dim=8),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], **MAMBA),
     "inkling2_loop_text": dict(unpadded_vocab_size=256),
