@@ -34,23 +34,30 @@ def _model(family, attn):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
 
 
-# JetMoE's patch sets GQA's group size, which eager and SDPA read; HRM's only renumbers the layer's cache slot
-@pytest.mark.parametrize(
-    "family, attn", [("jetmoe", "eager"), ("jetmoe", "sdpa"), ("hrm_text", "sdpa"), ("diffllama", "sdpa")]
-)
-def test_a_patched_layer_computes_what_the_model_does(family, attn):
-    model = _model(family, attn)
+def _unpatched_patched_undone(model, apply, while_patched=lambda: None):
+    """A padded batch's logits and 4 greedy tokens before a family patch, under it, and the logits after its undo:
+    (mask, ref, ref_tokens, ours, tokens, back)."""
     ids = torch.randint(1, 256, (2, 23), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # a left-padded row
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits
         ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        undo = PATCHES[family](model)
+        undo = apply(model)
+        while_patched()
         ours = model(ids, attention_mask=mask).logits
         tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         undo()
         back = model(ids, attention_mask=mask).logits
+    return mask, ref, ref_tokens, ours, tokens, back
+
+
+# JetMoE's patch sets GQA's group size, which eager and SDPA read; HRM's only renumbers the layer's cache slot
+@pytest.mark.parametrize(
+    "family, attn", [("jetmoe", "eager"), ("jetmoe", "sdpa"), ("hrm_text", "sdpa"), ("diffllama", "sdpa")]
+)
+def test_a_patched_layer_computes_what_the_model_does(family, attn):
+    mask, ref, ref_tokens, ours, tokens, back = _unpatched_patched_undone(_model(family, attn), PATCHES[family])
     # eager attention gives the pad rows of a left-padded row NaN, on both sides
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12, equal_nan=True)
     assert torch.equal(tokens, ref_tokens)
@@ -101,19 +108,11 @@ def test_a_ported_attention_computes_what_the_model_does(family):
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     assert not model._can_set_attn_implementation()
-    ids = torch.randint(1, 256, (2, 23), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # a left-padded row
-    with torch.no_grad():
-        ref = model(ids, attention_mask=mask).logits
-        ref_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        undo = apply(model)
-        assert model._can_set_attn_implementation()  # what lets hf-contextpar switch its attention in
-        ours = model(ids, attention_mask=mask).logits
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        undo()
-        back = model(ids, attention_mask=mask).logits
-    assert not model._can_set_attn_implementation()
+    switchable = []  # what lets hf-contextpar switch its attention in, while patched
+    mask, ref, ref_tokens, ours, tokens, back = _unpatched_patched_undone(
+        model, apply, lambda: switchable.append(model._can_set_attn_implementation())
+    )
+    assert switchable == [True] and not model._can_set_attn_implementation()
     rows = mask.bool()
     torch.testing.assert_close(ours[rows], ref[rows], rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
     assert torch.equal(tokens, ref_tokens)
