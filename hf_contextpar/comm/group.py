@@ -87,19 +87,14 @@ def resolve_group(group=None, *, device: torch.device, timeout: float | None = N
 
 def _replicas(timeout):
     """This rank's groups where an accelerate parallelism config splits the world into several CP groups (or TP
-    groups): the same layout on every rank (checked: it decides which groups are made), else None."""
+    groups), else None: the layout agreed by every rank first (it decides which groups are made)."""
     from .replicas import accelerate_layout, make_groups
 
-    layout = accelerate_layout(dist.get_world_size())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, layout)
-    if any(x != everyone[0] for x in everyone):
-        from ..errors import RankMismatchError
-
-        raise RankMismatchError(
-            f"the accelerate parallelism config differs between ranks ({everyone}, by rank); launch every rank "
-            "with the same PARALLELISM_CONFIG_* environment."
-        )
+    layout = _agreed(
+        lambda: accelerate_layout(dist.get_world_size()),
+        "the accelerate parallelism config differs between ranks",
+        "launch every rank with the same PARALLELISM_CONFIG_* environment",
+    )
     if layout is None or (layout.count == 1 and layout.tp == 1):
         return None
     groups = make_groups(layout, timeout if timeout is not None else DEFAULT_TIMEOUT_S, across=False)
@@ -109,18 +104,33 @@ def _replicas(timeout):
 
 
 def _same_on_every_rank(timeout):
-    """The timeout, after checking every rank passed the same: it decides whether a group is made
-    (`new_group`, a collective every rank must enter), so ranks that differ would wait on each other."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, timeout)
-    if any(t != everyone[0] for t in everyone):
-        from ..errors import RankMismatchError
+    """The timeout, after checking every rank passed the same: it decides whether a group is made."""
+    return _agreed(
+        lambda: timeout,
+        "apply_context_parallel got a different timeout on different ranks",
+        "pass the same on every rank",
+    )
 
-        raise RankMismatchError(
-            f"apply_context_parallel got a different timeout on different ranks ({everyone}, by rank); pass the "
-            "same on every rank."
-        )
-    return timeout
+
+def _agreed(compute, differs: str, fix: str):
+    """compute() on every rank, the same everywhere: a value that decides which groups are made (`new_group`, a
+    collective every rank must enter), so ranks that differed would wait on each other. A refusal raised on some
+    ranks only is raised on every rank, as itself."""
+    from ..errors import ContextParallelError, RankMismatchError
+
+    try:
+        mine = (None, compute())
+    except ContextParallelError as e:
+        mine = (e, None)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for error, _ in everyone:
+        if error is not None:
+            raise error
+    values = [value for _, value in everyone]
+    if any(v != values[0] for v in values):
+        raise RankMismatchError(f"{differs} ({values}, by rank); {fix}.")
+    return values[0]
 
 
 def unbind_world_defaults() -> None:
