@@ -47,7 +47,8 @@ class Dist:
         if layout is not None and layout.count > 1:  # replicas x CP: each replica its share of the cases
             groups = make_groups(layout, timeout, across=False)
             self.group, self.world = groups.cp, layout.cp  # `world`: the N of the report, a replica's CP group
-            self.cp_rank, self.replica, self.replicas = self.rank % layout.cp, groups.replica, layout.count
+            self.replica, self.cp_rank, _ = layout.coordinates(self.rank)
+            self.replicas = layout.count
 
     def _layout(self, cp_size: int | None):
         """The replicas x CP layout: --cp-size, else accelerate's parallelism config (its environment)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -137,8 +138,6 @@ def _environment_sizes() -> tuple[dict | None, str | None]:
 def _accelerator_sizes() -> tuple[dict, str | None] | None:
     """The sizes of the parallelism config an `Accelerator` was made with, if accelerate made one (never
     importing accelerate, nor making its state)."""
-    import sys
-
     state = sys.modules.get("accelerate.state")
     shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", None) or {}
     config = shared.get("parallelism_config") if hasattr(shared, "get") else None
