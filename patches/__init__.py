@@ -38,6 +38,7 @@ from . import (
     llama4_text,
     mamba1,
     minimax,
+    mllama,
     opt,
     xglm,
 )
@@ -201,6 +202,13 @@ for _patch in [
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
     FamilyPatch("opt", "OPT: learned absolute positions read off the attention mask", apply=opt.apply),
+    # Llama 3.2 Vision's text model: a cross-attention layer every fifth layer, skipped by a text-only forward as one
+    # process skips it; vision inputs refused (patches/mllama.py)
+    FamilyPatch(
+        "mllama_text_model",
+        "Mllama (Llama 3.2 Vision, text): self-attention layers, cross-attention layers skipped text-only",
+        apply=mllama.apply,
+    ),
     # a layer that calls its attention otherwise, given one call with its cache layer's K/V (patches/<family>.py):
     # JetMoE tiles its K/V to its top_k x Hkv query heads (the query heads go into GQA order instead), DiffLlama
     # attends twice, on two halves of V (once over both side by side, expanded per block: Ulysses refused), HRM
@@ -288,13 +296,22 @@ for _mt, _what, _fp32 in [
 ]:
     # gated_delta: a Gated DeltaNet mixer's chained rank waits for the passed state at its scan (no-op elsewhere)
     _add(FamilyPatch(_mt, _what, recurrent=True, apply=gated_delta.apply, fp32_tolerance=_fp32))
-# why the other hybrids' recurrent layers are refused (their layer named by the refusal, this said after it)
+# why a family's layers of a kind the contract does not run are refused (the kind named by the refusal, this after it)
 NOT_CHAINED = families.NOT_CHAINED
 NOT_CHAINED |= {
     "recurrent_gemma": (
         "its RG-LRU and short-convolution states live on its modules, outside the cache's state API, and a multi-token "
         "forward restarts the convolution from zeros, so a rank cannot continue from the states passed down the ranks "
         "(registered as chained, the ranks' generated sequences differ)"
+    ),
+    # found by the census on a config with its sparse layer (MiniMax-M3's checkpoints interleave them)
+    "minimax_m3_vl_text": (
+        "its minimax_m3_sparse layers' lightning indexer scores every earlier key slot (index keys kept in its own "
+        "cache layer by update_index), max-pools the scores over blocks of index_block_size key slots counted from the "
+        "cache's first slot, and hands each query's top index_topk_blocks blocks to attention as block_indices; "
+        "hf-contextpar's sharded cache holds a rank's own index keys only and its attention takes per-token indices "
+        "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
+        "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
     ),
     "inkling_text": (
         "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "

@@ -40,6 +40,10 @@ SHARED_KV = dict(
     layer_types=["sliding_attention", "full_attention"] * 2,
     sliding_window=24,
 )
+# a window or chunk the config sets (thousands of tokens by default) shrunk to bite on the census's 61-token prompt,
+# so that its sliding / chunked layers drop tokens in prefill, decode and the second turn (a config without one keeps
+# none: a window is not added where the family has none)
+WINDOWS = dict(sliding_window=24, attention_chunk_size=16)
 MAX_PARAMS = 20e6  # a "tiny" config above this needs an override (two fp64 copies per rank)
 
 # where the generic keys do not fit: family -> config overrides (a dict value updates a sub-config). Two
@@ -96,14 +100,35 @@ OVERRIDES: dict[str, dict] = {
     "inkling2_loop_text": dict(unpadded_vocab_size=256),
     "inkling2_text": dict(unpadded_vocab_size=256),
     "jamba": dict(**PERIOD_2, mamba_dt_rank=8),
+    # its three layer kinds (the default 34 layers hold all three), a window shorter than the 61-token prompt
+    "lara_mini": dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "sliding_attention", "full_attention"], sliding_window=24
+    ),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # its three layer kinds (the default 24 layers hold all three), a window shorter than the 61-token prompt
+    "lfm3": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "sliding_attention"], sliding_window=24),
     "longcat_flash": dict(expert_ffn_hidden_size=32, ffn_hidden_size=64, zero_expert_num=2, moe_topk=2),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     # its attention is full causal over what its cache layers hold, sliding windows of sliding_window (3000): a
     # window shorter than the prompt, so that decode and the second turn attend over a cache that has dropped tokens
+    # Llama 3.2 Vision's text model: a cross-attention layer among self-attention layers (its default config puts
+    # one every fifth layer), skipped by a text-only forward as one process skips it
+    "mllama": dict(text_config=dict(num_hidden_layers=3, cross_attention_layers=[1])),
     "moshi": dict(sliding_window=24),
-    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=8, mamba_head_dim=16),
+    # MiniMax-M3's text model: a block-sparse (lightning indexer) layer beside a full one, blocks of 8 keys, the top 3
+    # of up to 8 kept: the selection bites on the 61-token prompt
+    "minimax_m3_vl_text": dict(
+        layer_types=["full_attention", "minimax_m3_sparse"],
+        index_n_heads=2,
+        index_head_dim=16,
+        index_block_size=8,
+        index_topk_blocks=3,
+    ),
+    # its default pattern: a Mamba2, an MoE, an attention and an MLP block
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=8, mamba_head_dim=16
+    ),
     "qwen4_exp": dict(text_config=QSA),
     "qwen4_exp_text": QSA,
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
@@ -156,10 +181,14 @@ def _has(config, key: str) -> bool:
 
 def _known(config) -> dict:
     """GENERIC's keys that `config` has (multi-head latent attention: head_dim is the RoPE part, as many KV
-    heads as query heads), per-layer lists cut to two layers (the first layer's entry and the first other
+    heads as query heads), its windows shrunk (WINDOWS), per-layer lists cut to two layers (the first layer's entry and the first other
     one), sub-configs alike."""
     read_only = {k for k in GENERIC if isinstance(getattr(type(config), k, None), property)}
     kwargs = {k: v for k, v in GENERIC.items() if _has(config, k) and k not in read_only}
+    for key, small in WINDOWS.items():
+        value = getattr(config, key, None) if _has(config, key) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > small:
+            kwargs[key] = small
     if "kv_lora_rank" in kwargs:
         kwargs.update({k: kwargs[v] for k, v in MLA.items() if k in kwargs and v in kwargs})
     layers = getattr(config, "num_hidden_layers", None) if _has(config, "num_hidden_layers") else None

@@ -52,11 +52,14 @@ _COUNTED = ("hybrid", "hybrid_sliding", "indexed_attention", *_COMPRESSED)  # at
 
 
 def attention_layers(config) -> int:
-    """Layers that attend over the sequence (a hybrid block's included); every layer without `layer_types`."""
+    """Layers that attend over the sequence (a hybrid block's included); without `layer_types`, every layer but those
+    a config lists as `cross_attention_layers`: they attend to another input's states, not over the sequence, and a
+    text-only forward skips them (Mllama's; its family patch refuses cross-attention inputs)."""
     text = config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None)
     if not types:
-        return text.num_hidden_layers
+        cross = set(getattr(text, "cross_attention_layers", None) or ())
+        return text.num_hidden_layers - len(cross & set(range(text.num_hidden_layers)))
     return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED for t in types)
 
 
@@ -92,12 +95,13 @@ def check_model(model, sparse: bool = False):
         kinds -= set(_COMPRESSED)
     if kinds:
         why = " ".join(sorted({_WHY.get(k, _WHY["other"]) for k in kinds}))
+        why = "" if config.model_type in NOT_CHAINED else why  # the family's own reason is the precise one
         hybrids = ", ".join(sorted(m for m, p in REGISTRY.items() if p.recurrent))
         also = f", and recurrent layers in the families verified to continue from a passed state ({hybrids})"
         blocks = f" ({NOT_CHAINED[config.model_type]})" if config.model_type in NOT_CHAINED else ""  # first: unclipped
         raise UnsupportedModelError(
             f"this model ({config.model_type}) has {sorted(kinds)} layers{blocks}; hf-contextpar supports softmax attention "
-            f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}"
+            f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}".rstrip()
         )
     if getattr(text, "num_attention_heads", None) is None and not chained:
         raise UnsupportedModelError(
