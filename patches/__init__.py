@@ -40,6 +40,7 @@ from . import (
     minimax,
     mllama,
     opt,
+    recurrent_gemma,
     xglm,
 )
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
@@ -299,20 +300,6 @@ for _mt, _what, _fp32 in [
 # why a family's layers of a kind the contract does not run are refused (the kind named by the refusal, this after it)
 NOT_CHAINED = families.NOT_CHAINED
 NOT_CHAINED |= {
-    "recurrent_gemma": (
-        "its RG-LRU and short-convolution states live on its modules, outside the cache's state API, and a multi-token "
-        "forward restarts the convolution from zeros, so a rank cannot continue from the states passed down the ranks "
-        "(registered as chained, the ranks' generated sequences differ)"
-    ),
-    # found by the census on a config with its sparse layer (MiniMax-M3's checkpoints interleave them)
-    "minimax_m3_vl_text": (
-        "its minimax_m3_sparse layers' lightning indexer scores every earlier key slot (index keys kept in its own "
-        "cache layer by update_index), max-pools the scores over blocks of index_block_size key slots counted from the "
-        "cache's first slot, and hands each query's top index_topk_blocks blocks to attention as block_indices; "
-        "hf-contextpar's sharded cache holds a rank's own index keys only and its attention takes per-token indices "
-        "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
-        "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
-    ),
     "inkling_text": (
         "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "
         "token and head, by distance up to rel_extent), which hf-contextpar's attention does not take (registered as "
@@ -342,6 +329,16 @@ for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Fa
 _add(
     FamilyPatch(
         "minimax", "MiniMax: lightning-attention layers beside attention, MoE", apply=minimax.apply, recurrent=True
+    )
+)
+# RecurrentGemma keeps its RG-LRU and convolution states on its modules: patches/recurrent_gemma.py runs them through
+# the cache's state API, so the chain passes them; its RG-LRU accumulates in fp32 even in an fp64 model
+_add(
+    FamilyPatch(
+        "recurrent_gemma",
+        "RecurrentGemma (Griffin): RG-LRU and short-convolution blocks beside local (sliding-window) attention",
+        apply=recurrent_gemma.apply,
+        recurrent=True,
     )
 )
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)

@@ -13,12 +13,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
 from hf_contextpar.eval.oracle import Fp64Internals  # noqa: E402
 from hf_contextpar.patches import REGISTRY  # noqa: E402
-from hybrids import BEAMS_REFUSED, FAMILIES, hybrid_model  # noqa: E402
+from hybrids import BEAMS_REFUSED, FAMILIES, GIVEN_CACHE, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
 from shared_reference import OnRankZero
 
@@ -54,13 +55,17 @@ def check(family: str, n: int, strategy: str, rec):
     with Fp64Internals():
         outs = []
         for model in (ref, cp):
-            first = model(ids, attention_mask=mask)
-            held = returned_cache(first).local_length if model is cp else None  # K/V tokens kept on this rank
+            # a stateful model (RecurrentGemma's) returns no cache: it runs with the one the caller keeps and passes
+            given = DynamicCache(config=model.config) if family in GIVEN_CACHE else None
+            first = model(ids, attention_mask=mask, **({} if given is None else dict(cache=given)))
+            cache = returned_cache(first) or given
+            held = cache.local_length if model is cp else None  # K/V tokens kept on this rank
             m2 = torch.cat([mask, torch.ones_like(more)], 1)
-            second = model(more, attention_mask=m2[:, -more.shape[1] :] if raw else m2, cache=returned_cache(first))
-            held2 = returned_cache(second).local_length if model is cp else None
+            second = model(more, attention_mask=m2[:, -more.shape[1] :] if raw else m2, cache=cache)
+            cache = returned_cache(second) or given
+            held2 = cache.local_length if model is cp else None
             m3 = torch.cat([m2, torch.ones_like(last)], 1)
-            third = model(last, attention_mask=m3[:, -last.shape[1] :] if raw else m3, cache=returned_cache(second))
+            third = model(last, attention_mask=m3[:, -last.shape[1] :] if raw else m3, cache=cache)
             plain = model(ids, attention_mask=mask, use_cache=False)
             outs.append((first.logits, second.logits, third.logits, plain))
         (a1, a2, a3, ap), (b1, b2, b3, bp) = outs

@@ -51,10 +51,14 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     # lightning attention (patches/minimax.py: its own cache class's state); attention first: one process reads the
     # cache's length from layer 0, which MiniMaxCache leaves empty when it is a lightning layer (a later turn fails)
     "minimax": dict(layer_types=MIX[::-1]),
+    # RG-LRU and short-convolution blocks beside local attention (patches/recurrent_gemma.py: the states through the
+    # cache); its conv keeps 3 inputs, more than the second turn's partitions at N = 4 hold (9 tokens over 4 ranks)
+    "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (FamilyPatch.raw_mask)
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
+GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the beams (patches/minimax.py)
 
 

@@ -1,0 +1,87 @@
+"""RecurrentGemma (Griffin): its recurrent blocks' states through the cache, so that they pass down the ranks.
+
+`RecurrentGemmaRecurrentBlock` keeps its short convolution's last `conv1d_width - 1` inputs and its RG-LRU's state on
+the modules (`conv1d_state`, `rg_lru.recurrent_states`), outside the cache, so the state chain
+(hf_contextpar/cache/recurrent.py) cannot pass them. Under a context-parallel cache this patch runs the block with
+those states read from and written to the cache's linear-attention layer of its index (the one its config's
+`layer_types` makes), conv state first, then the RG-LRU state: a chained rank continues from what rank - 1 left,
+and decode from the states every rank took after prefill. One process's arithmetic, kept as it is:
+
+- a multi-token forward convolves from zeros on its left (transformers' prefill pads the convolution, even over a
+  cache: a second turn restarts it), while the RG-LRU continues from the state before the forward (position 0 resets
+  it: `reset`); under the chain only the first rank starts the convolution from zeros, a later one from the inputs
+  before its partition, which the chain passes (the last `conv1d_width - 1` of everything before it, so a partition
+  shorter than that passes the earlier ones on);
+- a one-token forward outside the chain (decode) continues both from the cache, as transformers' decode does.
+
+The RG-LRU itself runs unchanged (`rg_lru`, given the state to start from). Any other cache (one process) runs
+transformers' block untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hf_contextpar.cache.recurrent import ChainedStates, running_chain
+
+from .wrapping import install
+
+_INDEX = "_hf_contextpar_layer_idx"  # a recurrent block's layer index (its cache layer), set by apply
+
+
+def _through_cache(forward):
+    def block_forward(self, input_states, position_ids, attention_mask, use_cache=True, **kwargs):
+        cache = kwargs.get("cache")
+        if not use_cache or not isinstance(cache, ChainedStates) or getattr(self, _INDEX, None) is None:
+            return forward(self, input_states, position_ids, attention_mask, use_cache, **kwargs)
+        idx, tokens, width = getattr(self, _INDEX), input_states.shape[1], self.conv1d_width - 1
+        y_branch = self.act_fn(self.linear_y(input_states))
+        x_branch = self.linear_x(input_states).transpose(1, 2)  # (batch, lru_width, tokens)
+        chain = running_chain()
+        before = cache.get_conv_state(idx)  # a chained rank's first touch: rank - 1's states arrive here
+        if before is None or before.shape[0] != x_branch.shape[0]:  # nothing before (transformers' zeros)
+            before = x_branch.new_zeros((*x_branch.shape[:2], width))
+        if chain is None and tokens == 1:  # decode: transformers' one-token convolution over its cached inputs
+            window = torch.cat((before, x_branch), -1)
+            x_conv = (torch.sum(window * self.conv_1d.weight[:, 0, :], dim=-1) + self.conv_1d.bias).unsqueeze(-1)
+        elif chain is not None and chain.receive:  # a later rank of a chained prefill: the inputs before its partition
+            window = torch.cat((before, x_branch), -1)
+            x_conv = self.conv_1d(window)[..., width : width + tokens]
+        else:  # a prefill (the first rank's partition): from zeros, as transformers pads it
+            window = torch.nn.functional.pad(x_branch, (width, 0))
+            x_conv = self.conv_1d(x_branch)[..., :tokens]
+        cache.update_conv_state(window[..., window.shape[-1] - width :].contiguous(), idx)  # goes ahead, to rank + 1
+        state = cache.get_recurrent_state(idx)
+        if state is None or state.shape[0] != input_states.shape[0]:
+            state = torch.zeros((input_states.shape[0], self.lru_width), device=input_states.device, dtype=torch.float32)
+        kept, self.rg_lru.recurrent_states = self.rg_lru.recurrent_states, state
+        try:
+            x_branch = self.rg_lru(x_conv.transpose(1, 2), position_ids)
+            cache.update_recurrent_state(self.rg_lru.recurrent_states, idx)
+        finally:
+            self.rg_lru.recurrent_states = kept
+        return self.linear_out(x_branch * y_branch), None
+
+    return block_forward
+
+
+def apply(model):
+    """Run the model's recurrent blocks through the cache's state API under a context-parallel cache; returns undo()."""
+    module = sys.modules[type(model.get_decoder()).__module__]
+    blocks = [
+        (i, layer.temporal_block)
+        for i, layer in enumerate(model.get_decoder().layers)
+        if isinstance(layer.temporal_block, module.RecurrentGemmaRecurrentBlock)
+    ]
+    for i, block in blocks:
+        setattr(block, _INDEX, i)
+    undo_forward = install(module.RecurrentGemmaRecurrentBlock, "forward", _through_cache)
+
+    def undo():
+        undo_forward()
+        for _, block in blocks:
+            delattr(block, _INDEX)
+
+    return undo
