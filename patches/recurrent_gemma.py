@@ -15,7 +15,9 @@ and decode from the states every rank took after prefill. One process's arithmet
 - a one-token forward outside the chain (decode) continues both from the cache, as transformers' decode does.
 
 The RG-LRU itself runs unchanged (`rg_lru`, given the state to start from). Any other cache (one process) runs
-transformers' block untouched.
+transformers' block untouched. Beam search is refused: one process reorders the cache's attention layers with the
+beams but not the states on its modules, so each beam continues from another beam's state, which the cache's states
+(reordered with the beams) would not reproduce.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import torch
 
 from hf_contextpar.cache.recurrent import ChainedStates, running_chain
+from hf_contextpar.errors import UnsupportedInputError
 
 from .wrapping import install
 
@@ -55,7 +58,9 @@ def _through_cache(forward):
         cache.update_conv_state(window[..., window.shape[-1] - width :].contiguous(), idx)  # goes ahead, to rank + 1
         state = cache.get_recurrent_state(idx)
         if state is None or state.shape[0] != input_states.shape[0]:
-            state = torch.zeros((input_states.shape[0], self.lru_width), device=input_states.device, dtype=torch.float32)
+            state = torch.zeros(
+                (input_states.shape[0], self.lru_width), device=input_states.device, dtype=torch.float32
+            )
         kept, self.rg_lru.recurrent_states = self.rg_lru.recurrent_states, state
         try:
             x_branch = self.rg_lru(x_conv.transpose(1, 2), position_ids)
@@ -65,6 +70,14 @@ def _through_cache(forward):
         return self.linear_out(x_branch * y_branch), None
 
     return block_forward
+
+
+def _reorder_cache(cache, beam_idx):
+    raise UnsupportedInputError(
+        "beam search is not supported for RecurrentGemma under context parallelism: on one process transformers "
+        "reorders its cache's attention layers with the beams but not the RG-LRU and convolution states on its "
+        "modules, so each beam continues from another beam's state. Use greedy decoding or sampling."
+    )
 
 
 def apply(model):
@@ -78,9 +91,11 @@ def apply(model):
     for i, block in blocks:
         setattr(block, _INDEX, i)
     undo_forward = install(module.RecurrentGemmaRecurrentBlock, "forward", _through_cache)
+    model._reorder_cache = _reorder_cache  # generate() calls a model's own _reorder_cache when it has one
 
     def undo():
         undo_forward()
+        del model._reorder_cache
         for _, block in blocks:
             delattr(block, _INDEX)
 

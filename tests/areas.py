@@ -200,6 +200,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/cache/states.py",
             "patches/gated_delta.py",
             "patches/mamba1.py",
+            "patches/recurrent_gemma.py",
         ),
         (
             "test_recurrent.py",

@@ -59,7 +59,8 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
 }
 FAMILIES = list(LAYOUT)
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
-BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the beams (patches/minimax.py)
+# one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
+BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids

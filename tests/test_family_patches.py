@@ -1,5 +1,5 @@
 """The family patches that rewrite how a layer calls its attention (patches/jetmoe.py, hrm_text.py, diffllama.py, the
-ported hand-written attentions of xglm.py, gpt_neo.py, gpt_neox_japanese.py and falcon.py), on one
+ported hand-written attentions of xglm.py, gpt_neo.py, gpt_neox_japanese.py and falcon.py) or what it takes (mllama.py), on one
 process with transformers' own attention: the patched model computes what the unpatched one does (the multi-process
 census and its sweeps check them under context parallelism), and what a patch refuses it refuses."""
 
@@ -9,10 +9,11 @@ import inspect
 
 import pytest
 import torch
-from hf_contextpar.patches import diffllama, falcon, gpt_neo, gpt_neox_japanese, hrm_text, jetmoe, xglm
+from hf_contextpar.patches import diffllama, falcon, gpt_neo, gpt_neox_japanese, hrm_text, jetmoe, mllama, xglm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_contextpar.errors import UnsupportedInputError, UnsupportedModelError
+from hf_contextpar.model.contract import attention_layers
 
 _SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, vocab_size=256)
 CONFIGS = {
@@ -124,3 +125,29 @@ def test_falcon_refuses_alibi():
     with pytest.raises(UnsupportedModelError, match="ALiBi"):
         falcon.check(config)
     falcon.check(AutoConfig.for_model("falcon"))  # RoPE: no refusal
+
+
+def _mllama():
+    """Llama 3.2 Vision's text model, with its cross-attention layer (layer 1 of 3; the checkpoints' every fifth)."""
+    torch.manual_seed(0)
+    text = dict(num_hidden_layers=3, cross_attention_layers=[1], hidden_size=64, intermediate_size=64)
+    config = AutoConfig.for_model("mllama", text_config=dict(text, num_attention_heads=4, num_key_value_heads=2))
+    config.text_config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+def test_mllama_runs_text_only_and_refuses_vision_inputs():
+    """The patch leaves a text-only forward as it is (its cross-attention layer skipped, as the model skips it), the
+    coverage check counts the self-attention layers alone, and vision states are refused before any collective."""
+    model = _mllama()
+    assert [type(layer).__name__ for layer in model.model.layers][1] == "MllamaCrossAttentionDecoderLayer"
+    assert attention_layers(model.config) == 2  # what ran hf-contextpar's attention in a text-only forward
+    mask, ref, ref_tokens, ours, tokens, back = _unpatched_patched_undone(model, mllama.apply)
+    rows = mask.bool()
+    torch.testing.assert_close(ours[rows], ref[rows], rtol=0, atol=0)
+    assert torch.equal(tokens, ref_tokens)
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    undo = mllama.apply(model)
+    with torch.no_grad(), pytest.raises(UnsupportedInputError, match="cross_attention_states given"):
+        model(ids, cross_attention_states=torch.zeros(1, 4, 64, dtype=torch.float64))
+    undo()
