@@ -115,10 +115,13 @@ def check_model(model, sparse: bool = False):
             "differs from a full recompute there (its sliding cache keeps window - 1 = 0 tokens), so there is no "
             "single-process result to match. Use a window of at least 2."
         )
-    if getattr(text, "use_bidirectional_attention", False):
+    # True (Gemma 3's flag) or "all" (Gemma 4 Unified's): every token attends to later ones; "vision" (Gemma 4
+    # Unified's default) makes image tokens attend among themselves and leaves text causal, so a text model runs causal
+    bidirectional = getattr(text, "use_bidirectional_attention", False)
+    if bidirectional is True or bidirectional == "all":
         raise UnsupportedModelError(
-            "use_bidirectional_attention=True makes every token attend to later tokens too; hf-contextpar's "
-            "algorithms implement causal (and sliding-window causal) attention only."
+            f"use_bidirectional_attention={bidirectional!r} makes every token attend to later tokens too; "
+            "hf-contextpar's algorithms implement causal (and sliding-window causal) attention only."
         )
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(
