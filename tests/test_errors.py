@@ -131,10 +131,19 @@ def _from_config(model_type, **kw):
             lambda: _from_config("bloom", n_layer=1, hidden_size=32, n_head=2, vocab_size=64),
             "not supported by hf-contextpar",
         ),
-        # a hybrid not verified to continue from a passed state (RecurrentGemma: its states on its modules), with why
+        # a layer kind the contract does not run, with the family's own reason (MiniMax-M3's block-sparse indexer)
         (
-            lambda: AutoModelForCausalLM.from_config(tiny_config("recurrent_gemma")),
-            "RG-LRU and short-convolution states live on its modules",
+            lambda: AutoModelForCausalLM.from_config(tiny_config("minimax_m3_vl_text")),
+            r"\['minimax_m3_sparse'\] layers \(its minimax_m3_sparse layers' lightning indexer",
+        ),
+        # a text model of Gemma 4 Unified whose every token attends to later ones (its default, "vision", is causal)
+        (
+            lambda: AutoModelForCausalLM.from_config(
+                type(tiny_config("gemma4_unified_text"))(
+                    **{**tiny_config("gemma4_unified_text").to_dict(), "use_bidirectional_attention": "all"}
+                )
+            ),
+            "use_bidirectional_attention='all'",
         ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
         (
