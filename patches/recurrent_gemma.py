@@ -12,7 +12,11 @@ and decode from the states every rank took after prefill. One process's arithmet
   it: `reset`); under the chain only the first rank starts the convolution from zeros, a later one from the inputs
   before its partition, which the chain passes (the last `conv1d_width - 1` of everything before it, so a partition
   shorter than that passes the earlier ones on);
-- a one-token forward outside the chain (decode) continues both from the cache, as transformers' decode does.
+- a one-token forward outside the chain (decode) continues both from the cache, as transformers' decode does;
+- a forward the caller runs with use_cache=False (given a cache or not) starts both from zeros and leaves no state:
+  transformers drops the modules' states there (the next forward starts from zeros), while the context-parallel
+  runtime runs the model with the cache, so the caller's flag is read at the model's call (`_caller`) and the cache's
+  states are zeroed once this rank has passed them on.
 
 The RG-LRU itself runs unchanged (`rg_lru`, given the state to start from). Any other cache (one process) runs
 transformers' block untouched. Beam search is refused: one process reorders the cache's attention layers with the
@@ -23,6 +27,7 @@ beams but not the states on its modules, so each beam continues from another bea
 from __future__ import annotations
 
 import sys
+from contextvars import ContextVar
 
 import torch
 
@@ -32,6 +37,12 @@ from hf_contextpar.errors import UnsupportedInputError
 from .wrapping import install
 
 _INDEX = "_hf_contextpar_layer_idx"  # a recurrent block's layer index (its cache layer), set by apply
+_fresh: ContextVar = ContextVar("hf_contextpar_recurrent_gemma_fresh", default=False)  # the caller's use_cache=False
+
+
+def _caller(module, args, kwargs):
+    """Before the context-parallel runtime (which runs the model with its cache): the caller's use_cache=False."""
+    _fresh.set(kwargs.get("use_cache") is False)
 
 
 def _through_cache(forward):
@@ -42,14 +53,15 @@ def _through_cache(forward):
         idx, tokens, width = getattr(self, _INDEX), input_states.shape[1], self.conv1d_width - 1
         y_branch = self.act_fn(self.linear_y(input_states))
         x_branch = self.linear_x(input_states).transpose(1, 2)  # (batch, lru_width, tokens)
-        chain = running_chain()
+        chain, fresh = running_chain(), _fresh.get()
+        received = chain is not None and chain.receive
         before = cache.get_conv_state(idx)  # a chained rank's first touch: rank - 1's states arrive here
-        if before is None or before.shape[0] != x_branch.shape[0]:  # nothing before (transformers' zeros)
-            before = x_branch.new_zeros((*x_branch.shape[:2], width))
+        if before is None or before.shape[0] != x_branch.shape[0] or (fresh and not received):
+            before = x_branch.new_zeros((*x_branch.shape[:2], width))  # nothing before (transformers' zeros)
         if chain is None and tokens == 1:  # decode: transformers' one-token convolution over its cached inputs
             window = torch.cat((before, x_branch), -1)
             x_conv = (torch.sum(window * self.conv_1d.weight[:, 0, :], dim=-1) + self.conv_1d.bias).unsqueeze(-1)
-        elif chain is not None and chain.receive:  # a later rank of a chained prefill: the inputs before its partition
+        elif received:  # a later rank of a chained prefill: the inputs before its partition
             window = torch.cat((before, x_branch), -1)
             x_conv = self.conv_1d(window)[..., width : width + tokens]
         else:  # a prefill (the first rank's partition): from zeros, as transformers pads it
@@ -57,7 +69,7 @@ def _through_cache(forward):
             x_conv = self.conv_1d(x_branch)[..., :tokens]
         cache.update_conv_state(window[..., window.shape[-1] - width :].contiguous(), idx)  # goes ahead, to rank + 1
         state = cache.get_recurrent_state(idx)
-        if state is None or state.shape[0] != input_states.shape[0]:
+        if state is None or state.shape[0] != input_states.shape[0] or (fresh and not received):
             state = torch.zeros(
                 (input_states.shape[0], self.lru_width), device=input_states.device, dtype=torch.float32
             )
@@ -67,6 +79,10 @@ def _through_cache(forward):
             cache.update_recurrent_state(self.rg_lru.recurrent_states, idx)
         finally:
             self.rg_lru.recurrent_states = kept
+        if fresh:  # passed on already (the chain sends copies): what transformers keeps after it is nothing
+            layer = cache.layers[idx]
+            layer.conv_states[0].zero_()
+            layer.recurrent_states[0].zero_()
         return self.linear_out(x_branch * y_branch), None
 
     return block_forward
@@ -92,8 +108,10 @@ def apply(model):
         setattr(block, _INDEX, i)
     undo_forward = install(module.RecurrentGemmaRecurrentBlock, "forward", _through_cache)
     model._reorder_cache = _reorder_cache  # generate() calls a model's own _reorder_cache when it has one
+    handle = model.register_forward_pre_hook(_caller, with_kwargs=True)  # before the runtime's hook (installed later)
 
     def undo():
+        handle.remove()
         undo_forward()
         del model._reorder_cache
         for _, block in blocks:

@@ -106,6 +106,7 @@ from hybrids import (
     BEAMS_REFUSED,  # noqa: E402
     CENSUS_CHAINED,  # noqa: E402
     CENSUS_CONFIGS,  # noqa: E402
+    GIVEN_CACHE,  # noqa: E402
     census_family_config,  # noqa: E402
     hybrid_config,  # noqa: E402
 )
@@ -274,6 +275,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         batch = 2
     turns_wanted = 1 if padding == "packed" else r.choice([1, 1, 2, 3])
     cache = r.choice(["returned", "returned", "inplace"])
+    if family in GIVEN_CACHE:  # it returns no cache (its states are its modules'): the caller keeps one
+        cache = "inplace"
     # per turn: a mode; assisted / prompt lookup need one sequence, beam search ends the conversation
     turns, rows = [], batch
     for t in range(turns_wanted):
@@ -311,7 +314,9 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     case["transport"] = r.choice(TRANSPORTS)
     # the caller's own cache: config-less DynamicCache() (every layer keeps every token) or the
     # DynamicCache(config=...) a model makes itself (sliding layers keep their window)
-    case["inplace_config"] = r.random() < 0.5
+    # (a family that returns no cache keeps its states on its modules: one process takes DynamicCache() too, the
+    # patched model refuses it with what to pass instead, DynamicCache(config=...))
+    case["inplace_config"] = r.random() < 0.5 or case["family"] in GIVEN_CACHE
     # the name the cache goes in and comes out under: transformers 5.24 renamed past_key_values to
     # cache and keeps the old name as an alias (models that predate the rename take the old one only)
     case["cache_name"] = r.choice(["past_key_values", "cache"])
