@@ -38,7 +38,9 @@ from . import (
     llama4_text,
     mamba1,
     minimax,
+    moshi,
     opt,
+    qwen4_exp,
     xglm,
 )
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
@@ -107,8 +109,8 @@ DSA_FAMILIES = [
         reference_attn="eager",
         fp64_tolerance=1e-5,
     ),
-    # Qwen4-Exp's QSA: a block indexer that hands its top blocks as the indexer's mask narrowed (attention/__init__.py
-    # `_narrowed`) and keeps the whole sequence's position ids on its first indexed cache layer (indexed.History),
+    # Qwen4-Exp's QSA: a block indexer that hands its top blocks as the indexer's mask narrowed (patches/qwen4_exp.py)
+    # and keeps the whole sequence's position ids on its first indexed cache layer (indexed.History),
     # beside Gated DeltaNet layers whose states pass down the ranks
     FamilyPatch(
         "qwen4_exp_text",
@@ -116,6 +118,7 @@ DSA_FAMILIES = [
         indexed=True,
         recurrent=True,
         apply=gated_delta.apply,
+        hooks=qwen4_exp.HOOKS,
         fp32_tolerance=2e-3,
     ),
 ]
@@ -230,7 +233,7 @@ for _patch in [
         apply=falcon.apply,
     ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
-    FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", cache_window=True, csa=False),
+    FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", hooks=moshi.HOOKS, csa=False),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
@@ -320,7 +323,7 @@ _add(
     )
 )
 for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
-    _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
+    _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, hooks=mamba1.MASKED_INPUT))
 # MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)
 _add(
     FamilyPatch(

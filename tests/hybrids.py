@@ -51,7 +51,7 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     # lightning attention (patches/minimax.py: its own cache class's state); attention first: one process reads the
     # cache's length from layer 0, which MiniMaxCache leaves empty when it is a lightning layer (a later turn fails)
     "minimax": dict(layer_types=MIX[::-1]),
-    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (FamilyPatch.raw_mask)
+    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
