@@ -41,6 +41,7 @@ from . import (
     moshi,
     opt,
     qwen4_exp,
+    shared_kv,
     xglm,
 )
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
@@ -189,6 +190,7 @@ for _patch in [
         "gemma3n_text",
         "Gemma 3n (text): KV shared across layers, alternating sliding/global layers, AltUp, per-layer inputs",
         tiny=dict(**SHARED_KV_GEMMA, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=8),
+        hooks=shared_kv.HOOKS,
     ),
     # Gemma 4: sliding and global layers of different head sizes (256 and 512 in the checkpoints), proportional
     # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one. Its
@@ -200,6 +202,7 @@ for _patch in [
         "Gemma 4 (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
         fp32_tolerance=3e-4,
         tiny=dict(**SHARED_KV_GEMMA, initializer_range=0.05),
+        hooks=shared_kv.HOOKS,
     ),
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded

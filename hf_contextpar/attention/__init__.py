@@ -214,22 +214,27 @@ def _chunk_size(module) -> int | None:
 
 
 def _source_layer(step, module, key, value) -> int:
-    """The cache layer whose K/V these are (the module's own, or, where a model shares KV across layers as
-    Gemma 3n and Gemma 4 do, the earlier layer that stored them; for a module shared by several layers, with no
-    layer index of its own (Zamba's None, Zamba2's -1), the layer it updated), checked structurally: the K/V a cache layer's update
-    returned in this forward, each layer attending once. Anything else is refused. Without a cache, a forward
-    every rank runs whole ("local": fewer tokens than ranks) attends this forward's whole K/V, whichever layer
-    calls: a shared module's call then counts as a layer of its own (-1, -2, ...), for `check_attended`'s count."""
+    """The cache layer whose K/V these are, by an explicit mapping: the module's own layer; where a family shares KV
+    across layers (Gemma 3n, Gemma 4), the layer its family hook names (`FamilyHooks.kv_source`); for a module
+    shared by several layers, with no layer index of its own (Zamba's None, Zamba2's -1), the cache layer the forward
+    stored last (the one it just updated: the forward's stores are in order in its context). Then checked
+    structurally: the K/V that layer's update returned in this forward, each layer attending once. Anything else is
+    refused. Without a cache, a forward every rank runs whole ("local": fewer tokens than ranks) attends this
+    forward's whole K/V, whichever layer calls: a shared module's call then counts as a layer of its own (-1, -2,
+    ...), for `check_attended`'s count."""
     idx = own_index(module)
     stored = step.context.stored if step.cache is not None else None  # cache layer -> the K/V its update returned
     if idx is None and stored is None and step.algorithm == "local":
         return -1 - len(step.attended)
-    source = idx
-    if stored is not None and (idx is None or not _handed(stored.get(idx), key, value)):
-        source = next((j for j in sorted(stored) if key is stored[j][0]), None)
-        if source is not None and value is not stored[source][1]:
-            source = None
-    if (source if idx is None else idx) in step.attended or source is None:
+    if stored is None:
+        source = idx
+    elif idx is None:
+        source = next(reversed(stored), None)
+    else:
+        shared = step.family.kv_source(module)
+        source = idx if shared is None else shared
+    handed = stored is None or (source is not None and _handed(stored.get(source), key, value))
+    if (source if idx is None else idx) in step.attended or source is None or not handed:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than a cache layer "
             "returned in this forward, or more than once per forward: hf-contextpar takes each layer's K/V from "

@@ -39,6 +39,12 @@ class FamilyHooks:
         another config (the adapter's CacheMismatchError)."""
         return attention_window == cache_window
 
+    def kv_source(self, module) -> int | None:
+        """The cache layer whose K/V attention module `module` (with a layer index of its own) attends, where that
+        is not its own layer (KV shared across layers: Gemma 3n's and Gemma 4's "reuse" layers); None: its own. The
+        adapter checks that those are exactly the K/V that layer's update returned in the forward."""
+        return None
+
     def selection(self, module, attention_mask, indexer_mask):
         """An indexed-attention layer that hands its top-k otherwise than as `indices=`: its (B, Tq, T) bool
         selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else
