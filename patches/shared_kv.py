@@ -12,7 +12,8 @@ import weakref
 
 from hf_contextpar.model.families import FamilyHooks
 
-_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # config -> {reuse layer: its store layer}
+# attention module -> the layer whose K/V it reuses (None: its own), read once (a decode step asks every layer)
+_sources: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def sources(config) -> dict:
@@ -24,10 +25,9 @@ def sources(config) -> dict:
 
 class SharedKV(FamilyHooks):
     def kv_source(self, module) -> int | None:
-        config = module.config
-        if config not in _sources:
-            _sources[config] = sources(config)
-        return _sources[config].get(module.layer_idx)
+        if module not in _sources:
+            _sources[module] = sources(module.config).get(module.layer_idx)
+        return _sources[module]
 
 
 HOOKS = SharedKV()

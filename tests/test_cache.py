@@ -450,24 +450,28 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
 
 def test_a_narrowed_indexer_mask_is_the_layers_selection():
     """Qwen4-Exp hands its top blocks as the indexer's mask narrowed (its family hook, patches/qwen4_exp.py): taken
-    as the selection on an indexed layer, never a mask that shows a key the indexer's mask hid, nor on a layer that
-    is not indexed; the indexer's own mask handed back is no mask of the layer's; a family without the hook never
-    narrows."""
+    as the selection on an indexed layer, never a mask that shows a key the indexer's mask hid (left to the adapter,
+    which refuses it as a mask of the layer's own), nor on a layer that is not indexed; the indexer's own mask handed
+    back is no mask of the layer's; a family without the hook never narrows (its layer is then refused for giving no
+    selection)."""
     from hf_contextpar.patches import qwen4_exp
 
-    from hf_contextpar.attention.indexed import MASK, narrowed
+    from hf_contextpar.attention.indexed import MASK, layer_selection
     from hf_contextpar.model.families import DEFAULT_HOOKS
 
     ours = torch.rand(2, 1, 3, 9, generator=torch.Generator().manual_seed(0)) < 0.7
-    step = types.SimpleNamespace(indexed=frozenset({1}), state={MASK: ours}, family=qwen4_exp.HOOKS)
+    step = types.SimpleNamespace(
+        indexed=frozenset({1}), state={MASK: ours}, family=qwen4_exp.HOOKS, algorithm="ring_pass_kv"
+    )
     layer = types.SimpleNamespace(layer_idx=1)
     kept = ours & (torch.rand(ours.shape, generator=torch.Generator().manual_seed(1)) < 0.5)
-    select, left = narrowed(step, layer, kept, None)
+    select, left = layer_selection(step, layer, kept, None)
     assert torch.equal(select, kept[:, 0]) and left is None
-    assert narrowed(step, layer, ours, None) == (None, None)  # the mask itself: no selection (DSA's, with indices=)
-    assert narrowed(step, layer, kept, torch.zeros(2, 3, 1)) == (None, kept)  # indices given: they are the selection
     shows = kept | ~ours
-    assert narrowed(step, layer, shows, None) == (None, shows)  # shows a hidden key: refused as a foreign mask
-    assert narrowed(step, layer, kept.float(), None)[0] is None
-    assert narrowed(step, types.SimpleNamespace(layer_idx=0), kept, None) == (None, kept)
-    assert narrowed(types.SimpleNamespace(**{**vars(step), "family": DEFAULT_HOOKS}), layer, kept, None) == (None, kept)
+    assert layer_selection(step, layer, shows, None) == (None, shows)  # the adapter refuses it as a foreign mask
+    assert layer_selection(step, layer, kept.float(), None)[0] is None
+    assert layer_selection(step, types.SimpleNamespace(layer_idx=0), kept, None) == (None, kept)  # not indexed
+    no_hook = types.SimpleNamespace(**{**vars(step), "family": DEFAULT_HOOKS})
+    assert layer_selection(no_hook, layer, kept, None) == (None, kept)
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="no top-k selection"):
+        layer_selection(step, layer, ours, None)  # the indexer's mask itself, no indices: no selection at all

@@ -47,9 +47,9 @@ def context_parallel_attention(
     K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
     key, value, extra = entries.split(step, module, key, value)  # a layer's own entries beside its K/V (V4's)
-    narrowed, own_mask = indexed.narrowed(step, module, attention_mask, kwargs.get("indices"))
-    _refuse(step, module, own_mask, dropout, kwargs)
-    select = indexed.layer_selection(step, module, kwargs.get("indices"), narrowed)
+    _refuse(step, module, dropout)
+    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"))
+    _refuse_own_mask(module, own_mask, kwargs)
     expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
@@ -96,9 +96,8 @@ def context_parallel_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse(step, module, attention_mask, dropout, kwargs):
-    """What this attention cannot run exactly: outside a patched forward, dropout, a mask or bias of its own
-    (`attention_mask`: what is left of the layer's mask once indexed attention took its own, `indexed.narrowed`)."""
+def _refuse(step, module, dropout):
+    """What this attention cannot run exactly, whatever its inputs: outside a patched forward, dropout."""
     if step is None:
         raise PatchStateError(
             f"{type(module).__name__} ran hf_contextpar's attention outside a context-parallel forward: an inner "
@@ -113,6 +112,11 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
+
+
+def _refuse_own_mask(module, attention_mask, kwargs):
+    """A mask or score bias of the layer's own (`attention_mask`: what is left of the layer's mask once indexed
+    attention took its own, `indexed.layer_selection`)."""
     foreign = attention_mask is not None and attention_mask.dim() != 2
     if foreign or kwargs.get("position_bias") is not None:
         # context_parallel_mask hands over None or the 2D padding mask: anything else is the model's own mask or

@@ -24,7 +24,7 @@ with the K/V's columns and gathered whole per indexer layer and forward: (T - T/
 layer received per rank, 22 % of what all-gathering the latent KV would move.
 
 This file is DSA's one room: its refusals at apply (`check`) and per layer (`layer_selection`), the mask
-function's part (`forward_mask`), the adapter's (`narrowed`, `layer_selection`) and the cache's (`Indexer`, which the
+function's part (`forward_mask`), the adapter's (`layer_selection`, one call a layer) and the cache's (`Indexer`, which the
 runtime puts on the forward's context and the cache's `update_indexer` and position history call: the cache stores
 the index keys, this file decides what they are). A family that hands its top-k otherwise (Qwen4-Exp's narrowed mask)
 says so through its hooks (`FamilyHooks.selection`, patches/).
@@ -108,7 +108,18 @@ def forward_mask(step, device=None) -> torch.Tensor:
     return step.state[MASK]
 
 
-def narrowed(step, module, attention_mask, indices):
+def layer_selection(step, module, attention_mask, indices):
+    """Indexed attention's part of one layer's call, in one: (the (B, Tq, T) keys the layer's indexer kept for this
+    rank's queries, None for a layer without an indexer; the attention mask left for the adapter's own check, None
+    where it was the indexer's). A mask of the layer's own is left to the adapter, which refuses it first; anything
+    else the algorithms cannot run exactly is refused here (`_selection`), never approximated."""
+    narrowed, left = _narrowed(step, module, attention_mask, indices)
+    if left is not None and left.dim() != 2:
+        return None, left
+    return _selection(step, module, indices, narrowed), left
+
+
+def _narrowed(step, module, attention_mask, indices):
     """(the layer's selection read from its mask, the mask left for the adapter's own check): the indexer's mask
     handed back is no mask of the layer's own (None left); a family that narrows that mask to the kept keys instead
     of passing indices= (`FamilyHooks.selection`: Qwen4-Exp's QSA) hands its selection that way."""
@@ -123,10 +134,9 @@ def narrowed(step, module, attention_mask, indices):
     return select, (None if select is not None else attention_mask)
 
 
-def layer_selection(step, module, indices, narrowed=None):
+def _selection(step, module, indices, narrowed=None):
     """The (B, Tq, T) keys the layer's indexer kept for this rank's queries (as indices=, or as its mask narrowed:
-    `narrowed`), None for a layer without an indexer; anything the algorithms cannot run exactly is refused, never
-    approximated."""
+    `_narrowed`), None for a layer without an indexer; refused where the algorithms cannot run it exactly."""
     if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
         if indices is not None:
             raise UnsupportedModelError(
