@@ -43,9 +43,8 @@ def check(family: str, n: int, strategy: str, rec):
     more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
     last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
     ref, cp = OnRankZero(hybrid_model(family)), hybrid_model(family)
-    raw = isinstance(
-        REGISTRY[family].hooks, MaskedInput
-    )  # Mamba1's models take the new tokens' mask alone (one column per input token)
+    # Mamba1's models take the new tokens' mask alone (one column per input token)
+    raw = isinstance(REGISTRY[family].hooks, MaskedInput)
     extra = {}
     if strategy == "uneven":  # KV-Runahead over uneven partitions from a table: the first rank takes the most
         ratios = [2.0**-r for r in range(n)]
