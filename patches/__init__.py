@@ -4,8 +4,9 @@ The generic hook is transformers' AttentionInterface + AttentionMaskInterface, a
 on the *ForCausalLM module; it covers every family below. This package fills the engine's family registry
 (`hf_contextpar.model.families`: `FamilyPatch`, `REGISTRY`, `register`, `resolve`, re-exported here): a family
 lists only what is particular to it, a `check(config)` that rejects configurations which would not be exact, an
-optional `apply(model) -> undo` for a family that needs a reversible patch of its own, and the facts tests, eval
-and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
+optional `apply(model) -> undo` for a family that needs a reversible patch of its own, its `hooks` where it needs
+of the engine what its config does not say (a `FamilyHooks` subclass: moshi.py, mamba1.py, qwen4_exp.py,
+shared_kv.py), and the facts tests, eval and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
 one file only if it needs a patch of its own); the engine never imports this package (the package face,
 `hf_contextpar/__init__.py`, loads it). Installed as `hf_contextpar.patches`.
 
