@@ -100,8 +100,6 @@ def apply_context_parallel(
     if world == 1 and dcp_of(model) is None:  # with DCP one CP rank still shares its KV heads' tokens
         return model
     try:
-        if settings.whole_heads:
-            latent.refuse_ulysses(model)
         settings = agree_settings(
             settings.resolved(device.type, world), model, group, tensor_parallel(model), dcp_of(model)
         )

@@ -24,15 +24,17 @@ from .attention import NAME as ATTENTION_NAME
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
 from .attention.entries import check as check_entries
-from .attention.indexed import check_indexed
+from .attention.indexed import Indexer
 from .attention.step import Step
+from .cache.recurrent import start_chain
 from .cache.states import share_final_states
+from .capabilities import Facts
+from .capabilities import check as check_capabilities
 from .comm.agreement import RankCheck
 from .comm.collectives import Comm
 from .errors import (
     ContextParallelError,
     PatchStateError,
-    UnsupportedInputError,
 )
 from .mesh import check_cp_group, dcp_of, tensor_parallel
 from .model.contract import (
@@ -72,13 +74,14 @@ class ContextParallelRuntime:
         self.rank, self.world = rank, world
         self.contract = InputContract(model, rank, world, ATTENTION_NAME)
         self.num_layers = self.contract.num_layers
-        # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
-        self.chain = any(r is not None for r in self.contract.recurrence)
-        check_layout(model, settings, world, self.shape, self.tp, dcp, self.chain)
+        recurrent = any(r is not None for r in self.contract.recurrence)
+        # each capability's refusals, in its own room (capabilities.py): whole heads, indexed attention (DSA: every
+        # rank's indexer scores every column), the recurrent chain (prefill passes states down the ranks)
+        self.capabilities = check_capabilities(Facts(model, settings, world, self.tp, dcp, self.shape, recurrent))
+        self.chain, self.indexed = self.capabilities["chain"], self.capabilities["indexed"]
+        check_layout(settings, dcp)
         self.work = MeasuredWork()  # balanced partitions' two terms as measured (`balanced`)
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
-        # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
-        self.indexed = check_indexed(model.config, settings, dcp is not None)
         check_entries(settings, model.config.model_type, self.contract.recurrence)  # compressed entries (V4's)
         self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
@@ -179,10 +182,8 @@ class ContextParallelRuntime:
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
         self._shard_inputs(kwargs, plan, inputs)
-        context = forward_context(
-            plan, self.rank, self.comm, indexed=bool(self.indexed), position_ids=kwargs["position_ids"]
-        )
-        cache, scratch = self._begin_cache(context, inputs.cache)
+        context = forward_context(plan, self.rank, self.comm)
+        cache, scratch = self._begin_cache(context, inputs.cache, kwargs["position_ids"])
         kwargs[self.contract.cache_arg] = cache
         kwargs["use_cache"] = cache is not None
         step = Step(
@@ -194,7 +195,7 @@ class ContextParallelRuntime:
             dcp=self.dcp,
             sparse=self.sparse,
             indexed=self.indexed,
-            cache_window=self.contract.cache_window,
+            family=self.contract.hooks,
             context=context,
         )
         self._record(plan, inputs)
@@ -211,9 +212,10 @@ class ContextParallelRuntime:
         self._entered = True
         return (), kwargs
 
-    def _begin_cache(self, context, cache):
-        """The cache this forward stores into, handed the forward's context: the caller's, or a scratch one (`scratch`)
-        where none was asked for but the states, or the index keys every rank's indexer scores, still need one to pass."""
+    def _begin_cache(self, context, cache, position_ids):
+        """The cache this forward stores into, handed the forward's context (with DSA's indexer and the recurrent chain
+        where they run): the caller's, or a scratch one (`scratch`) where none was asked for but the states, or the
+        index keys every rank's indexer scores, still need one to pass."""
         plan = context.plan
         scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
         if scratch:
@@ -222,14 +224,11 @@ class ContextParallelRuntime:
             return None, False
         # the cache stores this rank's DCP slots only (every slot without DCP); a cache split otherwise is refused
         cache.layout.set_dcp(*((self.dcp.rank, self.dcp.world) if self.dcp is not None else (0, 1)))
-        if plan.chained and any(getattr(layer, "record_past", False) for layer in cache.layers):
-            raise UnsupportedInputError(  # assisted decoding's: the conv states would then grow per rank
-                "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
-                "on models with recurrent layers under context parallelism: decode without them."
-            )
         cache.begin(context)
+        if self.indexed:
+            context.indexer = Indexer(context, cache, position_ids)
         if plan.chained:
-            cache.begin_chain(self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
+            start_chain(context, cache, self.comm, receive=self.rank > 0, send=self.rank < self.world - 1)
         return cache, scratch
 
     def _post_forward(self, module, args, kwargs, output):
@@ -241,7 +240,7 @@ class ContextParallelRuntime:
         plan, ok = step.plan, output is not None  # output None: the forward raised already
         try:
             if ok and plan.chained:
-                step.cache.end_chain()  # the last layer's states to the next rank
+                step.context.chain.end()  # the last layer's states to the next rank
             if ok:  # after the chain's sends complete (the next rank receives them in this forward), before any output
                 check_attended(self.model, step, self.attention_layers if self.contract.attention_name else 0)
             if ok and started is not None:
@@ -264,8 +263,8 @@ class ContextParallelRuntime:
             ok = False
             raise
         finally:
-            if step.cache is not None:
-                step.cache.drop_chain()  # a forward that raised leaves its chain unfinished
+            if step.context.chain is not None:
+                step.context.chain.abandon()  # a forward that raised leaves its chain unfinished
             self.comm.drop_check()  # a forward that raised drops its check (its collective may be in flight)
             if step.cache is not None and not scratch:  # a scratch cache is dropped as it is
                 step.cache.end(ok)
@@ -380,12 +379,9 @@ class ContextParallelRuntime:
         if shards.token_rows is not None:
             mine = shards.token_rows[self.rank]
             if plan.chained and inputs.mask is not None:
-                # the mask up to its partition's end: transformers' recurrent mixers take their padding from the
-                # mask's last columns, as in a chunked prefill (the new tokens' are its last num_new columns); a
-                # model that multiplies its input by the mask gets its tokens' columns alone
+                # the family's cut of the mask (FamilyHooks.chained_mask), its tokens' columns ending at `end`
                 end = inputs.mask.shape[1] - plan.num_new + int(mine[-1]) + 1
-                start = end - len(mine) if self.contract.raw_mask else 0
-                kwargs["attention_mask"] = inputs.mask[:, start:end]
+                kwargs["attention_mask"] = self.contract.hooks.chained_mask(inputs.mask, end - len(mine), end)
             for name in ("input_ids", "inputs_embeds", "position_ids"):
                 if kwargs.get(name) is not None:
                     kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]

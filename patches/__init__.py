@@ -4,8 +4,9 @@ The generic hook is transformers' AttentionInterface + AttentionMaskInterface, a
 on the *ForCausalLM module; it covers every family below. This package fills the engine's family registry
 (`hf_contextpar.model.families`: `FamilyPatch`, `REGISTRY`, `register`, `resolve`, re-exported here): a family
 lists only what is particular to it, a `check(config)` that rejects configurations which would not be exact, an
-optional `apply(model) -> undo` for a family that needs a reversible patch of its own, and the facts tests, eval
-and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
+optional `apply(model) -> undo` for a family that needs a reversible patch of its own, its `hooks` where it needs
+of the engine what its config does not say (a `FamilyHooks` subclass: moshi.py, mamba1.py, qwen4_exp.py,
+shared_kv.py), and the facts tests, eval and the CLI need (its tiny config, reference attention, fp64 tolerance). Adding a family is one entry here (plus
 one file only if it needs a patch of its own); the engine never imports this package (the package face,
 `hf_contextpar/__init__.py`, loads it). Installed as `hf_contextpar.patches`.
 
@@ -39,8 +40,11 @@ from . import (
     mamba1,
     minimax,
     mllama,
+    moshi,
     opt,
+    qwen4_exp,
     recurrent_gemma,
+    shared_kv,
     xglm,
 )
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
@@ -109,8 +113,8 @@ DSA_FAMILIES = [
         reference_attn="eager",
         fp64_tolerance=1e-5,
     ),
-    # Qwen4-Exp's QSA: a block indexer that hands its top blocks as the indexer's mask narrowed (attention/__init__.py
-    # `_narrowed`) and keeps the whole sequence's position ids on its first indexed cache layer (indexed.History),
+    # Qwen4-Exp's QSA: a block indexer that hands its top blocks as the indexer's mask narrowed (patches/qwen4_exp.py)
+    # and keeps the whole sequence's position ids on its first indexed cache layer (indexed.History),
     # beside Gated DeltaNet layers whose states pass down the ranks
     FamilyPatch(
         "qwen4_exp_text",
@@ -118,6 +122,7 @@ DSA_FAMILIES = [
         indexed=True,
         recurrent=True,
         apply=gated_delta.apply,
+        hooks=qwen4_exp.HOOKS,
         fp32_tolerance=2e-3,
     ),
 ]
@@ -188,6 +193,7 @@ for _patch in [
         "gemma3n_text",
         "Gemma 3n (text): KV shared across layers, alternating sliding/global layers, AltUp, per-layer inputs",
         tiny=dict(**SHARED_KV_GEMMA, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], laurel_rank=8),
+        hooks=shared_kv.HOOKS,
     ),
     # Gemma 4: sliding and global layers of different head sizes (256 and 512 in the checkpoints), proportional
     # RoPE on the global ones, per-layer inputs; the last 2 of 4 layers reuse the K/V of an earlier one. Its
@@ -199,6 +205,7 @@ for _patch in [
         "Gemma 4 (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
         fp32_tolerance=3e-4,
         tiny=dict(**SHARED_KV_GEMMA, initializer_range=0.05),
+        hooks=shared_kv.HOOKS,
     ),
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
@@ -239,7 +246,7 @@ for _patch in [
         apply=falcon.apply,
     ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
-    FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", cache_window=True, csa=False),
+    FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", hooks=moshi.HOOKS, csa=False),
     # DeepSeek-V3's attention geometry (its config's defaults): q/kv latent ranks 1536/512, 128 + 64 RoPE key
     # dims, 128 value dims. Dense MLPs only: its MoE router runs in fp32 even in an fp64 model. At the usual
     # tiny init range (0.2) the 1536-wide query latent makes scores so large that swapping the attention
@@ -333,7 +340,7 @@ _add(
     )
 )
 for _mt, _what in [("mamba", "Mamba: Mamba1 layers alone"), ("falcon_mamba", "Falcon-Mamba: Mamba1 layers alone")]:
-    _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, raw_mask=True))
+    _add(FamilyPatch(_mt, _what, apply=mamba1.apply, recurrent=True, hooks=mamba1.MASKED_INPUT))
 # MiniMax keeps its lightning states in a cache class of its own (patches/minimax.py: through the state API)
 _add(
     FamilyPatch(

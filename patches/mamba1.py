@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_contextpar.cache.recurrent import received_state
-from hf_contextpar.errors import PatchStateError
+from hf_contextpar.errors import PatchStateError, UnsupportedInputError
+from hf_contextpar.model.families import FamilyHooks
 
 from .wrapping import install
 
@@ -94,3 +95,23 @@ def apply(model):
             u()
 
     return undo
+
+
+class MaskedInput(FamilyHooks):
+    """Mamba and Falcon-Mamba multiply their hidden states by the 2D attention_mask as given: the mask needs one
+    column per input token (on one process another width fails or broadcasts the input), and a chained rank's
+    forward gets its own tokens' columns alone."""
+
+    def check_mask(self, model, mask, num_new: int) -> None:
+        if mask.shape[-1] != num_new:
+            raise UnsupportedInputError(
+                f"attention_mask has {mask.shape[-1]} columns for {num_new} input tokens: {type(model).__name__} "
+                "multiplies its hidden states by the mask as given, so it needs one column per input token (on "
+                "one process another width fails or broadcasts the input). Pass the new tokens' mask, or none."
+            )
+
+    def chained_mask(self, mask, start: int, end: int):
+        return mask[:, start:end]
+
+
+MASKED_INPUT = MaskedInput()

@@ -92,7 +92,12 @@ AREAS: dict[str, Area] = {
     "ulysses": Area(
         "Ulysses head all-to-all (CSPS SP-NTP)",
         (A + "ulysses.py",),
-        (_algorithm("ulysses"), "test_algorithms.py::test_random_forward_sequences", *_strategy("ulysses")),
+        (
+            _algorithm("ulysses"),
+            "test_algorithms.py::test_random_forward_sequences",
+            "test_tp.py::test_tp_head_checks",
+            *_strategy("ulysses"),
+        ),
     ),
     "kv_runahead": Area(
         "KV-Runahead: the send/recv chain and its uneven partitions (search, table, balanced by measured work)",
@@ -149,7 +154,7 @@ AREAS: dict[str, Area] = {
     ),
     "indexed": Area(
         "indexed attention (DeepSeek Sparse Attention: the indexer's top-k)",
-        (A + "indexed.py", "hf_contextpar/cache/index_keys.py"),
+        (A + "indexed.py",),
         (
             "test_errors.py::test_indexed_attention_refuses_what_moves_a_query_from_its_top_k",
             "test_cache.py::test_index_keys_follow_the_cache_through_beams_crop_and_failure",
@@ -292,6 +297,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/model/__init__.py",
             "hf_contextpar/model/contract.py",
             "hf_contextpar/model/limits.py",
+            "hf_contextpar/capabilities.py",
             "hf_contextpar/errors.py",
             "hf_contextpar/config.py",
         ),

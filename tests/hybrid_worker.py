@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cp_worker import gathered_equal  # noqa: E402
 from hf_contextpar.eval.oracle import Fp64Internals  # noqa: E402
 from hf_contextpar.patches import REGISTRY  # noqa: E402
+from hf_contextpar.patches.mamba1 import MaskedInput  # noqa: E402
 from hybrids import BEAMS_REFUSED, FAMILIES, GIVEN_CACHE, hybrid_model  # noqa: E402
 from launch import record_each  # noqa: E402
 from shared_reference import OnRankZero
@@ -43,7 +44,8 @@ def check(family: str, n: int, strategy: str, rec):
     more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
     last = torch.randint(3, 250, (2, 2 * n - 1), generator=g)  # < 2 tokens per rank: every rank runs it
     ref, cp = OnRankZero(hybrid_model(family)), hybrid_model(family)
-    raw = REGISTRY[family].raw_mask  # Mamba1's models take the new tokens' mask alone (one column per input token)
+    # Mamba1's models take the new tokens' mask alone (one column per input token)
+    raw = isinstance(REGISTRY[family].hooks, MaskedInput)
     extra = {}
     if strategy == "uneven":  # KV-Runahead over uneven partitions from a table: the first rank takes the most
         ratios = [2.0**-r for r in range(n)]

@@ -54,7 +54,7 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     # RG-LRU and short-convolution blocks beside local attention (patches/recurrent_gemma.py: the states through the
     # cache); its conv keeps 3 inputs, more than the second turn's partitions at N = 4 hold (9 tokens over 4 ranks)
     "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
-    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (FamilyPatch.raw_mask)
+    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)

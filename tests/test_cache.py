@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_contextpar
+from hf_contextpar.attention.indexed import Indexer
 from hf_contextpar.cache.sharded import ShardedCache
 from hf_contextpar.plan.context import forward_context
 from hf_contextpar.plan.forward import Policy, build_plan
@@ -338,13 +339,21 @@ class _OneRank:
         return [types.SimpleNamespace(wait=lambda: mine)]
 
 
+def begin_indexed(cache: ShardedCache, plan, rank: int, comm, position_ids=None):
+    """A forward with indexed attention, as the runtime begins it: its context handed to the cache, then its
+    indexer (attention/indexed.py) put on that context."""
+    context = forward_context(plan, rank, comm)
+    cache.begin(context)
+    context.indexer = Indexer(context, cache, position_ids)
+
+
 def indexed_forward(cache: ShardedCache, ref: list, num_new: int, seed: int, ok: bool = True):
     """One forward's index keys through `update_indexer` (layer 0) and its K/V; ref: one process's index keys."""
     past = cache.layout.seq_length
     plan = build_plan(
         Policy(1), cache.layout, batch=B, num_new=num_new, position_ids=torch.arange(past, past + num_new), padding=None
     )
-    cache.begin(forward_context(plan, 0, _OneRank(), indexed=True))
+    begin_indexed(cache, plan, 0, _OneRank())
     new = torch.randn(B, num_new, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     full = cache.update_indexer(new, 0)
     assert torch.equal(full, torch.cat([*ref, new], dim=1))  # every column, in order
@@ -403,7 +412,7 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
             mine = pos[:, plan.shards.q_cols[rank] - past]  # this rank's new tokens' positions (q: global columns)
             cols = [torch.cat([c, n]) for c, n in zip(cache.layout.cols, plan.shards.q_cols)]
             comm = _Ranks(rank, world, new_truth, cols)
-            cache.begin(forward_context(plan, rank, comm, indexed=True, position_ids=mine))
+            begin_indexed(cache, plan, rank, comm, mine)
         for cache, plan in zip(caches, plans):
             rank = cache.layout.rank
             q = plan.shards.q_cols[rank]
@@ -440,17 +449,29 @@ def test_position_history_is_every_column_in_order_then_the_queries(world):
 
 
 def test_a_narrowed_indexer_mask_is_the_layers_selection():
-    """Qwen4-Exp hands its top blocks as the indexer's mask narrowed: taken as the selection on an indexed layer,
-    never a mask that shows a key the indexer's mask hid, nor on a layer that is not indexed."""
-    from hf_contextpar.attention import _narrowed
+    """Qwen4-Exp hands its top blocks as the indexer's mask narrowed (its family hook, patches/qwen4_exp.py): taken
+    as the selection on an indexed layer, never a mask that shows a key the indexer's mask hid (left to the adapter,
+    which refuses it as a mask of the layer's own), nor on a layer that is not indexed; the indexer's own mask handed
+    back is no mask of the layer's; a family without the hook never narrows (its layer is then refused for giving no
+    selection)."""
+    from hf_contextpar.patches import qwen4_exp
+
+    from hf_contextpar.attention.indexed import MASK, layer_selection
+    from hf_contextpar.model.families import DEFAULT_HOOKS
 
     ours = torch.rand(2, 1, 3, 9, generator=torch.Generator().manual_seed(0)) < 0.7
-    step = types.SimpleNamespace(indexed=frozenset({1}), state={"indexer_mask": ours})
+    step = types.SimpleNamespace(
+        indexed=frozenset({1}), state={MASK: ours}, family=qwen4_exp.HOOKS, algorithm="ring_pass_kv"
+    )
     layer = types.SimpleNamespace(layer_idx=1)
     kept = ours & (torch.rand(ours.shape, generator=torch.Generator().manual_seed(1)) < 0.5)
-    assert torch.equal(_narrowed(step, layer, kept, None), kept[:, 0])
-    assert _narrowed(step, layer, ours, None) is None  # the mask itself: no selection (DSA's, with indices=)
-    assert _narrowed(step, layer, kept, torch.zeros(2, 3, 1)) is None  # indices given: they are the selection
-    assert _narrowed(step, layer, kept | ~ours, None) is None  # shows a hidden key: refused as a foreign mask
-    assert _narrowed(step, layer, kept.float(), None) is None
-    assert _narrowed(step, types.SimpleNamespace(layer_idx=0), kept, None) is None
+    select, left = layer_selection(step, layer, kept, None)
+    assert torch.equal(select, kept[:, 0]) and left is None
+    shows = kept | ~ours
+    assert layer_selection(step, layer, shows, None) == (None, shows)  # the adapter refuses it as a foreign mask
+    assert layer_selection(step, layer, kept.float(), None)[0] is None
+    assert layer_selection(step, types.SimpleNamespace(layer_idx=0), kept, None) == (None, kept)  # not indexed
+    no_hook = types.SimpleNamespace(**{**vars(step), "family": DEFAULT_HOOKS})
+    assert layer_selection(no_hook, layer, kept, None) == (None, kept)
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="no top-k selection"):
+        layer_selection(step, layer, ours, None)  # the indexer's mask itself, no indices: no selection at all

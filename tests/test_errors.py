@@ -231,3 +231,43 @@ def test_indexed_attention_refuses_what_moves_a_query_from_its_top_k(strategy, d
     assert not check_indexed(
         tiny("deepseek_v3"), SimpleNamespace(strategy="ring_pass_q", decode="auto", sparse=None), False
     )
+
+
+def _runtime(model, world: int, **settings):
+    """The runtime apply builds on rank 0 of `world` ranks, after the settings agreement (one process: no message
+    is sent while it is built), so what it refuses is what apply refuses on every rank alike."""
+    from hf_contextpar.runtime import ContextParallelRuntime
+    from hf_contextpar.settings import Settings
+
+    agreed = Settings.of(check_inputs=False, **settings).resolved("cpu", world)
+    return ContextParallelRuntime(model, None, 0, world, agreed)
+
+
+def test_a_new_capability_is_its_room_and_one_record_entry(monkeypatch):
+    """A capability the library does not ship, defined here as a new one would be (its own check, one entry in the
+    capability record, hf_contextpar/capabilities.py): apply runs it with the shipped ones, in one place, and its
+    refusal reaches the caller as theirs do (whole heads': N not dividing the heads); what it returns is what the
+    forwards read of it."""
+    from hf_contextpar import capabilities
+
+    def toy(facts):  # "pass-Q cannot run a model whose embeddings are tied": a made-up limit, for the test only
+        tied = bool(facts.config.tie_word_embeddings)
+        if tied and facts.settings.strategy == "ring_pass_q":
+            raise hf_contextpar.UnsupportedModelError("toy capability: tied embeddings under strategy='ring_pass_q'")
+        return tied
+
+    monkeypatch.setitem(capabilities.RECORD, "toy", capabilities.Capability("toy", toy))
+    model = tiny_model("llama", tie_word_embeddings=True)
+    assert _runtime(model, 2).capabilities == {
+        "whole_heads": False,
+        "indexed": frozenset(),
+        "chain": False,
+        "toy": True,
+    }
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="toy capability"):
+        _runtime(model, 2, strategy="ring_pass_q")
+    heads = model.config.num_key_value_heads
+    with pytest.raises(hf_contextpar.HeadsNotDivisibleError, match="does not divide"):  # a shipped one, same path
+        _runtime(model, heads + 1, strategy="ulysses")
+    monkeypatch.delitem(capabilities.RECORD, "toy")
+    _runtime(model, 2, strategy="ring_pass_q")  # without the entry the toy refuses nothing: the record is the route

@@ -23,7 +23,7 @@ from hf_contextpar.eval.oracle import Fp64Internals
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from dev.census.configs import _known, tiny_config
-from hf_contextpar.cache.recurrent import ChainedStates
+from hf_contextpar.cache.recurrent import ChainedStates, start_chain
 from hf_contextpar.cache.sharded import cache_argument
 from hf_contextpar.cache.states import layer_states, pack, share_final_states, unpack
 from hf_contextpar.errors import UnsupportedModelError
@@ -68,6 +68,13 @@ class ChainCache(ChainedStates, DynamicCache):
         return self.past + query_length, 0  # the mask transformers builds for attention layers, here none
 
 
+def begin_chain(cache, comm, receive: bool, send: bool):
+    """The chain of a forward on `cache`, as the runtime starts it: on the forward's context, which the cache is handed
+    (here the context as far as the chain reads it: a forward without attention has no plan to run)."""
+    cache.context = SimpleNamespace(chain=None)
+    return start_chain(cache.context, cache, comm, receive=receive, send=send)
+
+
 def recurrent_model(family: str):
     config = tiny_config(family)
     kind = FAMILIES[family]
@@ -107,10 +114,11 @@ def chained(model, ids, mask, nxt, world):
         with torch.no_grad(), Fp64Internals():
             cache = ChainCache(config=model.config)
             cache.past = int(parts[r][0])
-            cache.begin_chain(comm, receive=r > 0, send=r < world - 1)
+            begin_chain(cache, comm, receive=r > 0, send=r < world - 1)
             m = mask[:, parts[r]] if mask is not None else None  # the rank's own columns of the padding mask
             prompt = _forward(model, ids[:, parts[r]], m, cache, parts[r])
-            cache.end_chain()
+            cache.context.chain.end()
+            cache.context = None  # the forward is over (ShardedCache.end drops its context)
             share_final_states(cache, comm, root=world - 1)
             mask2 = torch.cat([mask, torch.ones_like(nxt)], 1) if mask is not None else None
             cache.past = ids.shape[1]
@@ -181,7 +189,7 @@ def test_a_layer_used_twice_is_refused():
     model = recurrent_model("mamba2")
     world = SimulatedWorld(1)
     cache = ChainCache(config=model.config)
-    cache.begin_chain(world.comms[0], receive=False, send=False)
+    begin_chain(cache, world.comms[0], receive=False, send=False)
     cache.has_previous_state(0, 0)
     cache.has_previous_state(1, 0)
     with pytest.raises(UnsupportedModelError, match="used again"):
@@ -219,7 +227,7 @@ def test_a_layers_states_go_at_their_writes():
     model = recurrent_model("qwen3_next")
     comm = _Sends()
     cache = ChainCache(config=model.config)
-    cache.begin_chain(comm, receive=False, send=True)
+    begin_chain(cache, comm, receive=False, send=True)
     cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
     assert comm.headers() == [(2, True)]  # header and payload; more follows
     with pytest.raises(UnsupportedModelError, match="conv state twice"):
@@ -231,7 +239,7 @@ def test_a_layers_states_go_at_their_writes():
     assert len(comm.posted) == 4
     with pytest.raises(UnsupportedModelError, match="after its recurrent state"):
         cache.update_conv_state(torch.zeros(1, 4, 6), 0, conv_kernel_size=4)
-    cache.drop_chain()
+    cache.context.chain.abandon()
 
 
 class _Receives:
@@ -260,7 +268,7 @@ def test_a_late_kernel_takes_the_passed_state_and_only_it():
     sent = lambda: _Receives(pack({(0, 0): conv}, "cpu", more=True), pack({(1, 0): state}, "cpu"))  # noqa: E731
     for late in (False, True):
         cache = ChainCache(config=model.config)
-        cache.begin_chain(comm := sent(), receive=True, send=False)
+        begin_chain(cache, comm := sent(), receive=True, send=False)
         assert torch.equal(cache.get_conv_state(0), conv) and len(comm.queue) == 2  # the conv state alone so far
         with takes_state_late() if late else contextlib.nullcontext():
             got = cache.get_recurrent_state(0)
@@ -269,14 +277,14 @@ def test_a_late_kernel_takes_the_passed_state_and_only_it():
                 got = deferred_state()()
             assert deferred_state() is None
         assert torch.equal(got, state) and comm.queue == []
-        cache.end_chain()
+        cache.context.chain.end()
     cache = ChainCache(config=model.config)
-    cache.begin_chain(sent(), receive=True, send=False)
+    begin_chain(cache, sent(), receive=True, send=False)
     with takes_state_late():
         assert cache.get_recurrent_state(0) is None
     with pytest.raises(PatchStateError, match="did not take it"):
         cache.update_recurrent_state(torch.zeros(1, 2, 3, 3), 0)
-    cache.drop_chain()
+    cache.context.chain.abandon()
 
 
 def test_a_kernel_put_in_after_the_patch_gets_the_state():

@@ -16,10 +16,10 @@ import torch  # noqa: E402
 from launch import launch, matrix, tolerance, torchrun  # noqa: E402
 from tp_worker import DCP, FAMILIES  # noqa: E402
 
+from hf_contextpar.attention.ulysses import check_ulysses  # noqa: E402
 from hf_contextpar.cache.sharded import ShardLayout  # noqa: E402
 from hf_contextpar.errors import HeadsNotDivisibleError  # noqa: E402
 from hf_contextpar.mesh import check_tp_heads  # noqa: E402
-from hf_contextpar.model.contract import check_ulysses  # noqa: E402
 from hf_contextpar.models import builtin_model_path, tiny_config  # noqa: E402
 
 # (query, KV) heads each rank's attention receives: qwen2's plan shards them, phi3's gathers its

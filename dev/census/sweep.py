@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hf_contextpar.eval.oracle import FLOAT_TOL, Fp64Internals, logits_diff
 
 import hf_contextpar
-from hf_contextpar.model.contract import check_ulysses
+from hf_contextpar.attention.ulysses import check_ulysses
 from hf_contextpar.plan.strategies import prefill_names
 
 PREFILL = prefill_names()

@@ -18,9 +18,9 @@ from contextvars import ContextVar
 import torch
 
 from ..cache.blocks import pack_kv
-from ..errors import CacheMismatchError, HeadsNotDivisibleError, PatchStateError, UnsupportedModelError
+from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
-from . import entries, indexed, latent
+from . import entries, indexed, latent, ulysses
 from .kernels import acc_dtype
 from .masks import Chunked
 from .merge import merge_packed, pack_partial, with_sink
@@ -47,9 +47,9 @@ def context_parallel_attention(
     K/V block, in named phases (refuse, locate the cached K/V, the local block, the layer's geometry, run)."""
     step = current_step.get()
     key, value, extra = entries.split(step, module, key, value)  # a layer's own entries beside its K/V (V4's)
-    narrowed = _narrowed(step, module, attention_mask, kwargs.get("indices"))
-    _refuse(step, module, None if narrowed is not None else attention_mask, dropout, kwargs)
-    select = _selection(step, module, kwargs.get("indices"), narrowed)
+    _refuse(step, module, dropout)
+    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"))
+    _refuse_own_mask(module, own_mask, kwargs)
     expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
@@ -96,8 +96,8 @@ def context_parallel_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse(step, module, attention_mask, dropout, kwargs):
-    """What this attention cannot run exactly: outside a patched forward, dropout, a mask or bias of its own."""
+def _refuse(step, module, dropout):
+    """What this attention cannot run exactly, whatever its inputs: outside a patched forward, dropout."""
     if step is None:
         raise PatchStateError(
             f"{type(module).__name__} ran hf_contextpar's attention outside a context-parallel forward: an inner "
@@ -112,8 +112,12 @@ def _refuse(step, module, attention_mask, dropout, kwargs):
             "attention dropout is not supported under context parallelism (inference only): call model.eval() "
             "or set the config's attention_dropout to 0."
         )
-    ours = step.indexed and attention_mask is step.state.get("indexer_mask")  # indexed attention's, for its indexer
-    foreign = attention_mask is not None and attention_mask.dim() != 2 and not ours
+
+
+def _refuse_own_mask(module, attention_mask, kwargs):
+    """A mask or score bias of the layer's own (`attention_mask`: what is left of the layer's mask once indexed
+    attention took its own, `indexed.layer_selection`)."""
+    foreign = attention_mask is not None and attention_mask.dim() != 2
     if foreign or kwargs.get("position_bias") is not None:
         # context_parallel_mask hands over None or the 2D padding mask: anything else is the model's own mask or
         # score bias (Doge's learned per-key bias), which the algorithms' global-column masks would drop
@@ -138,58 +142,8 @@ def _expansion(step, module, key, value):
             "with an expansion of its cached K/V (expand_kv), which CSA does not define. Run it exact (leave sparse "
             "unset)."
         )
-    if STRATEGIES[step.algorithm].whole_heads:
-        raise HeadsNotDivisibleError(
-            f"{type(module).__name__} (layer {module.layer_idx}) attends with an expansion of its cached K/V over all "
-            f"its KV heads (expand_kv), which the {step.algorithm!r} strategy, splitting the KV heads between ranks, "
-            "cannot compute: use strategy='auto' or any ring strategy."
-        )
+    ulysses.check_expansion(step.algorithm, module)
     return expanded
-
-
-def _narrowed(step, module, attention_mask, indices):
-    """Qwen4-Exp's QSA hands its block top-k as the indexer's mask narrowed to the kept keys (a 4D bool, not
-    indices=): on an indexed layer without indices, a (B, 1, Tq, T) bool within the indexer's mask is that layer's
-    selection, (B, Tq, T); None otherwise (the mask is then refused or ignored as any other)."""
-    if (
-        step is None
-        or not step.indexed
-        or indices is not None
-        or getattr(module, "layer_idx", None) not in step.indexed
-    ):
-        return None
-    ours = step.state.get("indexer_mask")
-    if ours is None or attention_mask is ours or not isinstance(attention_mask, torch.Tensor):
-        return None
-    if attention_mask.dtype != torch.bool or attention_mask.shape != ours.shape:
-        return None
-    if bool((attention_mask & ~ours.to(attention_mask.device)).any()):  # a key the indexer's mask hid: not ours
-        return None
-    return attention_mask[:, 0]
-
-
-def _selection(step, module, indices, narrowed=None):
-    """Indexed attention (attention/indexed.py): the (B, Tq, T) keys the layer's indexer kept for this rank's
-    queries (as indices=, or as the indexer's mask narrowed: `_narrowed`), for an algorithm that keeps the queries
-    on their rank; anything else is refused, never approximated."""
-    if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
-        if indices is not None:
-            raise UnsupportedModelError(
-                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares "
-                "this layer no indexed_attention layer: this model cannot run exactly under context parallelism."
-            )
-        return None
-    if indices is None and narrowed is None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__} (layer {module.layer_idx}) is an indexed-attention layer that gave its attention "
-            "no top-k selection (indices=, or its indexer's mask narrowed to the kept keys): hf-contextpar would attend to every key instead of the selected ones."
-        )
-    if STRATEGIES[step.algorithm].moves_queries:
-        raise UnsupportedModelError(
-            f"the {step.algorithm!r} algorithm moves queries between ranks, where their indexer's selection is not: "
-            "indexed attention (DSA) runs ring pass-KV, all-gather KV or KV-Runahead, and replicated decode."
-        )
-    return indexed.selection(step, indices) if indices is not None else narrowed
 
 
 def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
@@ -207,10 +161,8 @@ def _local_block(step, idx, source, cached_k, cached_v, chunk, sliding_window):
             f"layer {idx} attends in chunks of {chunk} tokens but its cache keeps a window of {layer.window}: "
             "if you passed a cache, it was made for another config: pass none or DynamicCache(config=model.config)."
         )
-    # a family whose attention has no window of its own over sliding cache layers (FamilyPatch.cache_window: Moshi)
-    # attends to whatever its cache layer holds, as one process does: the last window - 1 tokens and this forward's
-    allowed = (layer.window, None) if step.cache_window else (layer.window,)
-    if chunk is None and layer.window is not None and sliding_window not in allowed:
+    # a family may attend otherwise over its sliding cache layers (FamilyHooks.attends_window: Moshi's no window)
+    if chunk is None and layer.window is not None and not step.family.attends_window(layer.window, sliding_window):
         raise CacheMismatchError(
             f"layer {idx}'s cache keeps a sliding window of {layer.window} tokens but its attention uses "
             f"sliding_window={sliding_window}. If you passed a cache, it was made for another config: pass none "
@@ -266,22 +218,27 @@ def _chunk_size(module) -> int | None:
 
 
 def _source_layer(step, module, key, value) -> int:
-    """The cache layer whose K/V these are (the module's own, or, where a model shares KV across layers as
-    Gemma 3n and Gemma 4 do, the earlier layer that stored them; for a module shared by several layers, with no
-    layer index of its own (Zamba's None, Zamba2's -1), the layer it updated), checked structurally: the K/V a cache layer's update
-    returned in this forward, each layer attending once. Anything else is refused. Without a cache, a forward
-    every rank runs whole ("local": fewer tokens than ranks) attends this forward's whole K/V, whichever layer
-    calls: a shared module's call then counts as a layer of its own (-1, -2, ...), for `check_attended`'s count."""
+    """The cache layer whose K/V these are, by an explicit mapping: the module's own layer; where a family shares KV
+    across layers (Gemma 3n, Gemma 4), the layer its family hook names (`FamilyHooks.kv_source`); for a module
+    shared by several layers, with no layer index of its own (Zamba's None, Zamba2's -1), the cache layer the forward
+    stored last (the one it just updated: the forward's stores are in order in its context). Then checked
+    structurally: the K/V that layer's update returned in this forward, each layer attending once. Anything else is
+    refused. Without a cache, a forward every rank runs whole ("local": fewer tokens than ranks) attends this
+    forward's whole K/V, whichever layer calls: a shared module's call then counts as a layer of its own (-1, -2,
+    ...), for `check_attended`'s count."""
     idx = own_index(module)
     stored = step.context.stored if step.cache is not None else None  # cache layer -> the K/V its update returned
     if idx is None and stored is None and step.algorithm == "local":
         return -1 - len(step.attended)
-    source = idx
-    if stored is not None and (idx is None or not _handed(stored.get(idx), key, value)):
-        source = next((j for j in sorted(stored) if key is stored[j][0]), None)
-        if source is not None and value is not stored[source][1]:
-            source = None
-    if (source if idx is None else idx) in step.attended or source is None:
+    if stored is None:
+        source = idx
+    elif idx is None:
+        source = next(reversed(stored), None)
+    else:
+        shared = step.family.kv_source(module)
+        source = idx if shared is None else shared
+    handed = stored is None or (source is not None and _handed(stored.get(source), key, value))
+    if (source if idx is None else idx) in step.attended or source is None or not handed:
         raise UnsupportedModelError(
             f"{type(module).__name__} (layer {idx}) calls attention with other keys or values than a cache layer "
             "returned in this forward, or more than once per forward: hf-contextpar takes each layer's K/V from "
@@ -322,10 +279,8 @@ def context_parallel_mask(
     """Pass the 2D padding mask (B, global length) through; None when nothing is padded. A model with indexed
     attention gets its indexer's 4D mask instead (attention/indexed.py), which its attention hands back untouched."""
     step = current_step.get()
-    if step is not None and step.indexed:  # one per forward: every layer kind's mask (dots3's sliding layers too)
-        if "indexer_mask" not in step.state:
-            step.state["indexer_mask"] = indexed.indexer_mask(step, kwargs.get("device"))
-        return step.state["indexer_mask"]
+    if step is not None and step.indexed:
+        return indexed.forward_mask(step, kwargs.get("device"))
     if step is not None and step.plan.padding is None:  # the input contract found the caller's mask unpadded
         return None
     if attention_mask is None or bool(attention_mask.all()):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import HeadsNotDivisibleError
-
 _RECORD = "_hf_contextpar_expanded"
 
 
@@ -49,17 +47,6 @@ def _expanding(expand):
         return k[:, :, :0], v[:, :, :0]
 
     return expand_any
-
-
-def refuse_ulysses(model):
-    """Ulysses sends each rank whole heads; a latent is one for all heads, and expanding it first would
-    send the per-head K/V MLA exists to avoid."""
-    modules = latent_modules(model)
-    if modules:
-        raise HeadsNotDivisibleError(
-            f"{type(modules[0]).__name__} caches one latent for all heads (MLA), which strategy='ulysses' cannot "
-            "split by head: use strategy='auto' or any ring strategy."
-        )
 
 
 def install(model):

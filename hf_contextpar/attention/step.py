@@ -64,8 +64,9 @@ class Step:
     sparse: SparseRun | None = None  # the approximate mode's settings (CSA), where one was asked for
     # indexed attention (DSA)'s layers: their indexer scores every column (attention/indexed.py); empty: none
     indexed: frozenset = frozenset()
-    # the family's attention has no window and attends to all its sliding cache layers hold (FamilyPatch.cache_window)
-    cache_window: bool = False
+    # what the model's family needs of the engine beyond its config (model/families.FamilyHooks, filled by patches/):
+    # the adapter and the indexed attention ask it; None where no model runs (the simulated ranks)
+    family: object = None
     # what this forward accumulates, shared with the cache (plan/context.py): the cache layers that stored (the K/V
     # they returned) and the received blocks this rank keeps; None where no cache runs (the simulated ranks)
     context: ForwardContext | None = None

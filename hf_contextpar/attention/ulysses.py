@@ -9,13 +9,83 @@ Needs N to divide both H and H_kv: checked by apply_context_parallel on the head
 on the heads the attention gets (a family patch may hand it fewer: JetMoE's K/V before its repeat). No LSE merge: each head
 sees all its keys at once, so no LSE is returned and attention sinks (of this rank's heads) are
 applied here, before the outputs go back.
+
+This file is the whole-heads capability's one room (a strategy record with `whole_heads`: Ulysses): what it refuses
+at apply (`check`: DCP, an MLA latent, heads N does not divide; `check_ulysses` on a config alone) and per layer
+(`check_expansion`: an expansion that mixes the KV heads; `ulysses`: the heads a layer's attention gets).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import config_value
 from ..errors import HeadsNotDivisibleError
+from ..mesh import heads_per_rank
+from ..plan.costmodel import ulysses_fits
+from ..plan.strategies import STRATEGIES
+from .latent import latent_modules
+
+
+def check(facts) -> bool:
+    """At apply (capabilities.py): does the forward move whole heads (a strategy asked for that does), after refusing
+    what it cannot split by head: a KV head DCP shares by sequence, an MLA latent (one for all heads, which expanding
+    first would send as the per-head K/V MLA exists to avoid), and heads the ranks do not divide (the heads this
+    rank's attention receives under TP, not the config's: dbrx)."""
+    settings = facts.settings
+    if settings.strategy == "auto" or not STRATEGIES[settings.strategy].whole_heads:
+        return False
+    if facts.dcp is not None:
+        raise HeadsNotDivisibleError(
+            f"strategy='ulysses' splits the KV heads over the context-parallel ranks, and each rank holds one KV "
+            f"head here, shared with {facts.dcp[2] - 1} other TP rank(s) by sequence (DCP): use another strategy."
+        )
+    modules = latent_modules(facts.model)
+    if modules:
+        raise HeadsNotDivisibleError(
+            f"{type(modules[0]).__name__} caches one latent for all heads (MLA), which strategy='ulysses' cannot "
+            "split by head: use strategy='auto' or any ring strategy."
+        )
+    shape = facts.shape
+    check_ulysses(
+        facts.config, facts.world, (shape.heads, shape.kv_heads) if facts.tp > 1 else heads_per_rank(facts.model)
+    )
+    return True
+
+
+def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
+    """Ulysses moves whole heads: N must divide the query heads and the KV heads each rank holds (no KV
+    head is repeated). held: (query heads, KV heads) this rank's attention receives (the runtime reads them:
+    under tensor parallelism, and in families whose config counts differ, e.g. dbrx); without it the
+    config's counts, and a model transformers loaded with tp > 1 (config.distributed_config) is left to that."""
+    text = config.get_text_config(decoder=True)
+    heads = config_value(text, "num_attention_heads")
+    if heads is None:  # no attention layer at all (Mamba2): no head to split, nothing for Ulysses to do
+        return
+    kv_heads = config_value(text, "num_key_value_heads") or heads
+    if held is None and (getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1) > 1:
+        return
+    if held is not None:
+        heads, kv_heads = held
+    if heads == 0 or kv_heads == 0 or not ulysses_fits(heads, kv_heads, world):
+        each = " in each rank's attention" if held is not None else ""
+        raise HeadsNotDivisibleError(
+            f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
+            f"heads and {kv_heads} KV heads{each}, which {world} does not divide. Use strategy='ring_pass_kv' (or "
+            f"any other strategy), or a number of processes that divides {kv_heads}."
+        )
+
+
+def check_expansion(algorithm: str, module) -> None:
+    """A layer attending with an expansion of its cached K/V (attention/latent.py's `expand_kv`) over all its KV
+    heads (DiffLlama's puts both value halves side by side, mixing the heads): a strategy that splits the KV heads
+    between ranks cannot compute it."""
+    if STRATEGIES[algorithm].whole_heads:
+        raise HeadsNotDivisibleError(
+            f"{type(module).__name__} (layer {module.layer_idx}) attends with an expansion of its cached K/V over all "
+            f"its KV heads (expand_kv), which the {algorithm!r} strategy, splitting the KV heads between ranks, "
+            "cannot compute: use strategy='auto' or any ring strategy."
+        )
 
 
 def ulysses(step, q, kv_local, **attn):

@@ -36,22 +36,22 @@ class ShardedLayer(CacheLayerMixin):
 
     # Qwen4-Exp's QSA keeps the whole sequence's position ids on its first indexed layer and reads query positions
     # as the last of them: inside a patched forward, every column's (global order) through the forward's context's
-    # position history (cache/index_keys.py `History`), this rank's share stored with the index keys; what the model
+    # position history (attention/indexed.py `History`), this rank's share stored with the index keys; what the model
     # writes back is checked, never stored
     @property
     def indexer_position_ids(self):
-        history = self.context.history if self.context is not None else None
-        return history() if history is not None else None
+        indexer = self.context.indexer if self.context is not None else None
+        return indexer.history() if indexer is not None else None
 
     @indexer_position_ids.setter
     def indexer_position_ids(self, value):
-        history = self.context.history if self.context is not None else None
-        if history is None:
+        indexer = self.context.indexer if self.context is not None else None
+        if indexer is None:
             raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
-        history.check(value)
+        indexer.history.check(value)
 
     # transformers' generate() switches past recording on and off on the layers that have it
     @property

@@ -11,8 +11,9 @@ read and write that state only through the cache (`get_conv_state`, `get_recurre
 `update_conv_state`, `update_recurrent_state`, `has_previous_state`, per layer and state index), and
 continue a multi-token forward from a cached state exactly (chunked prefill equals one forward to
 5e-14 in fp64, the models' fp32 internals run in fp64: Qwen3-Next, Qwen3.5, Granite 4.0-H,
-Nemotron-H). So the chain lives in the cache, `ChainedStates`, and the models' own mixers run
-unchanged: a chained rank's first touch of a layer receives the state (a header, then the payload),
+Nemotron-H). So the chain runs behind the cache's state accessors (`ChainedStates`) for the forward whose context
+holds it (`start_chain`: the chain is the forward's, handed on its context, never the cache's), and the models' own
+mixers run unchanged: a chained rank's first touch of a layer receives the state (a header, then the payload),
 and a layer's states go to the next rank as soon as they are final: at the write of the recurrent state
 of a one-state layer (every mixer we run writes its conv state before it, and once), else once the
 forward moves to another layer or ends (a conv-only layer sends its conv state alone). So the next
@@ -24,6 +25,10 @@ projection alone. The recurrent state follows in a second message, which the nex
 it first reads it, or, inside a mixer that hands it to a kernel that takes it late (`takes_state_late`,
 patches/gated_delta.py), where that kernel's scan needs it: after the input projection, convolution and
 the scan's state-free work. The chain's lag between ranks is then the scan over states alone.
+
+This file is the chain's one room: what it refuses at apply (`check`) and when a forward starts it
+(`start_chain`), the chain (`StateChain`), the cache's side (`ChainedStates`) and the hooks the families' kernels call
+(`received_state`, `takes_state_late`, `deferred_state`, `running_chain`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from contextvars import ContextVar
 
 import torch
 
-from ..errors import PatchStateError, UnsupportedModelError
+from ..errors import PatchStateError, UnsupportedInputError, UnsupportedModelError
 from .states import HEADER, is_recurrent, layer_states, load_states, pack, unpack
 
 _abandoned: list = []  # the posted state sends of chains whose forward raised, until they complete
@@ -94,7 +99,7 @@ class StateChain:
         self.pending: int | None = None  # the layer whose second message (after its conv state) is still to come
         self.deferred = False  # the pending layer's recurrent state was read as None, for its kernel to `take`
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
-        self.token = None  # the ContextVar token of `_running` while this chain runs (ChainedStates.begin_chain)
+        self.token = None  # the ContextVar token of `_running` while this chain runs (`start_chain`)
         self._sends = []
 
     def enter(self, layer_idx: int) -> None:
@@ -200,6 +205,25 @@ class StateChain:
         self._leave()
         self.current = None
 
+    def end(self) -> None:
+        """The forward completed: the last layer's states to the next rank (`finish`), and the kernels' route to the
+        chain is closed."""
+        self._release()
+        self.finish()
+
+    def abandon(self) -> None:
+        """The forward raised: forget the chain without sending more (a no-op once it ended). The states it posted
+        already stay referenced until they are sent (`_abandoned`): a dropped gloo send is cancelled, and the next
+        rank, which raises alike later in the same forward, may still be waiting for it."""
+        if self.token is not None:
+            self._release()
+            _abandoned[:] = [p for p in _abandoned if not p.done()] + self._sends
+
+    def _release(self) -> None:
+        if self.token is not None:
+            _running.reset(self.token)
+            self.token = None
+
     def finish(self) -> None:
         """The forward is over: send the last layer's state, and wait for every send."""
         self.settle()
@@ -237,37 +261,50 @@ def _device(cache, layer_idx: int):
     return layer.device if layer.device is not None else torch.device("cpu")
 
 
+def check(facts) -> bool:
+    """At apply (capabilities.py): does the model chain recurrent states, after refusing what would split or move
+    them, which are whole on every rank: batched pass-Q decode and DCP."""
+    if not facts.recurrent:
+        return False
+    if facts.settings.decode == "ring_pass_q" or facts.dcp is not None:
+        dcp = facts.dcp
+        what = "decode='ring_pass_q' (it moves sequences between ranks)" if dcp is None else "DCP (--tp over KV heads)"
+        raise UnsupportedModelError(
+            f"{what} is not supported on a model with recurrent layers: their states are whole on every rank "
+            "and pass down the ranks in prefill. Use decode='auto' or 'replicated', and TP up to the KV heads."
+        )
+    return True
+
+
+def start_chain(context, cache, comm, receive: bool, send: bool) -> StateChain:
+    """Start the chain of the forward `context` (plan/context.ForwardContext) on `cache`: it lives on the context and
+    goes with it (`StateChain.end` when the forward completes, `StateChain.abandon` when it raised). A receiving
+    rank's recurrent layers continue from the incoming state."""
+    if any(getattr(layer, "record_past", False) for layer in cache.layers):
+        raise UnsupportedInputError(  # assisted decoding's: the conv states would then grow per rank
+            "assisted and prompt-lookup decoding (a cache recording its past for crop()) are not supported "
+            "on models with recurrent layers under context parallelism: decode without them."
+        )
+    chain = context.chain = StateChain(comm, cache, receive, send)
+    chain.token = _running.set(chain)  # for the kernels that see no cache (received_state, deferred_state)
+    return chain
+
+
 class ChainedStates:
     """Mixin for a transformers `Cache` (listed before it): its recurrent layers' states pass along the chain.
 
-    Between `begin_chain` and `end_chain` every state access of a recurrent layer goes through the
-    chain; outside them the cache is the plain transformers cache (decode: every rank holds the same
-    state and updates it from the same tokens).
+    While the running forward's context holds a chain (`start_chain`), every state access of a recurrent layer goes
+    through it; otherwise the cache is the plain transformers cache (decode: every rank holds the same state and
+    updates it from the same tokens). The chain is the forward's, never the cache's: nothing of it stays after
+    the forward.
     """
 
-    chain: StateChain | None = None
+    context = None  # the running forward's plan/context.ForwardContext (ShardedCache.begin); None between forwards
 
-    def begin_chain(self, comm, receive: bool, send: bool) -> None:
-        """Start a chained forward. A receiving rank's recurrent layers continue from the incoming state."""
-        self.chain = StateChain(comm, self, receive, send)
-        # the ContextVar token stays on the chain, which the cache drops at the forward's end: a cache between
-        # forwards holds tensors and plain data alone, so it deep-copies, pickles and torch.saves (a Token does not)
-        self.chain.token = _running.set(self.chain)
-
-    def end_chain(self) -> None:
-        chain, self.chain = self.chain, None
-        if chain is not None:
-            _running.reset(chain.token)
-            chain.finish()
-
-    def drop_chain(self) -> None:
-        """A forward that raised: forget its chain without sending more. The states it posted already stay
-        referenced until they are sent (`_abandoned`): a dropped gloo send is cancelled, and the next rank,
-        which raises alike later in the same forward, may still be waiting for it."""
-        chain, self.chain = self.chain, None
-        if chain is not None:
-            _running.reset(chain.token)
-            _abandoned[:] = [p for p in _abandoned if not p.done()] + chain._sends
+    @property
+    def chain(self) -> StateChain | None:
+        """The running forward's chain, or None."""
+        return self.context.chain if self.context is not None else None
 
     def _enter(self, layer_idx):
         if self.chain is not None and layer_idx is not None and is_recurrent(self.layers[layer_idx]):

@@ -35,7 +35,6 @@ from ..errors import CacheMismatchError, PatchStateError
 from ..plan.context import ForwardContext
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
-from .index_keys import History, gather_keys
 from .layers import ChainedLayer, ChainedLayerFactory, ShardedHybridLayer, ShardedLayer
 from .recurrent import ChainedStates
 from .states import is_recurrent
@@ -158,7 +157,7 @@ class ShardedCache(ChainedStates, Cache):
                 layer.cache_index = i  # what it records its stores under in the running forward's context
         self._windows = tuple(getattr(layer, "window", None) for layer in self.layers)  # read every forward
         # indexed attention (DSA, attention/indexed.py): per layer, the index keys (B, held, D) of the columns this
-        # rank holds (its layout's, in order), gathered whole for the indexer by `update_indexer` (index_keys.py)
+        # rank holds (its layout's, in order), gathered whole for the indexer by the forward's (`update_indexer`)
         self.index_keys: dict = {}
         self.context: ForwardContext | None = None  # the running forward's (plan/context.py); None between forwards
 
@@ -202,19 +201,18 @@ class ShardedCache(ChainedStates, Cache):
             if isinstance(layer, ChainedLayer):  # a family's chained layer: its states as before, for a failure
                 layer.remember()
         context.undo = ([layer.live for layer in self.kv_layers], dict(self.index_keys))
-        context.history = History(context, self) if context.indexed else None
 
     def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """A DSA indexer's new keys (B, T_new, D) in; every column's (B, T, D) out, in global order, so its
         top-k is the one-process top-k (attention/indexed.py). Only inside a patched forward."""
-        if self.context is None or not self.context.indexed:
+        if self.context is None or self.context.indexer is None:
             raise PatchStateError(
                 "this ShardedCache holds one rank's share of a context-parallel cache and works only with the "
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
         if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
             self.chain.settle()
-        return gather_keys(self.context, self, keys, layer_idx)
+        return self.context.indexer.gather(keys, layer_idx)
 
     def end(self, ok: bool = True):
         """Commit the running forward's plan's layout (sliding layers drop what no later query sees) and drop its

@@ -1,6 +1,6 @@
 """The input contract: what a patched model accepts, read once per call, and every refusal.
 
-At apply (`check_model`, `check_ulysses`) the model is checked against what the algorithms
+At apply (`check_model`) the model is checked against what the algorithms
 implement; before each forward (`InputContract.read`) the caller's arguments become one checked
 `Inputs` record and the cache the forward runs with (limits.py refuses generate()'s candidate decoding where it
 is not exact). Every
@@ -19,18 +19,15 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..attention import own_index
 from ..attention.masks import ones_only
 from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
-from ..config import config_value
 from ..errors import (
     CacheMismatchError,
-    HeadsNotDivisibleError,
     PackedSequenceError,
     PatchStateError,
     UnsupportedInputError,
     UnsupportedModelError,
 )
-from ..plan.costmodel import ulysses_fits
 from ..sparse import csa as sparse_csa
-from .families import NOT_CHAINED, REGISTRY
+from .families import NOT_CHAINED, REGISTRY, hooks_of
 from .families import resolve as resolve_family
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -148,29 +145,6 @@ def _refuse_wrapper(model):
         )
 
 
-def check_ulysses(config, world: int, held: tuple[int, int] | None = None):
-    """Ulysses moves whole heads: N must divide the query heads and the KV heads each rank holds (no KV
-    head is repeated). held: (query heads, KV heads) this rank's attention receives (the runtime reads them:
-    under tensor parallelism, and in families whose config counts differ, e.g. dbrx); without it the
-    config's counts, and a model transformers loaded with tp > 1 (config.distributed_config) is left to that."""
-    text = config.get_text_config(decoder=True)
-    heads = config_value(text, "num_attention_heads")
-    if heads is None:  # no attention layer at all (Mamba2): no head to split, nothing for Ulysses to do
-        return
-    kv_heads = config_value(text, "num_key_value_heads") or heads
-    if held is None and (getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1) > 1:
-        return
-    if held is not None:
-        heads, kv_heads = held
-    if heads == 0 or kv_heads == 0 or not ulysses_fits(heads, kv_heads, world):
-        each = " in each rank's attention" if held is not None else ""
-        raise HeadsNotDivisibleError(
-            f"strategy='ulysses' splits attention heads over the {world} ranks, but this model has {heads} query "
-            f"heads and {kv_heads} KV heads{each}, which {world} does not divide. Use strategy='ring_pass_kv' (or "
-            f"any other strategy), or a number of processes that divides {kv_heads}."
-        )
-
-
 # -- one forward -----------------------------------------------------------------------------
 @dataclass
 class Inputs:
@@ -208,9 +182,7 @@ class InputContract:
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-        family = REGISTRY.get(model.config.model_type)
-        self.raw_mask = family is not None and family.raw_mask  # the mask multiplies the input: one column a token
-        self.cache_window = family is not None and family.cache_window  # full attention over sliding cache layers
+        self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
         # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
         self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)
@@ -242,12 +214,8 @@ class InputContract:
         cache = self._resolve_cache(self._take_cache(kwargs), kwargs.get("use_cache"))
         past = cache.layout.seq_length if cache is not None else 0
         mask = kwargs.get("attention_mask")
-        if mask is not None and self.raw_mask and mask.shape[-1] != num_new:
-            raise UnsupportedInputError(
-                f"attention_mask has {mask.shape[-1]} columns for {num_new} input tokens: {type(self.model).__name__} "
-                "multiplies its hidden states by the mask as given, so it needs one column per input token (on "
-                "one process another width fails or broadcasts the input). Pass the new tokens' mask, or none."
-            )
+        if mask is not None:
+            self.hooks.check_mask(self.model, mask, num_new)
         position_ids = _checked_positions(
             kwargs.get("position_ids"), mask, cache, batch, num_new, past, x.device, self.attention_name is not None
         )

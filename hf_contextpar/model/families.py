@@ -1,8 +1,8 @@
 """The family registry: the engine's side of the family-hook interface, which `patches/` fills.
 
 One registry keyed by `config.model_type` (as Liger-Kernel does). A family lists only what is particular to it
-(`FamilyPatch`: a check, an optional reversible patch, the capabilities its layers need, the facts the tests and
-the census use). The engine reads the registry and never imports the families: `hf_contextpar.patches` (the
+(`FamilyPatch`: a check, an optional reversible patch, the capabilities its layers need, what it needs of the engine
+at run time (`FamilyHooks`), the facts the tests and the census use). The engine reads the registry and never imports the families: `hf_contextpar.patches` (the
 top-level `patches/` package) registers them when the package face (`hf_contextpar/__init__.py`) is imported, and
 declares what the census refused (`INEXACT`, `NOT_CHAINED`, `CENSUS`), which `resolve` and the contract quote.
 So the import graph has no circle between the engine and the families: patches/ imports the engine, never back.
@@ -14,6 +14,45 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import RegistrationError, UnsupportedModelError
+
+
+class FamilyHooks:
+    """What a family needs of the engine that its config does not say: the one interface through which the engine
+    asks for family-particular behaviour (it never names a family, nor carries a flag for one). The defaults are what
+    every family gets; `patches/` subclasses it for a family that needs otherwise and sets the subclass's instance
+    as its entry's `hooks`. A new family need is a method here with the general behaviour as its default, and its
+    override in patches/."""
+
+    def check_mask(self, model, mask, num_new: int) -> None:
+        """Before any collective: refuse a caller's 2D attention mask (B, columns) this family cannot take for
+        `num_new` input tokens (the contract's other mask checks have run)."""
+
+    def chained_mask(self, mask, start: int, end: int):
+        """The 2D mask a chained rank's forward gets, its own tokens being the mask's columns [start, end):
+        everything up to its partition's end, as in a chunked prefill (transformers' recurrent mixers take their
+        padding from the mask's last columns)."""
+        return mask[:, :end]
+
+    def attends_window(self, cache_window: int, attention_window) -> bool:
+        """May a layer whose cache keeps a sliding window of `cache_window` tokens attend with `attention_window`
+        (None: no window)? Only with that window: a cache and an attention that disagree are a cache made for
+        another config (the adapter's CacheMismatchError)."""
+        return attention_window == cache_window
+
+    def kv_source(self, module) -> int | None:
+        """The cache layer whose K/V attention module `module` (with a layer index of its own) attends, where that
+        is not its own layer (KV shared across layers: Gemma 3n's and Gemma 4's "reuse" layers); None: its own. The
+        adapter checks that those are exactly the K/V that layer's update returned in the forward."""
+        return None
+
+    def selection(self, module, attention_mask, indexer_mask):
+        """An indexed-attention layer that hands its top-k otherwise than as `indices=`: its (B, Tq, T) bool
+        selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else
+        None (the attention_mask is then checked as any layer's)."""
+        return None
+
+
+DEFAULT_HOOKS = FamilyHooks()
 
 
 @dataclass(frozen=True)
@@ -28,17 +67,12 @@ class FamilyPatch:
     fp32_tolerance: float = 1e-4  # larger only where the unpatched fp32 model is itself that far from fp64
     census: bool = False  # an entry of the census's verified list (verified.py), not written by hand
     recurrent: bool = False  # its recurrent layers' mixers continue from a passed state: the chain runs them
-    # the model multiplies its hidden states by the 2D attention_mask as given (Mamba1's models): the mask must
-    # have one column per input token (one process fails on any other width), and a chained rank gets its own
-    raw_mask: bool = False
     # indexed attention (DSA): its indexer's keys go through cache.update_indexer and its attention takes the top-k
     # as `indices=`, so every rank's indexer scores every column (hf_contextpar/attention/indexed.py)
     indexed: bool = False
-    # its attention has no window of its own (full causal) while the cache its config makes keeps sliding layers
-    # (DynamicCache(config) keeps the last sliding_window - 1 tokens): it attends to all a cache layer holds (Moshi)
-    cache_window: bool = False
     csa: bool = True  # sparse=CSA(...) defined for its attention (False: its layers attend otherwise, CSA refused)
     compressed: bool = False  # DeepSeek-V4's CSA / HCA: cache layers of its own (patches/deepseek_v4.py)
+    hooks: FamilyHooks = DEFAULT_HOOKS  # what it needs of the engine beyond its config (FamilyHooks)
 
 
 REGISTRY: dict[str, FamilyPatch] = {}
@@ -72,6 +106,12 @@ def add(patch: FamilyPatch) -> FamilyPatch:
 def seal() -> None:
     """patches/'s entries are the library's: a user's register() of one is refused (it would drop their patch)."""
     BUILTIN.update(REGISTRY)
+
+
+def hooks_of(config) -> FamilyHooks:
+    """The family hooks the engine runs a model of this config with (the defaults for a family with none)."""
+    patch = REGISTRY.get(config.model_type)
+    return patch.hooks if patch is not None else DEFAULT_HOOKS
 
 
 def resolve(config) -> FamilyPatch:

@@ -24,13 +24,15 @@ class ForwardContext:
     plan: ForwardPlan
     rank: int
     comm: object  # this rank's communicator (comm.collectives.Comm): the cache's index-key exchange uses it
-    # indexed attention (DSA) runs in this forward: the cache gathers the index keys and the position history
-    indexed: bool = False
-    position_ids: torch.Tensor | None = None  # this rank's new tokens' position ids (B, Tq), as the model gets them
     stored: dict = field(default_factory=dict)  # cache layer -> (keys, values) its update returned in this forward
     arrived: dict = field(default_factory=dict)  # cache layer -> [(first column, K/V)] received blocks it keeps
     undo: object = None  # what the cache needs to forget this forward's stores if it fails (ShardedCache.begin)
-    history: object = None  # the position history the model reads (cache/index_keys.History), made on first read
+    # indexed attention (DSA) in this forward: its indexer (attention/indexed.Indexer), which the cache's
+    # update_indexer and position history hand over to; None: none runs
+    indexer: object = None
+    # the recurrent chain of this forward (cache/recurrent.StateChain: the states passed down the ranks), which the
+    # cache's state accessors go through; None: not chained
+    chain: object = None
 
     @property
     def store(self) -> RankCommit | None:
@@ -49,6 +51,7 @@ class ForwardContext:
             )
 
 
-def forward_context(plan: ForwardPlan, rank: int, comm, *, indexed: bool = False, position_ids=None) -> ForwardContext:
-    """The context of the forward `plan` describes, on rank `rank`: empty of everything it will accumulate."""
-    return ForwardContext(plan, rank, comm, indexed=indexed, position_ids=position_ids)
+def forward_context(plan: ForwardPlan, rank: int, comm) -> ForwardContext:
+    """The context of the forward `plan` describes, on rank `rank`: empty of everything it will accumulate (the
+    capabilities that run in it, DSA's indexer and the recurrent chain, are put on it by the runtime)."""
+    return ForwardContext(plan, rank, comm)
