@@ -27,6 +27,7 @@ from hf_contextpar.model.families import add as _add
 
 from . import (
     bamba,
+    bloom,
     deepseek_v4,
     diffllama,
     falcon,
@@ -38,6 +39,7 @@ from . import (
     llama4_text,
     mamba1,
     minimax,
+    mpt,
     opt,
     xglm,
 )
@@ -225,9 +227,27 @@ for _patch in [
     ),
     FamilyPatch(
         "falcon",
-        "Falcon (RoPE configurations): multi-query or grouped K/V, a hand-written attention ported; ALiBi refused",
+        "Falcon: multi-query or grouped K/V, RoPE or ALiBi, a hand-written attention ported",
         check=falcon.check,
         apply=falcon.apply,
+    ),
+    # ALiBi as a score bias from global columns (patches/alibi.py); their softmax runs in fp32 even in an fp64 model
+    # (the census measures the bound); CSA prunes blocks by unbiased scores: refused
+    FamilyPatch(
+        "bloom",
+        "BLOOM: ALiBi, a hand-written attention ported",
+        apply=bloom.apply,
+        reference_attn="eager",
+        fp64_tolerance=1e-4,
+        csa=False,
+    ),
+    FamilyPatch(
+        "mpt",
+        "MPT: ALiBi, a hand-written attention ported",
+        apply=mpt.apply,
+        reference_attn="eager",
+        fp64_tolerance=1e-4,
+        csa=False,
     ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
     FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", cache_window=True, csa=False),

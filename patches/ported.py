@@ -73,3 +73,12 @@ def eager(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, *
     weights = torch.nn.functional.softmax(scores, dim=-1)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def takes_score_bias(config) -> bool:
+    """Does the attention the config names take a score bias from global columns (`score_bias=`,
+    hf_contextpar/attention/bias.py)? hf-contextpar's does; transformers' own do not, and a family whose bias they
+    cannot take (ALiBi) keeps its own forward under them."""
+    from hf_contextpar.attention import NAME
+
+    return config._attn_implementation == NAME

@@ -46,6 +46,8 @@ def ulysses(step, q, kv_local, **attn):
     qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))
     k, v = step.unpack(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)), None)
     key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
+    if attn.get("bias") is not None:  # a score bias per head (ALiBi): this rank's heads'
+        attn = {**attn, "bias": attn["bias"].head_slice(comm.rank * hq, (comm.rank + 1) * hq)}
     res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
     if res is None:
         out = qh.new_zeros(step.out_shape(qh), dtype=torch.float32)

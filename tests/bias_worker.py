@@ -1,0 +1,96 @@
+"""One rank of the score-bias matrix (tests/test_score_bias.py): ALiBi families (BLOOM, MPT, Falcon's alibi=True)
+against the unpatched model on one process at a length where the bias dominates (2,048 tokens: the steepest slope,
+1/4, puts 512 between the first key's score and the last's), under each prefill strategy, with a left-padded batch
+(BLOOM and Falcon count positions over real tokens), greedy decode (replicated or batched pass-Q) and a second turn.
+The models are fp64 with their fp32 softmax kept in fp64 (`Fp64Internals`), so 1e-10 is the bound.
+Usage: bias_worker.py OUT [family:strategy:decode,...]. Writes OUT/rank{r}.json."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_contextpar.eval.oracle import Fp64Internals, logits_diff  # noqa: E402
+from launch import record_each  # noqa: E402
+
+import hf_contextpar  # noqa: E402
+
+SIZES = dict(num_hidden_layers=2, hidden_size=64, vocab_size=256)
+CONFIGS = {  # 4 heads: slopes 1/4 .. 1/256
+    "bloom": dict(SIZES, n_head=4),
+    "mpt": dict(SIZES, n_heads=4, max_seq_len=4096),
+    "falcon": dict(SIZES, num_attention_heads=4, alibi=True, new_decoder_architecture=False, multi_query=False),
+}
+CASES = [
+    ("bloom", "ring_pass_kv", "replicated"),
+    ("bloom", "ring_pass_q", "ring_pass_q"),
+    ("bloom", "allgather_kv", "replicated"),
+    ("bloom", "kv_runahead", "ring_pass_q"),
+    ("bloom", "ulysses", "replicated"),
+    ("mpt", "ring_pass_q", "replicated"),
+    ("mpt", "kv_runahead", "ring_pass_q"),
+    ("falcon", "allgather_kv", "ring_pass_q"),
+    ("falcon", "kv_runahead", "replicated"),
+]
+LENGTH, PAD, NEW = 2048, 37, 3
+
+
+def model(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **CONFIGS[family])
+    impl = "sdpa" if family == "falcon" else "eager"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation=impl).eval()
+
+
+@torch.no_grad()
+def run(m, ids, mask, more):
+    """Forward logits, greedy generate, a second turn over the returned cache (as the census's conversation)."""
+    gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    out = {"forward": m(ids, attention_mask=mask).logits}
+    first = m.generate(ids, attention_mask=mask, output_logits=True, **gen)
+    turn2 = torch.cat([first.sequences, more], 1)
+    mask2 = torch.cat([mask, mask.new_ones(turn2.shape[0], turn2.shape[1] - mask.shape[1])], 1)
+    second = m.generate(turn2, attention_mask=mask2, cache=first.past_key_values, output_logits=True, **gen)
+    out.update(tokens1=first.sequences, logits1=torch.stack(first.logits, 1))
+    out.update(tokens2=second.sequences, logits2=torch.stack(second.logits, 1))
+    return out
+
+
+def check(case, rec):
+    family, strategy, decode = case.split(":")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 256, (2, LENGTH), generator=g)
+    more = torch.randint(3, 256, (2, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :PAD] = 0  # a left-padded row
+    base = model(family)
+    with Fp64Internals():
+        ref = run(copy.deepcopy(base), ids, mask, more)
+        hf_contextpar.apply_context_parallel(base, strategy=strategy, decode=decode, timeout=300)
+        try:
+            ours = run(base, ids, mask, more)
+        finally:
+            hf_contextpar.remove_context_parallel(base)
+    diff = max(
+        logits_diff(ours["forward"], ref["forward"], mask),
+        *(logits_diff(ours[k], ref[k]) for k in ("logits1", "logits2")),
+    )
+    tokens = all(torch.equal(ours[k], ref[k]) for k in ("tokens1", "tokens2"))
+    rec("exact", max_diff=diff, tokens_equal=tokens)
+
+
+def main():
+    torch.set_num_threads(1)
+    cases = sys.argv[2].split(",") if len(sys.argv) > 2 else [":".join(c) for c in CASES]
+    hf_contextpar.apply_context_parallel(model("bloom"))  # initialises the process group from the environment
+    record_each(sys.argv[1], cases, "case_name", check)
+
+
+if __name__ == "__main__":
+    main()
