@@ -19,6 +19,7 @@ VERIFIED = {
     "beam": (1e-05, "sdpa"),
     "biogpt": (1e-10, "sdpa"),
     "bitnet": (1e-10, "sdpa"),
+    "bloom": (0.0001, "eager"),
     "codegen": (1e-10, "sdpa"),
     "cohere": (1e-10, "sdpa"),
     "cohere2": (1e-10, "sdpa"),
@@ -105,6 +106,7 @@ VERIFIED = {
     "mllama_text_model": (1e-10, "sdpa"),
     "modernbert-decoder": (1e-10, "sdpa"),
     "moshi": (1e-10, "sdpa"),
+    "mpt": (0.0001, "eager"),
     "nanochat": (1e-10, "sdpa"),
     "nemotron": (1e-10, "sdpa"),
     "nemotron_h": (1e-05, "sdpa"),
@@ -141,7 +143,6 @@ VERIFIED = {
     "zaya": (1e-10, "sdpa"),
 }
 NOT_VERIFIED = {
-    "bloom": "refused at apply: BloomForCausalLM does not take an attention implementation from transformers' Attentio…",
     "blt": "skipped: the unpatched tiny model fails on one process (AttributeError: 'BltConfig' object has no attribut…",
     "cpmant": "refused at apply: CpmAntForCausalLM does not take an attention implementation from transformers' Attent…",
     "doge": "refused at apply: model_type 'doge' cannot run under context parallelism with hf-contextpar, registered o…",
@@ -152,7 +153,6 @@ NOT_VERIFIED = {
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
     "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers (its attent…",
     "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers (its attentio…",
-    "mpt": "refused at apply: MptForCausalLM does not take an attention implementation from transformers' AttentionInt…",
     "openai-gpt": "refused at apply: OpenAIGPTLMHeadModel does not take an attention implementation from transformers'…",
     "recurrent_gemma": "refused at apply: this model (recurrent_gemma) has ['linear_attention'] layers (its RG-LRU and…",
     "rwkv": "refused at apply: RwkvForCausalLM's config declares no attention heads (num_attention_heads): its layers…",
