@@ -40,6 +40,7 @@ from . import (
     mamba1,
     minimax,
     mpt,
+    openai_gpt,
     opt,
     xglm,
 )
@@ -241,6 +242,14 @@ for _patch in [
         fp64_tolerance=1e-4,
         csa=False,
     ),
+    # no KV cache: every forward is a prefill; its -1e4 causal fill reads as -inf for every real token's row
+    FamilyPatch(
+        "openai-gpt",
+        "OpenAI GPT: no KV cache, a hand-written attention ported",
+        apply=openai_gpt.apply,
+        reference_attn="eager",
+        csa=False,
+    ),
     FamilyPatch(
         "mpt",
         "MPT: ALiBi, a hand-written attention ported",
@@ -317,9 +326,12 @@ NOT_CHAINED |= {
         "(registered as chained, the ranks' generated sequences differ)"
     ),
     "inkling_text": (
-        "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "
-        "token and head, by distance up to rel_extent), which hf-contextpar's attention does not take (registered as "
-        "chained, its short convolutions pass; the bias is refused at the first forward)"
+        "its attention adds a relative-position score bias computed from each query token's hidden state "
+        "(position_bias: per query and head, by distance up to rel_extent), which hf-contextpar's attention does not "
+        "take; and its layers write the short convolutions on the attention output and the MLP after the layer's "
+        "attention, while the state chain passes a layer's states down the ranks when the forward reaches the layer's "
+        "attention (registered as chained with that bias given to the attention, layer 0's third convolution is "
+        "refused as a recurrent layer used again)"
     ),
     "inkling2_text": (
         "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "

@@ -30,7 +30,7 @@ def _forward(
     **kw,
 ):
     """transformers' BloomAttention.forward (5.x), through hf-contextpar's attention with ALiBi as a score bias."""
-    if not ported.takes_score_bias(self.config):
+    if not ported.switched(self.config):
         return type(self).forward(
             self, hidden_states, residual, alibi, attention_mask, layer_past, use_cache, output_attentions, **kw
         )

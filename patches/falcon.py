@@ -73,7 +73,7 @@ def _forward(
     **kwargs,
 ):
     """transformers' FalconAttention.forward (5.x), through the attention interface (ALiBi: hf-contextpar's only)."""
-    if alibi is not None and not ported.takes_score_bias(self.config):  # transformers' own: the model's forward
+    if alibi is not None and not ported.switched(self.config):  # transformers' own: the model's forward
         return type(self).forward(
             self, hidden_states, alibi, attention_mask, position_ids, layer_past, use_cache, output_attentions,
             position_embeddings, **kwargs,

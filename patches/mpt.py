@@ -22,7 +22,7 @@ from .alibi import MptAlibi
 def _forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None, **kwargs):
     """transformers' MptAttention.forward (5.x), through hf-contextpar's attention with ALiBi as a score bias."""
     kwargs.pop("past_key_values", None)
-    if not ported.takes_score_bias(self.config):
+    if not ported.switched(self.config):
         return type(self).forward(
             self, hidden_states, position_bias, cache=cache, attention_mask=attention_mask, **kwargs
         )
@@ -64,7 +64,7 @@ def _mask_patch():
         def create_causal_mask(*args, **kwargs):
             mask = original(*args, **kwargs)
             config = kwargs.get("config", args[0] if args else None)
-            return _NoMask() if mask is None and ported.takes_score_bias(config) else mask
+            return _NoMask() if mask is None and ported.switched(config) else mask
 
         modeling_mpt.create_causal_mask = create_causal_mask
     _installed[0] += 1

@@ -75,10 +75,10 @@ def eager(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, *
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def takes_score_bias(config) -> bool:
-    """Does the attention the config names take a score bias from global columns (`score_bias=`,
-    hf_contextpar/attention/bias.py)? hf-contextpar's does; transformers' own do not, and a family whose bias they
-    cannot take (ALiBi) keeps its own forward under them."""
+def switched(config) -> bool:
+    """Does the config name hf-contextpar's attention (as it does under context parallelism)? A family whose port
+    hands it what transformers' own attentions do not take (a score bias from global columns: ALiBi) keeps its own
+    forward under those."""
     from hf_contextpar.attention import NAME
 
     return config._attn_implementation == NAME

@@ -1,7 +1,7 @@
 """One rank of the score-bias matrix (tests/test_score_bias.py): ALiBi families (BLOOM, MPT, Falcon's alibi=True)
 against the unpatched model on one process at a length where the bias dominates (2,048 tokens: the steepest slope,
 1/4, puts 512 between the first key's score and the last's), under each prefill strategy, with a left-padded batch
-(BLOOM and Falcon count positions over real tokens), greedy decode (replicated or batched pass-Q) and a second turn.
+(N rows, row r with 37 r pads: BLOOM and Falcon count positions over real tokens), greedy decode (replicated or batched pass-Q) and a second turn.
 The models are fp64 with their fp32 softmax kept in fp64 (`Fp64Internals`), so 1e-10 is the bound.
 Usage: bias_worker.py OUT [family:strategy:decode,...]. Writes OUT/rank{r}.json."""
 
@@ -19,11 +19,11 @@ from launch import record_each  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 
-SIZES = dict(num_hidden_layers=2, hidden_size=64, vocab_size=256)
-CONFIGS = {  # 4 heads: slopes 1/4 .. 1/256
-    "bloom": dict(SIZES, n_head=4),
-    "mpt": dict(SIZES, n_heads=4, max_seq_len=4096),
-    "falcon": dict(SIZES, num_attention_heads=4, alibi=True, new_decoder_architecture=False, multi_query=False),
+SIZES = dict(num_hidden_layers=2, hidden_size=96, vocab_size=256)
+CONFIGS = {  # 12 heads (Ulysses at N = 2, 3, 4; not a power of 2: each family's slopes for the remaining heads)
+    "bloom": dict(SIZES, n_head=12),
+    "mpt": dict(SIZES, n_heads=12, max_seq_len=4096),
+    "falcon": dict(SIZES, num_attention_heads=12, alibi=True, new_decoder_architecture=False, multi_query=False),
 }
 CASES = [
     ("bloom", "ring_pass_kv", "replicated"),
@@ -65,10 +65,12 @@ def run(m, ids, mask, more):
 def check(case, rec):
     family, strategy, decode = case.split(":")
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 256, (2, LENGTH), generator=g)
-    more = torch.randint(3, 256, (2, 5), generator=g)
+    rows = max(2, torch.distributed.get_world_size())  # batched pass-Q decode: a sequence per rank at least
+    ids = torch.randint(3, 256, (rows, LENGTH), generator=g)
+    more = torch.randint(3, 256, (rows, 5), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, :PAD] = 0  # a left-padded row
+    for r in range(1, rows):
+        mask[r, : r * PAD] = 0  # left-padded rows
     base = model(family)
     with Fp64Internals():
         ref = run(copy.deepcopy(base), ids, mask, more)

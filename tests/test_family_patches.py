@@ -9,7 +9,18 @@ import inspect
 
 import pytest
 import torch
-from hf_contextpar.patches import bloom, diffllama, falcon, gpt_neo, gpt_neox_japanese, hrm_text, jetmoe, mpt, xglm
+from hf_contextpar.patches import (
+    bloom,
+    diffllama,
+    falcon,
+    gpt_neo,
+    gpt_neox_japanese,
+    hrm_text,
+    jetmoe,
+    mpt,
+    openai_gpt,
+    xglm,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_contextpar.errors import UnsupportedInputError, UnsupportedModelError
@@ -101,6 +112,8 @@ PORTED = {
     # from global columns (tests/test_score_bias.py runs them under context parallelism)
     "bloom": (bloom.apply, torch.float64, dict(n_layer=2, hidden_size=64, n_head=4)),
     "mpt": (mpt.apply, torch.float64, dict(n_layers=2, d_model=64, n_heads=4)),
+    # no KV cache (its port stores K/V in the forward's own cache under context parallelism)
+    "openai-gpt": (openai_gpt.apply, torch.float64, dict(n_layer=2, n_embd=64, n_head=4)),
 }
 
 
