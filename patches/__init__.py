@@ -30,6 +30,7 @@ from . import (
     bloom,
     deepseek_v4,
     diffllama,
+    doge,
     falcon,
     gated_delta,
     gpt_neo,
@@ -242,6 +243,9 @@ for _patch in [
         fp64_tolerance=1e-4,
         csa=False,
     ),
+    # a per-key bias from each key's values (patches/doge.py), computed for every block as it arrives; its tiny census
+    # model's A is zero (a constant bias softmax ignores): tests/test_score_bias.py runs it with A ~ N(0, 1)
+    FamilyPatch("doge", "Doge: a dynamic per-key bias from the values", apply=doge.apply, csa=False),
     # no KV cache: every forward is a prefill; its -1e4 causal fill reads as -inf for every real token's row
     FamilyPatch(
         "openai-gpt",
@@ -365,8 +369,7 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 
 
 # families whose attention hf-contextpar cannot serve exactly whatever the weights: refused even when registered (a
-# user's register() replaces an entry, so a check in one would not hold). Doge's tiny census model hides it: A is
-# zero-initialized, a constant bias that softmax ignores; with A ~ N(0, 1) a registered doge was 8.6 off at N = 2
+# user's register() replaces an entry, so a check in one would not hold)
 INEXACT = families.INEXACT
 INEXACT |= {
     # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
@@ -378,11 +381,6 @@ INEXACT |= {
         "has the earlier loops attend over the cache's stored keys read directly plus their own tokens, never "
         "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
         "shard layers added inside one, nor attend with K/V it did not store"
-    ),
-    "doge": (
-        "its dynamic mask attention adds a learned per-key bias (exp(A * softplus(dt_proj(V)))) to the attention "
-        "scores and hands it to the attention function as attention_mask; hf-contextpar's attention builds its "
-        "masks from each rank's global columns and cannot take a model's own (batch, heads, query, key) bias"
     ),
 }
 

@@ -34,7 +34,9 @@ def _forward(self, x, attention_mask=None, output_attentions=False):
     attention = ported.attention_function(self.config, None)
     scaling = 1.0 / math.sqrt(value.shape[-1]) if self.scale else 1.0
     dropout = self.attn_dropout.p if self.training else 0.0
-    out, _ = attention(self, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    # the model's mask is its caller's padding made 4D (finfo.min on pad keys), which hf-contextpar reads from the
+    # plan instead (-inf on pad keys: the same rows for every real token)
+    out, _ = attention(self, query, key, value, None, scaling=scaling, dropout=dropout)
     out = self.c_proj(out.reshape(*x.shape[:-1], -1))
     return [self.resid_dropout(out)]
 

@@ -24,6 +24,8 @@ CONFIGS = {  # 12 heads (Ulysses at N = 2, 3, 4; not a power of 2: each family's
     "bloom": dict(SIZES, n_head=12),
     "mpt": dict(SIZES, n_heads=12, max_seq_len=4096),
     "falcon": dict(SIZES, num_attention_heads=12, alibi=True, new_decoder_architecture=False, multi_query=False),
+    # its per-key bias exp(A * softplus(dt_proj(v))): A ~ N(0, 1) (`model`), top-k beyond 4096 keys
+    "doge": dict(SIZES, num_attention_heads=12, num_key_value_heads=4, head_dim=8, keep_window_size=4096),
 }
 CASES = [
     ("bloom", "ring_pass_kv", "replicated"),
@@ -35,6 +37,9 @@ CASES = [
     ("mpt", "kv_runahead", "ring_pass_q"),
     ("falcon", "allgather_kv", "ring_pass_q"),
     ("falcon", "kv_runahead", "replicated"),
+    ("doge", "ring_pass_kv", "ring_pass_q"),
+    ("doge", "ring_pass_q", "replicated"),
+    ("doge", "kv_runahead", "replicated"),
 ]
 LENGTH, PAD, NEW = 2048, 37, 3
 
@@ -44,8 +49,12 @@ def model(family):
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(family, **CONFIGS[family])
-    impl = "sdpa" if family == "falcon" else "eager"
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation=impl).eval()
+    impl = "sdpa" if family in ("falcon", "doge") else "eager"
+    m = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation=impl).eval()
+    for name, p in m.named_parameters():
+        if name.endswith(".A"):  # Doge's: zero-initialized, a constant bias softmax ignores
+            p.data.normal_(generator=torch.Generator().manual_seed(7))
+    return m
 
 
 @torch.no_grad()

@@ -60,7 +60,8 @@ BEAMS_REFUSED = {"minimax"}  # one process does not reorder its states with the 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
 # registered families with no tiny config of their registry entry, verified by the census: exact through a family
-# patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi; Moshi's
+# patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi, doge.py's per-key
+# bias; Moshi's
 # cache_window), DSA-indexed (axk2, hy_v4,
 # qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
 # tiny configs.
@@ -70,6 +71,7 @@ CENSUS_CONFIGS = [
     "bloom",
     "deepseek_v4",
     "diffllama",
+    "doge",
     "dots3_note_text",
     "hrm_text",
     "hy_v4",

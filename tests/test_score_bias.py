@@ -1,10 +1,12 @@
-"""Score biases from global columns (hf_contextpar/attention/bias.py): ALiBi (BLOOM, MPT, Falcon's alibi=True).
+"""Score biases from global columns (hf_contextpar/attention/bias.py): ALiBi (BLOOM, MPT, Falcon's alibi=True) and
+Doge's per-key bias from the keys' values.
 
 The kernels' bias on its own (one process): attending key blocks apart and merging their partials by LSE is the
 whole attention under the explicit bias, with padding, a window, batched decode's per-sequence columns, Ulysses' head
 slice. Then the families against the unpatched model on one process at 2,048 tokens, where the bias dominates
 (tests/bias_worker.py: each prefill strategy, KV-Runahead, pass-Q and all-gather included, a left-padded batch,
-both decode modes, a second turn), fp64 with the models' fp32 softmax kept in fp64: 1e-10.
+both decode modes, a second turn), fp64 with the models' fp32 softmax kept in fp64: 1e-10; Doge with its A drawn
+from N(0, 1), where its census model's zeros make the bias a constant softmax ignores.
 """
 
 from __future__ import annotations
@@ -83,6 +85,24 @@ def test_a_bias_over_per_sequence_key_columns():
         cols = k_cols[row][keep]
         s = (q[row] @ k[row][:, keep].transpose(-1, -2)) * 0.5 + bias.rows([row]).block(q_cols, cols, q.dtype, "cpu")[0]
         torch.testing.assert_close(out[row], torch.softmax(s, -1) @ v[row][:, keep], rtol=0, atol=1e-12)
+
+
+def test_a_bias_defined_up_to_a_length_refuses_longer_forwards():
+    """MPT's table and Doge's top-k window (`fn.max_length`): a longer forward is refused before any message."""
+    from types import SimpleNamespace
+
+    from hf_contextpar.attention.bias import for_forward
+    from hf_contextpar.errors import UnsupportedInputError
+
+    class Limited(_Slopes):
+        max_length = 64
+
+    fn = Limited(2)
+    step = SimpleNamespace(plan=SimpleNamespace(seq_length=64, padding=None), state={})
+    assert for_forward(step, fn) is for_forward(step, fn)  # one per forward and fn
+    step.plan.seq_length = 65
+    with pytest.raises(UnsupportedInputError, match="at most 64"):
+        for_forward(SimpleNamespace(plan=step.plan, state={}), fn)
 
 
 ALIBI_CASES = [":".join(c) for c in CASES]

@@ -137,6 +137,12 @@ def _score_bias(step, module, fn) -> dict:
             f"{type(module).__name__} adds a score bias from positions (ALiBi or a relative-position bias), which "
             f"{what} does not apply: run it without {what}."
         )
+    if getattr(fn, "reads_values", False) and STRATEGIES[step.algorithm].whole_heads:  # a token's every head
+        raise HeadsNotDivisibleError(
+            f"{type(module).__name__}'s score bias is computed from each key's values over all its KV heads (Doge's "
+            f"per-key bias), which the {step.algorithm!r} strategy, splitting the KV heads between ranks, does not "
+            "hold: use strategy='auto' or any ring strategy."
+        )
     return {"bias": bias.for_forward(step, fn)}
 
 

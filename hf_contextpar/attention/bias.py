@@ -6,7 +6,8 @@ the key's position; a relative-position bias by distance) hands its attention a 
 `fn(bias, q_cols, k_cols) -> tensor` broadcastable to (B, H, Tq, Tk), `q_cols` (Tq,) and `k_cols` (Tk,) or (B, Tk)
 global columns (an empty slot of batched decode reads column 0: it is masked), `bias` the `ScoreBias` below with
 the forward's global facts (its length, its padding for the sequences being attended, a memo for what the forward
-computes once). The term is added to the scaled (and soft-capped) scores before the softmax, as the family's own
+computes once). A bias computed from the keys' values (`fn.reads_values`: Doge's per-key bias) gets the tile's values
+as a fourth argument: they travel with their keys, so the bias does too, as one more function of the block. The term is added to the scaled (and soft-capped) scores before the softmax, as the family's own
 attention adds it, so `fn` must compute exactly the family's formula: its values, not a shift of them, enter the
 LSE that merges the blocks. Ulysses attends a slice of the heads (`heads`), batched decode a subset of the
 sequences (`rows`): the bias is narrowed the same way. `fn` must be hashable (a frozen dataclass): one `ScoreBias`
@@ -39,9 +40,11 @@ class ScoreBias:
         """The bias of query heads [start, stop) (Ulysses: a rank attends H / N heads of every token)."""
         return ScoreBias(self.fn, self.length, self.padding, (start, stop), self.memo)
 
-    def block(self, q_cols: torch.Tensor, k_cols: torch.Tensor, dtype, device) -> torch.Tensor:
-        """The bias of one tile: (B | 1, H | 1, Tq | 1, Tk) in `dtype`, for the attended heads."""
-        bias = self.fn(self, q_cols.to(device), k_cols.to(device).clamp(min=0))
+    def block(self, q_cols: torch.Tensor, k_cols: torch.Tensor, dtype, device, values=None) -> torch.Tensor:
+        """The bias of one tile: (B | 1, H | 1, Tq | 1, Tk) in `dtype`, for the attended heads. `values`: the tile's
+        keys' values (B, Hkv, Tk, D), handed to a bias computed from them (`fn.reads_values`: Doge's)."""
+        extra = (values,) if getattr(self.fn, "reads_values", False) else ()
+        bias = self.fn(self, q_cols.to(device), k_cols.to(device).clamp(min=0), *extra)
         while bias.dim() < 4:
             bias = bias.unsqueeze(0)
         if bias.shape[1] > 1 and self.heads is not None:

@@ -201,9 +201,9 @@ class Rule:
     softcap: float | None = None
     bias: ScoreBias | None = None
 
-    def extra(self, q, q_cols, k_cols):
+    def extra(self, q, q_cols, keys: Keys):
         """The score bias of one tile (None without one)."""
-        return None if self.bias is None else self.bias.block(q_cols, k_cols, q.dtype, q.device)
+        return None if self.bias is None else self.bias.block(q_cols, keys.cols, q.dtype, q.device, keys.v)
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def _block(acc, r0, q, q_cols, keys: Keys, rule: Rule, *, tile=False, kind=None)
     vis = visible(q_cols, keys.cols, rule.window, q.device)[:, None]  # (1 or B, 1, rows, keys)
     if keys.valid is not None:
         vis = vis & keys.valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
-    acc.add(*_masked(q, keys.k, keys.v, vis, rule, rule.extra(q, q_cols, keys.cols)), r0)
+    acc.add(*_masked(q, keys.k, keys.v, vis, rule, rule.extra(q, q_cols, keys)), r0)
 
 
 def _rows_per_tile(q, n_keys, window, rule: Rule):
@@ -304,7 +304,7 @@ def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
         if keys.valid is not None:
             vis &= keys.valid.unsqueeze(1)
         if bool(vis.any()):
-            extra = rule.extra(qt, q_cols[r0 : r0 + rows], keys.cols)
+            extra = rule.extra(qt, q_cols[r0 : r0 + rows], keys)
             acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule, extra), r0)
 
 
@@ -360,7 +360,7 @@ def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
             vis = vis & keys.valid[:, None, :]
         if bool(vis.any()):
             qt = q[:, :, r0:r1]
-            acc.add(*_masked(qt, keys.k, keys.v, vis[:, None], rule, rule.extra(qt, q_cols[r0:r1], keys.cols)), r0)
+            acc.add(*_masked(qt, keys.k, keys.v, vis[:, None], rule, rule.extra(qt, q_cols[r0:r1], keys)), r0)
 
 
 def _attend(acc, q, q_cols, keys: Keys, rule: Rule, kind=None):
