@@ -28,8 +28,10 @@ from hf_contextpar.model.families import add as _add
 
 from . import (
     bamba,
+    bloom,
     deepseek_v4,
     diffllama,
+    doge,
     falcon,
     gated_delta,
     gpt_neo,
@@ -41,6 +43,8 @@ from . import (
     minimax,
     mllama,
     moshi,
+    mpt,
+    openai_gpt,
     opt,
     qwen4_exp,
     recurrent_gemma,
@@ -241,9 +245,38 @@ for _patch in [
     ),
     FamilyPatch(
         "falcon",
-        "Falcon (RoPE configurations): multi-query or grouped K/V, a hand-written attention ported; ALiBi refused",
+        "Falcon: multi-query or grouped K/V, RoPE or ALiBi, a hand-written attention ported",
         check=falcon.check,
         apply=falcon.apply,
+    ),
+    # ALiBi as a score bias from global columns (patches/alibi.py); their softmax runs in fp32 even in an fp64 model
+    # (the census measures the bound); CSA prunes blocks by unbiased scores: refused
+    FamilyPatch(
+        "bloom",
+        "BLOOM: ALiBi, a hand-written attention ported",
+        apply=bloom.apply,
+        reference_attn="eager",
+        fp64_tolerance=1e-4,
+        csa=False,
+    ),
+    # a per-key bias from each key's values (patches/doge.py), computed for every block as it arrives; its tiny census
+    # model's A is zero (a constant bias softmax ignores): tests/test_score_bias.py runs it with A ~ N(0, 1)
+    FamilyPatch("doge", "Doge: a dynamic per-key bias from the values", apply=doge.apply, csa=False),
+    # no KV cache: every forward is a prefill; its -1e4 causal fill reads as -inf for every real token's row
+    FamilyPatch(
+        "openai-gpt",
+        "OpenAI GPT: no KV cache, a hand-written attention ported",
+        apply=openai_gpt.apply,
+        reference_attn="eager",
+        csa=False,
+    ),
+    FamilyPatch(
+        "mpt",
+        "MPT: ALiBi, a hand-written attention ported",
+        apply=mpt.apply,
+        reference_attn="eager",
+        fp64_tolerance=1e-4,
+        csa=False,
     ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
     FamilyPatch("moshi", "Moshi (text): full causal over sliding cache layers", hooks=moshi.HOOKS, csa=False),
@@ -317,9 +350,12 @@ NOT_CHAINED |= {
         "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
     ),
     "inkling_text": (
-        "its attention adds a relative-position score bias computed from the hidden states (position_bias: per query "
-        "token and head, by distance up to rel_extent), which hf-contextpar's attention does not take (registered as "
-        "chained, its short convolutions pass; the bias is refused at the first forward)"
+        "its attention adds a relative-position score bias computed from each query token's hidden state "
+        "(position_bias: per query and head, by distance up to rel_extent), which hf-contextpar's attention does not "
+        "take; and its layers write the short convolutions on the attention output and the MLP after the layer's "
+        "attention, while the state chain passes a layer's states down the ranks when the forward reaches the layer's "
+        "attention (registered as chained with that bias given to the attention, layer 0's third convolution is "
+        "refused as a recurrent layer used again)"
     ),
     "inkling2_text": (
         "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "
@@ -363,8 +399,7 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 
 
 # families whose attention hf-contextpar cannot serve exactly whatever the weights: refused even when registered (a
-# user's register() replaces an entry, so a check in one would not hold). Doge's tiny census model hides it: A is
-# zero-initialized, a constant bias that softmax ignores; with A ~ N(0, 1) a registered doge was 8.6 off at N = 2
+# user's register() replaces an entry, so a check in one would not hold)
 INEXACT = families.INEXACT
 INEXACT |= {
     # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
@@ -376,11 +411,6 @@ INEXACT |= {
         "has the earlier loops attend over the cache's stored keys read directly plus their own tokens, never "
         "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
         "shard layers added inside one, nor attend with K/V it did not store"
-    ),
-    "doge": (
-        "its dynamic mask attention adds a learned per-key bias (exp(A * softplus(dt_proj(V)))) to the attention "
-        "scores and hands it to the attention function as attention_mask; hf-contextpar's attention builds its "
-        "masks from each rank's global columns and cannot take a model's own (batch, heads, query, key) bias"
     ),
 }
 

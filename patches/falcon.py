@@ -1,5 +1,4 @@
-"""Falcon (its RoPE configurations): its hand-written attention ported to transformers' AttentionInterface
-(patches/ported.py); its ALiBi configurations refused.
+"""Falcon: its hand-written attention ported to transformers' AttentionInterface (patches/ported.py), RoPE or ALiBi.
 
 `FalconAttention` splits a fused QKV projection (multi-query: one K/V head; the new decoder architecture: K/V heads
 broadcast to every query head before the cache; else one K/V head per head), applies RoPE, updates the cache and
@@ -7,9 +6,14 @@ attends with 1 / sqrt(head_dim), through torch's SDPA when the config names it a
 dropout on this path). The ported forward computes q/k/v and updates the cache as it does, then calls the attention
 the config names, so hf-contextpar's attention takes over under context parallelism.
 
-`alibi=True` (Falcon-RW) adds a per-head bias linear in the key's position to the scores, folded into the mask the
-model builds; hf-contextpar's attention builds its masks from each rank's global columns and takes no score bias, so
-those configurations are refused (`check`) rather than run inexactly.
+`alibi=True` (Falcon-RW) skips RoPE and adds a per-head bias linear in each key's position (counted over real
+tokens) to the scores: the model folds alibi / sqrt(head_dim) into the 4D mask it builds for SDPA. Under context
+parallelism the ported forward hands hf-contextpar's attention that bias as a function of each block's global key
+columns (`alibi.BloomAlibi` with `falcon=True`: the model's bf16 product, value for value), so nothing of it
+travels; under transformers' own attention the model's forward runs unchanged. Its eager path adds ALiBi twice (in
+the scores and again in the mask it folded it into: 0.05 from SDPA's logits on a tiny fp64 model), so an ALiBi
+model loaded with attn_implementation="eager" is refused: one process computes something else than the ALiBi its
+SDPA path (the default) computes.
 """
 
 from __future__ import annotations
@@ -19,17 +23,17 @@ import torch
 from hf_contextpar.errors import UnsupportedModelError
 
 from . import ported
+from .alibi import BloomAlibi
 
 
 def check(config):
-    """Refuse the ALiBi configurations: their bias travels in the model's own mask, which hf-contextpar replaces."""
-    if getattr(config, "alibi", False):
+    """Refuse ALiBi under transformers' eager attention, which adds the bias twice (the module docstring)."""
+    if getattr(config, "alibi", False) and config._attn_implementation == "eager":
         raise UnsupportedModelError(
-            "this Falcon configuration uses ALiBi (alibi=True, as Falcon-RW does): the model adds a per-head bias "
-            "linear in each key's position to the attention scores through its own mask, which hf-contextpar's "
-            "attention does not take (it builds masks from each rank's global columns). Falcon's RoPE "
-            "configurations (alibi=False: Falcon-7B/40B/180B) run under context parallelism; run this one on one "
-            "process."
+            "this Falcon configuration uses ALiBi (alibi=True, as Falcon-RW does) and was loaded with "
+            "attn_implementation='eager', whose attention adds the ALiBi bias twice (in its scores and again in the "
+            "mask the model folded it into), unlike its SDPA path, which hf-contextpar computes exactly. Load it "
+            "with attn_implementation='sdpa' (the default)."
         )
 
 
@@ -41,8 +45,8 @@ def _eager(module, query, key, value, attention_mask, scaling=None, **kwargs):
     return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
-def _qkv(self, hidden_states, position_embeddings):
-    """The model's query, key and value heads, RoPE applied."""
+def _qkv(self, hidden_states, position_embeddings, rope=True):
+    """The model's query, key and value heads, RoPE applied (not for ALiBi)."""
     from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
     query, key, value = self._split_heads(self.query_key_value(hidden_states))
@@ -51,8 +55,8 @@ def _qkv(self, hidden_states, position_embeddings):
     query = query.transpose(1, 2).reshape(batch, self.num_heads, length, self.head_dim)
     key = key.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
     value = value.transpose(1, 2).reshape(batch, kv_heads, length, self.head_dim)
-    cos, sin = position_embeddings
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    if rope:
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
     return query, key, value
 
 
@@ -68,17 +72,23 @@ def _forward(
     position_embeddings=None,
     **kwargs,
 ):
-    """transformers' FalconAttention.forward (5.x) without ALiBi, through the attention interface."""
-    if alibi is not None:  # refused under context parallelism (check): the model's own forward
+    """transformers' FalconAttention.forward (5.x), through the attention interface (ALiBi: hf-contextpar's only)."""
+    if alibi is not None and not ported.switched(self.config):  # transformers' own: the model's forward
         return type(self).forward(
             self, hidden_states, alibi, attention_mask, position_ids, layer_past, use_cache, output_attentions,
             position_embeddings, **kwargs,
         )  # fmt: skip
-    query, key, value = _qkv(self, hidden_states, position_embeddings)
+    query, key, value = _qkv(self, hidden_states, position_embeddings, rope=alibi is None)
     if layer_past is not None:
         key, value = layer_past.update(key, value, self.layer_idx)
     attention = ported.attention_function(self.config, _eager)
-    out, weights = attention(self, query, key, value, attention_mask, scaling=self.inv_norm_factor, dropout=0.0)
+    extra = {}
+    if alibi is not None:  # hf-contextpar's attention: each rank biases its own key columns
+        dropout = self.attention_dropout.p if self.training else 0.0  # the SDPA path's, with ALiBi
+        extra = dict(dropout=dropout, score_bias=BloomAlibi(self.num_heads, hidden_states.dtype, True, self.head_dim))
+    out, weights = attention(
+        self, query, key, value, attention_mask, scaling=self.inv_norm_factor, **{"dropout": 0.0, **extra}
+    )
     return self.dense(out.reshape(*hidden_states.shape[:-1], -1)), weights
 
 

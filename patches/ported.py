@@ -73,3 +73,12 @@ def eager(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, *
     weights = torch.nn.functional.softmax(scores, dim=-1)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def switched(config) -> bool:
+    """Does the config name hf-contextpar's attention (as it does under context parallelism)? A family whose port
+    hands it what transformers' own attentions do not take (a score bias from global columns: ALiBi) keeps its own
+    forward under those."""
+    from hf_contextpar.attention import NAME
+
+    return config._attn_implementation == NAME

@@ -129,6 +129,7 @@ AREAS: dict[str, Area] = {
         "the attention adapter, one rank's step, the kernels, masks and the out+LSE merge, the coverage guard",
         (
             A + "__init__.py",
+            A + "bias.py",
             A + "call.py",
             A + "coverage.py",
             A + "kernels.py",
@@ -149,6 +150,7 @@ AREAS: dict[str, Area] = {
             "test_units.py::test_pack_partial_is_its_definition",
             "test_user_code.py",  # the coverage guard: attention forwards that bypass the library
             "test_family_patches.py",
+            "test_score_bias.py",
             ANCHOR,
         ),
     ),
@@ -331,6 +333,7 @@ AREAS: dict[str, Area] = {
         (
             "test_families.py",
             "test_family_patches.py",
+            "test_score_bias.py",
             "test_census.py",
             "test_real_model.py",
             "test_geometries.py",

@@ -173,6 +173,8 @@ ROTATING = {
     ("test_strategies.py", "test_forward_with_autograd_on"): lambda p: _one_n_a_day(p["n"]),
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _one_n_a_day(p["world"]),
     ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
+    # ALiBi at 2,048 tokens (tests/bias_worker.py): each case at each N one day in six
+    ("test_score_bias.py", "test_alibi_exact_at_2k_tokens"): lambda p: _by_name(p["case"], p["n"], 6),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_user_code.py", "test_user_code"): lambda p: _alternate(1) if p["n"] == 3 else None,

@@ -28,7 +28,8 @@ REGISTERED = {
         "jetmoe",
         dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, kv_channels=8, num_local_experts=2),
     ),
-    # a learned score bias handed to the attention as its mask: caught by the structural guard alone (INEXACT lifted)
+    # a learned score bias handed to the attention as its mask: caught by the structural guard alone, without the
+    # library's patches/doge.py (which hands it as a score bias from each block's values)
     "registered_doge": (
         "doge",
         dict(_SMALL, num_attention_heads=4, num_key_value_heads=2, keep_window_size=8),

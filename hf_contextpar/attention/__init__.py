@@ -20,7 +20,7 @@ import torch
 from ..cache.blocks import pack_kv
 from ..errors import CacheMismatchError, PatchStateError, UnsupportedModelError
 from ..plan.strategies import STRATEGIES
-from . import entries, indexed, latent, ulysses
+from . import bias, entries, indexed, latent, ulysses
 from .kernels import acc_dtype
 from .masks import Chunked
 from .merge import merge_packed, pack_partial, with_sink
@@ -75,6 +75,7 @@ def context_parallel_attention(
         window=Chunked(chunk, step.left_padding) if chunk is not None else sliding_window,
         softcap=softcap,
         **({"select": select} if select is not None else {}),
+        **_score_bias(step, module, kwargs.get("score_bias")),
     )
     if step.dcp is not None:  # DCP: every query head of this KV head, over this rank's slots; merged below
         heads = q.shape[1]
@@ -126,6 +127,22 @@ def _refuse_own_mask(module, attention_mask, kwargs):
             "attention (masks built from each block's global columns) cannot take: this model cannot run exactly "
             "under context parallelism."
         )
+
+
+def _score_bias(step, module, fn) -> dict:
+    """A family's score bias from global columns (attention/bias.py: ALiBi, a relative-position bias), handed as
+    `score_bias=fn`: {"bias": the forward's ScoreBias}, or {} without one. DCP gathers its TP peers' query heads
+    and CSA prunes blocks by scores without it: both refused with one."""
+    if fn is None:
+        return {}
+    if step.dcp is not None or step.sparse is not None:
+        what = "decode_context_parallel (DCP)" if step.dcp is not None else "sparse=CSA(...)"
+        raise UnsupportedModelError(
+            f"{type(module).__name__} adds a score bias from positions (ALiBi or a relative-position bias), which "
+            f"{what} does not apply: run it without {what}."
+        )
+    ulysses.check_bias(step.algorithm, module, fn)  # a bias over a key's every KV head
+    return {"bias": bias.for_forward(step, fn)}
 
 
 def _expansion(step, module, key, value):

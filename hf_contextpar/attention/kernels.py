@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bias import ScoreBias
 from .masks import classify, key_segments, runs, span, visible, within
 from .merge import Accumulator
 
@@ -36,8 +37,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _math(q, k, v, vis, scale, softcap):
-    """Reference path: explicit scores in the accumulation dtype. vis: bool, broadcastable to scores."""
+def _math(q, k, v, vis, scale, softcap, extra=None):
+    """Reference path: explicit scores in the accumulation dtype. vis: bool, broadcastable to scores; extra: a score
+    bias (attention/bias.py) added after the scaling and soft-cap, or None."""
     acc = acc_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     k = k.to(acc).repeat_interleave(group, dim=1)
@@ -45,6 +47,8 @@ def _math(q, k, v, vis, scale, softcap):
     s = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
+    if extra is not None:
+        s = s + extra.to(acc)
     if vis is not None:
         s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
@@ -173,23 +177,33 @@ def cuda_kernel_ok(dtype, device) -> bool:
     return bool(cuda_kernels(dtype, device))
 
 
-def _bias(vis, dtype):
-    """The additive mask (0 visible, -inf not) of vis. On CUDA its rows are allocated at a multiple of 16
-    elements and sliced back: the memory-efficient kernel needs the bias's strides 16-byte aligned."""
+def _bias(vis, dtype, extra=None):
+    """The additive mask (0 visible, -inf not) of vis, plus a score bias `extra` where there is one. On CUDA its rows
+    are allocated at a multiple of 16 elements and sliced back: the memory-efficient kernel needs the bias's strides
+    16-byte aligned."""
     keys = vis.shape[-1]
     width = -(-keys // 16) * 16 if vis.device.type == "cuda" else keys
-    bias = torch.zeros(*vis.shape[:-1], width, dtype=dtype, device=vis.device)[..., :keys]
+    shape = vis.shape[:-1] if extra is None else torch.broadcast_shapes(vis.shape[:-1], extra.shape[:-1])
+    bias = torch.zeros(*shape, width, dtype=dtype, device=vis.device)[..., :keys]
+    if extra is not None:
+        bias.add_(extra)
     return bias.masked_fill_(~vis, -math.inf)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """How one layer scores its keys: the softmax scale, the soft-cap (Gemma2) and the window
-    (None, a sliding window's width, or `masks.Chunked`), the same for every block of the layer."""
+    """How one layer scores its keys: the softmax scale, the soft-cap (Gemma2), the window
+    (None, a sliding window's width, or `masks.Chunked`) and a score bias from global columns (`bias.ScoreBias`:
+    ALiBi, a relative-position bias), the same for every block of the layer."""
 
     scale: float
     window: object = None
     softcap: float | None = None
+    bias: ScoreBias | None = None
+
+    def extra(self, q, q_cols, keys: Keys):
+        """The score bias of one tile (None without one)."""
+        return None if self.bias is None else self.bias.block(q_cols, keys.cols, q.dtype, q.device, keys.v)
 
 
 @dataclass(frozen=True)
@@ -219,7 +233,7 @@ def _block(acc, r0, q, q_cols, keys: Keys, rule: Rule, *, tile=False, kind=None)
         return
     if keys.valid is not None and bool(keys.valid.all()):
         keys = Keys(keys.k, keys.v, keys.cols)
-    if rule.softcap is None and keys.valid is None and kind in ("all", "causal"):
+    if rule.softcap is None and rule.bias is None and keys.valid is None and kind in ("all", "causal"):
         res = _fused(q, keys.k, keys.v, None, kind == "causal", rule.scale)
         if res is not None:
             t = acc_dtype(q.dtype)
@@ -232,15 +246,16 @@ def _block(acc, r0, q, q_cols, keys: Keys, rule: Rule, *, tile=False, kind=None)
     vis = visible(q_cols, keys.cols, rule.window, q.device)[:, None]  # (1 or B, 1, rows, keys)
     if keys.valid is not None:
         vis = vis & keys.valid[:, None, None, :]  # (B, 1, rows, keys): shared by all heads
-    acc.add(*_masked(q, keys.k, keys.v, vis, rule.scale, rule.softcap), r0)
+    acc.add(*_masked(q, keys.k, keys.v, vis, rule, rule.extra(q, q_cols, keys)), r0)
 
 
-def _rows_per_tile(q, n_keys, window, softcap):
-    """Query rows per tile, so that one tile's mask (B, 1, rows, keys), or its scores (B, H, rows, keys) on
-    the soft-capping math path, stays under _TILE_ELEMS elements. With a window a tile of r rows sees at
-    most r + window - 1 keys; tiles of a quarter window keep its masked band (r x r) small next to the
+def _rows_per_tile(q, n_keys, window, rule: Rule):
+    """Query rows per tile, so that one tile's mask (B, 1, rows, keys), or its scores (B, H, rows, keys) on the
+    soft-capping math path or under a score bias, stays under _TILE_ELEMS elements. With a window a tile of r rows
+    sees at most r + window - 1 keys; tiles of a quarter window keep its masked band (r x r) small next to the
     unmasked rest."""
-    per_row = q.shape[0] * (q.shape[1] if softcap is not None else 1)
+    per_head = rule.softcap is not None or rule.bias is not None
+    per_row = q.shape[0] * (q.shape[1] if per_head else 1)
     window = span(window)
     if window is None:
         return max(1, _TILE_ELEMS // (per_row * n_keys))
@@ -255,7 +270,7 @@ def _tiled(acc, r0, q, q_cols, keys: Keys, rule: Rule):
     usually contiguous), each against only the keys it can see, segment by segment
     (`masks.key_segments`): the segments every row sees and the square diagonal run fused and
     unmasked; the rest gets a mask of one tile's size. Partials merge into acc by LSE, as ring blocks do."""
-    rows = _rows_per_tile(q, keys.cols.numel(), rule.window, rule.softcap)
+    rows = _rows_per_tile(q, keys.cols.numel(), rule.window, rule)
     spans = runs(q_cols)
     if len(spans) > _MAX_RUNS:  # scattered rows: tiles need not be contiguous, only small
         spans = [(0, q.shape[2])]
@@ -267,20 +282,21 @@ def _tiled(acc, r0, q, q_cols, keys: Keys, rule: Rule):
                 _block(acc, r0 + t0, qt, qc, keys.part(ka, kb), rule, tile=True)
 
 
-def _masked(q, k, v, vis, scale, softcap):
-    """Attention under an explicit mask vis (B or 1, 1, Tq, Tk), a tile's worth: callers bound its size."""
+def _masked(q, k, v, vis, rule: Rule, extra=None):
+    """Attention under an explicit mask vis (B or 1, 1, Tq, Tk) and score bias `extra` (`Rule.extra`, or None), a
+    tile's worth: callers bound its size."""
     acc = acc_dtype(q.dtype)
-    if softcap is None:
-        res = _fused(q, k, v, _bias(vis, q.dtype), False, scale)
+    if rule.softcap is None:
+        res = _fused(q, k, v, _bias(vis, q.dtype, extra), False, rule.scale)
         if res is not None:  # fused kernels report lse 0 for rows that saw nothing: make those -inf, out 0
             seen = vis.any(-1)
             return res[0].to(acc).masked_fill(~seen.unsqueeze(-1), 0.0), res[1].to(acc).masked_fill(~seen, -math.inf)
-    return _math(q, k, v, vis, scale, softcap)
+    return _math(q, k, v, vis, rule.scale, rule.softcap, extra)
 
 
 def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
     """Keys whose columns differ per sequence: keys.cols (B, Tk), -1 marking an empty slot. In row tiles."""
-    rows = _rows_per_tile(q, keys.cols.shape[1], None, rule.softcap)
+    rows = _rows_per_tile(q, keys.cols.shape[1], None, rule)
     kc = keys.cols.to(q.device).unsqueeze(1)  # (B, 1, Tk)
     for r0 in range(0, q.shape[2], rows):
         qt = q[:, :, r0 : r0 + rows]
@@ -288,18 +304,33 @@ def _attend_rows(acc, q, q_cols, keys: Keys, rule: Rule):
         if keys.valid is not None:
             vis &= keys.valid.unsqueeze(1)
         if bool(vis.any()):
-            acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule.scale, rule.softcap), r0)
+            extra = rule.extra(qt, q_cols[r0 : r0 + rows], keys)
+            acc.add(*_masked(qt, keys.k, keys.v, vis.unsqueeze(1), rule, extra), r0)
 
 
 def attend(
-    q, k, v, q_cols, k_cols, *, scale, key_valid=None, window=None, softcap=None, select=None, into=None, kind=None
+    q,
+    k,
+    v,
+    q_cols,
+    k_cols,
+    *,
+    scale,
+    key_valid=None,
+    window=None,
+    softcap=None,
+    bias=None,
+    select=None,
+    into=None,
+    kind=None,
 ):
     """Attention of q (B, H, Tq, D) to k, v (B, Hkv, Tk, D) with global columns q_cols, k_cols.
 
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
     holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
     pass-Q decode. select: optional (B, Tq, T) bool over global key columns, True where a query keeps the
-    key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. Returns (out, lse)
+    key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. bias: a score bias from
+    global columns (`bias.ScoreBias`), evaluated tile by tile. Returns (out, lse)
     with out (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
     nothing is returned: how a ring accumulates its blocks without merging empty partials. kind: the block's
@@ -307,7 +338,7 @@ def attend(
     """
     acc = into if into is not None else Accumulator(q.shape[2])
     if q.shape[2] > 0 and k.shape[2] > 0:
-        keys, rule = Keys(k, v, k_cols, key_valid), Rule(scale, window, softcap)
+        keys, rule = Keys(k, v, k_cols, key_valid), Rule(scale, window, softcap, bias)
         if select is not None:
             _attend_selected(acc, q, q_cols, keys, rule, select)
         else:
@@ -320,7 +351,7 @@ def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
     row tiles, each under its explicit (rows, keys) mask: visibility, padding and the selection's columns."""
     if keys.cols.dim() != 1:
         raise ValueError("indexed attention takes one column order for every sequence (no batched pass-Q decode)")
-    rows = _rows_per_tile(q, keys.cols.numel(), None, rule.softcap)
+    rows = _rows_per_tile(q, keys.cols.numel(), None, rule)
     cols = keys.cols.to(select.device)
     for r0 in range(0, q.shape[2], rows):
         r1 = min(r0 + rows, q.shape[2])
@@ -328,7 +359,8 @@ def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
         if keys.valid is not None:
             vis = vis & keys.valid[:, None, :]
         if bool(vis.any()):
-            acc.add(*_masked(q[:, :, r0:r1], keys.k, keys.v, vis[:, None], rule.scale, rule.softcap), r0)
+            qt = q[:, :, r0:r1]
+            acc.add(*_masked(qt, keys.k, keys.v, vis[:, None], rule, rule.extra(qt, q_cols[r0:r1], keys)), r0)
 
 
 def _attend(acc, q, q_cols, keys: Keys, rule: Rule, kind=None):

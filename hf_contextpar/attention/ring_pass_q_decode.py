@@ -10,6 +10,7 @@ slice start::N, so selecting them from the cache is a view, not a copy.
 
 from __future__ import annotations
 
+from .bias import rows_of
 from .kernels import attend
 from .masks import for_rows
 from .ring_pass_q import pass_q
@@ -30,7 +31,7 @@ def ring_pass_q_decode(step, q, kv_local, **attn):
             step.q_cols,
             cols[rows] if cols.dim() == 2 else cols,
             key_valid=step.key_valid(rank, rows),
-            **{**attn, "window": for_rows(attn["window"], rows)},
+            **{**attn, "window": for_rows(attn["window"], rows), "bias": rows_of(attn.get("bias"), rows)},
         )
 
     return pass_q(step, q, lambda r: (step.batch_size(r), h, t, d), attend_block)

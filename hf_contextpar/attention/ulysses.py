@@ -88,6 +88,17 @@ def check_expansion(algorithm: str, module) -> None:
         )
 
 
+def check_bias(algorithm: str, module, bias_fn) -> None:
+    """A score bias computed from each key's values over all its KV heads (a per-key bias that reads them whole): a
+    strategy that splits the KV heads between ranks does not hold them."""
+    if getattr(bias_fn, "reads_values", False) and STRATEGIES[algorithm].whole_heads:
+        raise HeadsNotDivisibleError(
+            f"{type(module).__name__}'s score bias is computed from each key's values over all its KV heads, which the "
+            f"{algorithm!r} strategy, splitting the KV heads between ranks, does not hold: use strategy='auto' or any "
+            "ring strategy."
+        )
+
+
 def ulysses(step, q, kv_local, **attn):
     from .kernels import attend
     from .merge import with_sink
@@ -116,6 +127,8 @@ def ulysses(step, q, kv_local, **attn):
     qh = torch.cat(qs, dim=2).index_select(2, q_order.to(q.device))
     k, v = step.unpack(torch.cat(kvs, dim=3).index_select(3, k_order.to(q.device)), None)
     key_valid = step.padding[:, k_cols.to(step.padding.device)] if step.padding is not None else None
+    if attn.get("bias") is not None:  # a score bias per head (ALiBi): this rank's heads'
+        attn = {**attn, "bias": attn["bias"].head_slice(comm.rank * hq, (comm.rank + 1) * hq)}
     res = attend(qh, k, v, q_cols, k_cols, key_valid=key_valid, **attn)
     if res is None:
         out = qh.new_zeros(step.out_shape(qh), dtype=torch.float32)
