@@ -203,8 +203,9 @@ def show_ops(one, two):
 def plan_only(length: int, steps: int, world: int = 2):
     """`build_plan` of replicated decode steps after a prefill of `length` tokens, in one process (no model,
     no collective): the pure part of the pre-hook, timed without the load a second rank adds."""
-    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.plan.forward import build_plan
     from hf_contextpar.plan.layout import ShardLayout
+    from hf_contextpar.plan.policy import Policy
 
     layout, policy, times = ShardLayout(0, world), Policy(world), []
 

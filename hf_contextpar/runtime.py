@@ -14,7 +14,6 @@ the same sequences.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections import Counter
 
@@ -34,6 +33,7 @@ from .errors import (
     PatchStateError,
     UnsupportedInputError,
 )
+from .inputs import shard_inputs
 from .mesh import check_cp_group, dcp_of, tensor_parallel
 from .model.contract import (
     InputContract,
@@ -44,10 +44,10 @@ from .model.limits import check_layout, refuse_candidate_decoding
 from .model.rope import patch_rope, unpatch_rope
 from .model.shape import model_shape
 from .outputs import gather_outputs
-from .plan.choice import choose
 from .plan.context import forward_context
-from .plan.forward import ForwardPlan, Policy, build_plan
-from .plan.partitions import MeasuredWork, balanced, key_pairs, weighted
+from .plan.forward import ForwardPlan, build_plan
+from .plan.policy import PrefillPolicy
+from .plan.strategies import STRATEGIES
 from .settings import Settings
 from .sparse.csa import SparseRun, full_layers
 
@@ -64,7 +64,7 @@ class ContextParallelRuntime:
         self.shape = model_shape(model)
         dcp = dcp_of(model)  # DCP: (group, index, size) of the TP ranks sharing this rank's KV head
         self.dcp = Comm(*dcp) if dcp is not None else None
-        self._last_prefill = None  # (T, P) of the latest prefill: what last_decision re-derives
+        self._last_prefill = None  # the latest prefill's PrefillDecision: what last_decision reads
         self.algorithm_counts = Counter()  # forwards run per attention algorithm (for tests, benchmarks)
         self.comm = Comm(group, rank, world)  # tagged "attention" (the strategies) and "control" (checks, gathers)
         self.last_forward = None  # algorithm, tokens and attention bytes of the latest forward
@@ -75,12 +75,23 @@ class ContextParallelRuntime:
         # recurrent layers (recurrent.py): prefill passes their states down the ranks, decode runs them on every rank
         self.chain = any(r is not None for r in self.contract.recurrence)
         check_layout(model, settings, world, self.shape, self.tp, dcp, self.chain)
-        self.work = MeasuredWork()  # balanced partitions' two terms as measured (`balanced`)
         self.attention_layers = attention_layers(model.config)  # for balanced partitions' attention term
         # indexed attention (DSA): every rank's indexer scores every column (attention/indexed.py)
         self.indexed = check_indexed(model.config, settings, dcp is not None)
         check_entries(settings, model.config.model_type, self.contract.recurrence)  # compressed entries (V4's)
         self.sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
+        # which strategy each prefill runs and how its partitions are cut (plan/policy.py); the ranks measure their
+        # busy times for balanced partitions except under TP, whose peers of one CP rank must cut the same ones
+        self.policy = PrefillPolicy(
+            world,
+            self.shape,
+            self.attention_layers,
+            chain=self.chain,
+            indexed=self.indexed,
+            sparse=self.sparse,
+            measured=self.tp == 1,
+            rebalance=self.dcp is None,
+        )
         self.approximate = Counter()  # forwards run approximate, by the settings they ran with (CSA's describe())
         self.kv_shapes = {}  # Step.kv_shapes: every attention layer's K/V block geometry, as forwards show it
         self.ranks = RankCheck(self.comm, self.tp_group)
@@ -88,17 +99,7 @@ class ContextParallelRuntime:
         self._rope_modules = []
         self._entered = False  # the pre-hook ran and the module's forward is next (_direct_forward)
         self._forward = None
-        self._policy_of, self._policy_cached = None, None  # the settings _policy's Policy was built for, and it
         self._pending = []  # stack of (step token, step, grad mode, as_tuple, scratch, timing) per running forward
-
-    @property
-    def balanced(self) -> bool:
-        """KV-Runahead's and a chain's partitions by default ("balanced" or None): of equal work
-        (partitions.balanced), measured as prefills run (MeasuredWork), because causal attention gives the
-        last of even partitions the most work and the others wait for it in the output gather. "even"
-        (KVR-E) and a table (KVR-P) only when asked. Read from the settings at each forward, so the
-        search's tables (`kvr_prefill_seconds`, which swaps them in) win."""
-        return self.settings.partitions in (None, "balanced")
 
     def __deepcopy__(self, memo):  # reached through the model's hooks and attributes
         raise PatchStateError(
@@ -165,7 +166,7 @@ class ContextParallelRuntime:
     def _pre_forward(self, module, args, kwargs):
         kwargs, inputs = self.contract.read(args, kwargs)
         plan = build_plan(
-            self._policy(),
+            self.policy.of(self.settings),
             inputs.cache.layout if inputs.cache is not None else None,
             batch=inputs.batch,
             num_new=inputs.num_new,
@@ -178,7 +179,7 @@ class ContextParallelRuntime:
             self.ranks.inputs(inputs)
         if inputs.as_tuple:  # the gathers read the output's fields: the tuple is made from them afterwards
             kwargs["return_dict"] = True
-        self._shard_inputs(kwargs, plan, inputs)
+        shard_inputs(kwargs, plan, inputs, self.rank, self.contract.raw_mask)
         context = forward_context(
             plan, self.rank, self.comm, indexed=bool(self.indexed), position_ids=kwargs["position_ids"]
         )
@@ -203,9 +204,8 @@ class ContextParallelRuntime:
         # activations alive. The caller's grad mode comes back in the forward hook.
         grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
-        # balanced partitions learn from measured compute (MeasuredWork); not under TP, whose peers of one CP rank
-        # must cut the same partitions and would each measure their own times, nor under CSA (model terms only)
-        measure = self.balanced and plan.sized and self.tp == 1 and plan.algorithm != "csa"
+        # balanced partitions learn from measured compute (the policy's MeasuredWork)
+        measure = self.policy.measures(self.settings, plan)
         started = (time.perf_counter(), self.comm.stats.wait_s) if measure else None
         self._pending.append((token, step, grad, inputs.as_tuple, scratch, started))
         self._entered = True
@@ -276,12 +276,12 @@ class ContextParallelRuntime:
     def _record(self, plan: ForwardPlan, inputs: Inputs):
         """What a forward ran, for `last_forward`, `algorithm_counts` and `approximate` (its bytes come at the end)."""
         self.algorithm_counts[plan.algorithm] += 1
-        approximate = self.sparse.csa.describe() if plan.algorithm == "csa" else None
+        approximate = self.sparse.csa.describe() if STRATEGIES[plan.algorithm].approximate else None
         if approximate is not None:
             self.approximate[approximate] += 1
         self.last_plan = plan
-        if plan.shards.token_rows is not None:  # a prefill: the plan asked the policy for its strategy
-            self._last_prefill = (plan.num_new, plan.past)
+        if plan.decision is not None:  # a prefill: the plan asked the policy for its strategy
+            self._last_prefill = plan.decision
         self.last_forward = dict(
             algorithm=plan.algorithm,
             tokens=inputs.num_new,
@@ -295,116 +295,26 @@ class ContextParallelRuntime:
     def _attention(self):
         return self.comm.tagged["attention"]
 
-    def _policy(self) -> Policy:  # built once per settings value (calibrate swaps them whole), not per forward
-        if self._policy_of is not self.settings:
-            self._policy_cached, self._policy_of = self._new_policy(), self.settings
-        return self._policy_cached
-
-    def _new_policy(self) -> Policy:
-        table, s = self.settings.partition_table, self.settings
-        sizes = (lambda t, p: table.sizes(t, self.world)) if table is not None else None
-        sizes = self._balanced if self.balanced else sizes
-        decode = "replicated" if self.indexed else s.decode  # batched pass-Q decode moves queries (refused at apply)
-        return Policy(
-            self.world, decode, self._choose, sizes, s.kv_interleave, chain=self.chain, rebalance=self.dcp is None
-        )
-
-    def _balanced(self, num_new: int, past: int) -> list[int]:
-        """Contiguous partitions of equal work: a token's, plus a term per key its queries see, as measured. Under
-        CSA a query sees only the kept keys of an earlier partition at the pruning layers (`pair_weights`), and the
-        terms are the cost model's, never the measured scales: CSA's answer depends on its partitions, so the same
-        prompt must cut the same way in every run (and in its one-process reference)."""
-        per_token, per_pair = self._work_terms()
-        if self._sparse(past):
-            weights = self.sparse.pair_weights(self.world, self.attention_layers)
-            return weighted(num_new, self.world, per_token, per_pair, weights)
-        a, b = self.work.scales()
-        return balanced(num_new, self.world, past, a * per_token, b * per_pair)
-
     def partitions(self, num_new: int, past: int = 0) -> list[int] | None:
         """The contiguous partition sizes the next prefill of num_new new tokens over `past` would cut (None: the
         policy's default, even); no collective. CSA's answer depends on them (placement decides levels): its
         one-process reference takes this (eval/csa_reference.py)."""
-        sizes = self._policy().kvr_sizes
-        return sizes(num_new, past) if sizes is not None else None
-
-    def _work_terms(self) -> tuple[float, float]:
-        """The cost model's seconds per token (its linear layers) and per key a query sees, at the agreed
-        calibration's rates."""
-        s, cal = self.shape, self.settings.calibration
-        gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
-        return 2 * s.layers * s.linear_weights / gemm, 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
+        return self.policy.partitions(self.settings, num_new, past)
 
     def _measure(self, plan: ForwardPlan, started: tuple):
-        """After a balanced prefill: every rank's busy seconds (its waits excluded) beside the model's two terms
-        for its partition, all-gathered, so every rank fits the same `MeasuredWork`."""
-        rows = plan.shards.token_rows[self.rank]
-        start, end = int(rows[0]), int(rows[-1]) + 1
+        """After a measured prefill: every rank's busy seconds (its waits excluded) beside the model's two terms
+        for its partition, all-gathered, so every rank's policy fits the same measurements."""
         busy = time.perf_counter() - started[0] - (self.comm.stats.wait_s - started[1])
-        per_token, per_pair = self._work_terms()
-        mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
+        mine = self.policy.row(self.settings, plan, self.rank, busy)
         mine = torch.tensor(mine, dtype=torch.float64, device=next(self.model.parameters()).device)
-        self.work.add(self.comm.all_gather(mine, "control").tolist())
-
-    def _sparse(self, past: int) -> bool:
-        return self.sparse is not None and past == 0  # asked for: a fresh prefill runs approximate (CSA)
-
-    def _choose(self, num_new: int, past: int) -> str:
-        if self._sparse(past):
-            return "csa"
-        if self.settings.strategy != "auto":
-            return self.settings.strategy
-        if self.chain:  # one way down the ranks, as the states go (plan/forward.py: ring pass-KV over a cache)
-            return "kv_runahead"
-        if self.indexed:  # of pass-KV and pass-Q, the one that keeps each query (and its top-k) on its rank
-            return "ring_pass_kv"
-        s = self.settings
-        return choose(num_new, past, self.world, self.shape, s.calibration, s.planner_rule).strategy
+        self.policy.learn(self.comm.all_gather(mine, "control").tolist())
 
     @property
     def last_decision(self):
         """The planner's Decision for the latest prefill under strategy="auto" (None before one, with a fixed
-        strategy, or on a model with recurrent layers): the pure choice the plan made, derived again here, so
-        the plan never writes back into the runtime."""
-        s = self.settings
-        if self._last_prefill is None or s.strategy != "auto" or self.chain or self.indexed:
-            return None
-        if self.sparse is not None and self._last_prefill[1] == 0:  # it ran CSA, asked for
-            return None
-        return choose(*self._last_prefill, self.world, self.shape, s.calibration, s.planner_rule)
-
-    def _shard_inputs(self, kwargs, plan: ForwardPlan, inputs: Inputs):
-        """This rank's share of the inputs: its new tokens (sequence sharding) or its sequences (batched decode)."""
-        kwargs["position_ids"] = inputs.position_ids
-        shards = plan.shards
-        if shards.token_rows is not None:
-            mine = shards.token_rows[self.rank]
-            if plan.chained and inputs.mask is not None:
-                # the mask up to its partition's end: transformers' recurrent mixers take their padding from the
-                # mask's last columns, as in a chunked prefill (the new tokens' are its last num_new columns); a
-                # model that multiplies its input by the mask gets its tokens' columns alone
-                end = inputs.mask.shape[1] - plan.num_new + int(mine[-1]) + 1
-                start = end - len(mine) if self.contract.raw_mask else 0
-                kwargs["attention_mask"] = inputs.mask[:, start:end]
-            for name in ("input_ids", "inputs_embeds", "position_ids"):
-                if kwargs.get(name) is not None:
-                    kwargs[name] = kwargs[name][:, mine.to(kwargs[name].device)]
-            if kwargs.get("cache_position") is not None:  # remote-code models still take it
-                kwargs["cache_position"] = kwargs["cache_position"][mine.to(kwargs["cache_position"].device)]
-            kwargs["logits_to_keep"] = plan.outputs.keep[self.rank]
-        elif shards.seq_rows is not None:
-            mine = shards.seq_rows[self.rank]
-            for name in ("input_ids", "inputs_embeds", "position_ids"):
-                if kwargs.get(name) is not None:
-                    kwargs[name] = kwargs[name][mine]
-        keep = kwargs.get("logits_to_keep", 0)
-        if isinstance(keep, int):  # the rows an int means, as an index: a model may act on an int itself (Gemma 4
-            # drops the other rows before its KV-shared layers, by each rank's own token count)
-            x = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
-            n = x.shape[1]
-            kwargs["logits_to_keep"] = (
-                _kept_rows(n, keep, x.device) if n <= 8 else torch.arange(n, device=x.device)[-keep:]
-            )
+        strategy, or where only one strategy fits the model: recurrent layers, an indexer, an approximate mode):
+        what the plan kept of its policy's decision (`ForwardPlan.decision`)."""
+        return self._last_prefill.planner if self._last_prefill is not None else None
 
 
 @functools.lru_cache(maxsize=64)

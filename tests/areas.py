@@ -214,6 +214,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/plan/__init__.py",
             "hf_contextpar/plan/forward.py",
             "hf_contextpar/plan/layout.py",
+            "hf_contextpar/plan/policy.py",  # strategy choice and partition sizing: what a prefill runs, and why
             "hf_contextpar/plan/sharding.py",
             "hf_contextpar/plan/strategies.py",
         ),
@@ -308,6 +309,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/api.py",
             "hf_contextpar/runtime.py",
             "hf_contextpar/settings.py",
+            "hf_contextpar/inputs.py",
             "hf_contextpar/outputs.py",
         ),
         (

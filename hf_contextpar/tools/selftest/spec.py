@@ -21,7 +21,8 @@ import torch
 
 from ...attention.masks import Chunked
 from ...cache.sharded import ShardLayout
-from ...plan.forward import Policy, build_plan
+from ...plan.forward import build_plan
+from ...plan.policy import Policy, fixed
 from ...plan.strategies import STRATEGIES, Rows
 from .simulated import local_rows, run_algorithm, shard_inputs
 
@@ -131,7 +132,7 @@ def plans_for(case: Case, n: int, length: int, padding):
     policy = Policy(
         n,
         decode="replicated" if case.kind in ("partial", "decode") else "auto",
-        prefill=lambda t, p: prefill,
+        prefill=fixed(prefill),
         kvr_sizes=sizes,
     )
     layout = ShardLayout(0, n)
