@@ -145,7 +145,7 @@ def _switch_attention(model, runtime, undo: Undo):
     """Register the library's attention and switch the model to it (a model without attention layers,
     Mamba2's, keeps its own); refused where the model does not take it."""
     attention.register()
-    if runtime.contract.attention_name is None:
+    if runtime.patched.contract.attention_name is None:
         return
     original = model.config._attn_implementation
     attention.refuse_unknown_implementation(original)

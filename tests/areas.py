@@ -308,6 +308,8 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/__init__.py",
             "hf_contextpar/api.py",
             "hf_contextpar/runtime.py",
+            "hf_contextpar/patched.py",
+            "hf_contextpar/ledger.py",
             "hf_contextpar/settings.py",
             "hf_contextpar/inputs.py",
             "hf_contextpar/outputs.py",

@@ -106,7 +106,7 @@ def expected_sent(cp, runtime, mask, sizes) -> float:
     from hf_contextpar.plan.strategies import STRATEGIES, Rows
     from hf_contextpar.sparse.csa import kept_counts
 
-    run, cfg = runtime.sparse, cp.config
+    run, cfg = runtime.patched.sparse, cp.config
     bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     real = [mask[:, a:b].bool() for a, b in zip(bounds, bounds[1:])]
 

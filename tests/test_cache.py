@@ -15,7 +15,8 @@ from transformers import DynamicCache
 import hf_contextpar
 from hf_contextpar.cache.sharded import ShardedCache
 from hf_contextpar.plan.context import forward_context
-from hf_contextpar.plan.forward import Policy, build_plan
+from hf_contextpar.plan.forward import build_plan
+from hf_contextpar.plan.policy import Policy
 
 LAYERS, B, H, D = 2, 3, 2, 4
 

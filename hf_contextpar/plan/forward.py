@@ -138,7 +138,7 @@ class ForwardPlan:
     @property
     def sized(self) -> bool:
         """Contiguous partitions the policy's sizes may cut unevenly (a chain, KV-Runahead, CSA): the prefills whose
-        busy times balanced partitions learn from (runtime._measure; CSA's cut from the model's terms alone)."""
+        busy times balanced partitions learn from (policy.PrefillPolicy.measure; CSA's cut from the model's terms alone)."""
         return self.contiguous and (self.chained or STRATEGIES[self.algorithm].cuts_unevenly)
 
 

@@ -8,8 +8,8 @@ second derivation of it.
 
 `PrefillPolicy` makes that `Policy` for one patched model from the agreed settings and the model's facts (its
 shape, its recurrent chain, its indexer, its approximate mode) and holds what was measured to size balanced
-partitions (`MeasuredWork`). It reads replicated values only, so every rank decides the same; the one collective
-of measuring (an all-gather of every rank's busy time) is the runtime's, which hands the gathered rows to `learn`.
+partitions (`MeasuredWork`). It reads replicated values only, so every rank decides the same; its one collective,
+after a measured prefill, all-gathers every rank's busy time (`measure`), so every rank fits the same measurements.
 
 strategy="auto" weighs the records of strategies.py by their flags and formulas, never by their names: the
 candidates are the exact prefill strategies flagged `auto` whose partitions are the model's (contiguous ones where
@@ -21,8 +21,11 @@ that keep each query on its rank; one candidate is the decision, several are wei
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from .choice import Decision, choose
 from .costmodel import Shape
@@ -164,19 +167,24 @@ class PrefillPolicy:
         gemm = cal.gemm_flops if math.isfinite(cal.gemm_flops) else cal.attn_flops  # uncalibrated: one rate
         return 2 * s.layers * s.linear_weights / gemm, 4 * s.heads * s.head_dim * self.attention_layers / cal.attn_flops
 
-    def measures(self, settings, plan) -> bool:
-        """Does this forward's busy time teach balanced partitions? A balanced prefill on partitions the policy
-        sized, where the ranks may measure, and not an approximate one (its cut comes from the model's terms alone)."""
-        return self.balanced(settings) and plan.sized and self.measured and not STRATEGIES[plan.algorithm].approximate
+    def start(self, settings, plan, comm):
+        """Where this forward's busy time teaches balanced partitions (a balanced prefill on partitions the policy
+        sized, where the ranks may measure, and not an approximate one, cut from the model's terms alone): when it
+        started and the seconds its rank had waited so far; None where it does not."""
+        if not self.balanced(settings) or not plan.sized or not self.measured:
+            return None
+        if STRATEGIES[plan.algorithm].approximate:
+            return None
+        return time.perf_counter(), comm.stats.wait_s
 
-    def row(self, settings, plan, rank: int, busy: float) -> list[float]:
-        """This rank's measurement of a measured prefill: the model's two terms for its partition beside its busy
-        seconds (its waits excluded), which every rank all-gathers and hands to `learn`."""
-        rows = plan.shards.token_rows[rank]
+    def measure(self, settings, plan, started: tuple, comm, device) -> None:
+        """After a measured prefill: every rank's busy seconds (its waits excluded) beside the model's two terms for
+        its partition, all-gathered (comm: the rank's communicator, its "control" tag), so every rank fits the same
+        `MeasuredWork` and cuts the same partitions next."""
+        busy = time.perf_counter() - started[0] - (comm.stats.wait_s - started[1])
+        rows = plan.shards.token_rows[comm.rank]
         start, end = int(rows[0]), int(rows[-1]) + 1
         per_token, per_pair = self.work_terms(settings)
-        return [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
-
-    def learn(self, rows) -> None:
-        """Every rank's `row` of the latest measured prefill: every rank fits the same `MeasuredWork`."""
-        self.work.add(rows)
+        mine = [per_token * (end - start), per_pair * key_pairs(start, end, plan.past), busy]
+        mine = torch.tensor(mine, dtype=torch.float64, device=device)
+        self.work.add(comm.all_gather(mine, "control").tolist())

@@ -229,7 +229,7 @@ def cmd_calibrate(args):
     from .calibrate import measure
 
     model, runtime, device = _setup(args)
-    cal = measure(runtime.shape, DTYPES[args.dtype], device, group=runtime.comm.group, tokens=args.tokens)
+    cal = measure(runtime.patched.shape, DTYPES[args.dtype], device, group=runtime.comm.group, tokens=args.tokens)
     if runtime.rank == 0:
         path = cal.save(args.out)
         print(f"C  (attention, achieved) = {cal.attn_flops / 1e9:.2f} GFLOP/s per rank")
