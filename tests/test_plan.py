@@ -317,3 +317,60 @@ def test_csa_cuts_the_policys_partitions_and_stores_its_own():
     assert [len(r) for r in chained.shards.token_rows] == [4, 3, 4]  # a chained rank needs 2 tokens: even instead
     pass_q = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "prefill": fixed("ring_pass_q")}))
     assert not pass_q.contiguous and not pass_q.sized  # head-tail: the policy's sizes are a contiguous strategy's
+
+
+def _prefill_policy(world=2, chain=False, indexed=False, **settings):
+    """A model's prefill policy (plan/policy.py) with its settings, on a small cost-model shape."""
+    from hf_contextpar.plan.costmodel import Shape
+    from hf_contextpar.plan.policy import PrefillPolicy
+    from hf_contextpar.settings import Settings
+
+    shape = Shape(layers=2, heads=4, kv_heads=2, head_dim=8, linear_weights=4096, elem_bytes=8)
+    s = Settings.of(**settings).resolved("cpu", world)
+    indexed = frozenset({0, 1}) if indexed else frozenset()
+    policy = PrefillPolicy(world, shape, 2, chain=chain, indexed=indexed, sparse=None, measured=True, rebalance=True)
+    return policy, s, shape
+
+
+def test_auto_weighs_the_records_by_their_flags_and_formulas(monkeypatch):
+    """strategy="auto" picks among the strategy records by their flags (the one candidate of a chain, of an indexer)
+    and, where several fit, by their `time` formulas (the planner's Decision, kept by the plan): a new record flagged
+    `auto` whose formula is the cheapest wins without its name appearing anywhere in the policy."""
+    from dataclasses import replace
+
+    from hf_contextpar.plan.choice import choose
+    from hf_contextpar.plan.strategies import STRATEGIES
+
+    policy, s, shape = _prefill_policy(chain=True)
+    d = policy.of(s).prefill(64, 0)
+    assert (d.strategy, d.planner) == ("kv_runahead", None) and "contiguous" in d.why
+    policy, s, _ = _prefill_policy(indexed=True)
+    assert policy.of(s).prefill(64, 0).strategy == "ring_pass_kv"  # keeps each query (and its top-k) on its rank
+    policy, s, _ = _prefill_policy()
+    for T, P in ((8, 0), (64, 4096), (4096, 0)):
+        d = policy.of(s).prefill(T, P)
+        assert d.planner == choose(T, P, 2, shape, s.calibration, "cost") and d.strategy == d.planner.strategy
+    policy, s, _ = _prefill_policy(strategy="allgather_kv")
+    assert policy.of(s).prefill(64, 0) == policy.of(s).prefill(64, 0) and policy.of(s).prefill(64, 0).planner is None
+    free = replace(STRATEGIES["allgather_kv"], name="toy_free", auto=True, time=lambda c: 0.0)
+    monkeypatch.setitem(STRATEGIES, "toy_free", free)
+    policy, s, _ = _prefill_policy()
+    assert policy.of(s).prefill(64, 0).strategy == "toy_free"
+
+
+def test_the_plan_keeps_the_policys_decision():
+    """A prefill's plan keeps what its policy decided, with the strategy it runs and the partitions it cut; a decode
+    forward asks the policy nothing."""
+    policy, s, _ = _prefill_policy(world=3, chain=True, strategy="kv_runahead", kvr_partitions="even")
+    layout = ShardLayout(0, 3)
+    plan = plan_for(layout, 11, policy=policy.of(s))
+    assert plan.decision.strategy == plan.algorithm == "kv_runahead" and plan.decision.partitions == (4, 3, 4)
+    layout.commit(plan.storage)
+    later = plan_for(layout, 9, policy=policy.of(s))  # over a cache: KV-Runahead's chain runs as ring pass-KV
+    assert later.decision.strategy == later.algorithm == "ring_pass_kv" and "fresh prompts only" in later.decision.why
+    assert later.decision.partitions == (3, 3, 3)  # the states' chain keeps contiguous partitions
+    layout.commit(later.storage)
+    assert plan_for(layout, 1, policy=policy.of(s)).decision is None
+    policy, s, _ = _prefill_policy(world=3)
+    plan = plan_for(ShardLayout(0, 3), 12, policy=policy.of(s))
+    assert plan.decision.strategy == plan.algorithm and plan.decision.partitions is None  # head-tail shards
