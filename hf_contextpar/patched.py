@@ -1,4 +1,4 @@
-"""A model under context parallelism: what apply settles once, checked, and what each forward makes of it.
+"""A model under context parallelism: what apply reads once, checked, and what each forward makes of it.
 
 `PatchedModel.of` reads the model once, when apply builds the runtime: its tensor-parallel layout and DCP peers
 (mesh.py), its shape for the cost model, its input contract, its recurrent layers, its indexer and its approximate

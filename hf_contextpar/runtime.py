@@ -156,7 +156,7 @@ class ContextParallelRuntime:
             elif ok and plan.chained:  # decode runs every recurrent layer on every rank, from the last states
                 share_final_states(step.cache, self.comm, root=self.world - 1)
             if ok:
-                self.comm.settle()  # a forward with no attention collective (none ran) still checks
+                self.comm.run_check()  # a forward with no attention collective (none ran) still checks
             self.log.end(self.comm.tagged["attention"])
             if ok:
                 output = gather_outputs(

@@ -300,10 +300,10 @@ class ChainedLayer(ShardedLayer):
 
     @abstractmethod
     def remember(self) -> None:
-        """At a forward's start (`ShardedCache.begin`): keep its states for `settle`."""
+        """At a forward's start (`ShardedCache.begin`): keep its states for `end_forward`."""
 
     @abstractmethod
-    def settle(self, ok: bool) -> None:
+    def end_forward(self, ok: bool) -> None:
         """At a forward's end (`ShardedCache.end`): a failed forward's states dropped, as the K/V's are."""
 
 

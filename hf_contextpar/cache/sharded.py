@@ -213,7 +213,7 @@ class ShardedCache(ChainedStates, Cache):
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
         if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
-            self.chain.settle()
+            self.chain.leave_layer()
         return gather_keys(self.context, self, keys, layer_idx)
 
     def end(self, ok: bool = True):
@@ -237,7 +237,7 @@ class ShardedCache(ChainedStates, Cache):
                 layer._keep(layer.first + live)
         for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
             if isinstance(layer, ChainedLayer):
-                layer.settle(ok)
+                layer.end_forward(ok)
 
     def _trim(self, before: list):
         """Sliding layers drop what the layout dropped since `before` (per layer)."""
