@@ -56,7 +56,7 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool, partitions=
     turn = torch.randint(0, 256, (2, 5), generator=g)
     model, cp = (
         build(family),
-        hf_contextpar.apply_context_parallel(build(family), sparse=csa, kvr_partitions=partitions),
+        hf_contextpar.apply_context_parallel(build(family), sparse=csa, partitions=partitions),
     )
     ref = OnRankZero(model)
     runtime = hf_contextpar.get_runtime(cp)

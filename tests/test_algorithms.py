@@ -133,7 +133,7 @@ def test_random_forward_sequences(seed):
             n,
             decode=rng.choice(["auto", "replicated"]),
             prefill=fixed(strategy),
-            kvr_sizes=lambda t, p: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
+            partitions=lambda t, p: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
         )
         pad = padding[:, : past + num_new] if padding is not None else None
         plan = build_plan(

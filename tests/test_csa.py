@@ -178,7 +178,7 @@ def _simulated_csa(n: int, sizes: list, window, keep, layers: int, gen):
 
     total, batch = sum(sizes), 2
     valid = make_padding(batch, total, gen)
-    policy = Policy(n, prefill=fixed("csa"), kvr_sizes=lambda t, p: list(sizes))
+    policy = Policy(n, prefill=fixed("csa"), partitions=lambda t, p: list(sizes))
     plan = build_plan(
         policy,
         ShardLayout(0, n),

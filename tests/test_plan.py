@@ -149,7 +149,7 @@ def test_ring_pass_q_decode_below_n_sequences_is_an_error():
 
 
 def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
-    policy = Policy(3, prefill=fixed("kv_runahead"), kvr_sizes=lambda t, p: [t - 2, 1, 1])
+    policy = Policy(3, prefill=fixed("kv_runahead"), partitions=lambda t, p: [t - 2, 1, 1])
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 10, policy=policy)
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(8)), [8], [9]]
@@ -162,15 +162,15 @@ def test_uneven_partitions_level_what_each_rank_keeps():
     from its own tokens and the blocks it receives. KV-Runahead sees only earlier ranks' blocks, so only
     front-loaded partitions rebalance there; ring pass-KV sees them all (a chain's later turn, over a cache)."""
     kvr = dict(prefill=fixed("kv_runahead"), rebalance=True)
-    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p: [6, 3, 2], **kvr))
+    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, partitions=lambda t, p: [6, 3, 2], **kvr))
     assert [r.tolist() for r in plan.shards.kv_cols] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [r.tolist() for r in plan.storage.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]  # even(11, 3)
     assert [s.rebalance for s in plan.storage.store] == [(0, 4, 0), (4, 7, 6), (7, 11, 9)]
     for sizes in ([2, 3, 6], [4, 3, 4]):  # back-loaded; already even
-        plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p, s=sizes: s, **kvr))
+        plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, partitions=lambda t, p, s=sizes: s, **kvr))
         assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
         assert all(s.rebalance is None for s in plan.storage.store)
-    ring = dict(prefill=fixed("ring_pass_kv"), kvr_sizes=lambda t, p: [2, 3, 6], chain=True, rebalance=True)
+    ring = dict(prefill=fixed("ring_pass_kv"), partitions=lambda t, p: [2, 3, 6], chain=True, rebalance=True)
     layout = ShardLayout(0, 3)
     layout.commit(plan_for(layout, 11, policy=Policy(3, **ring)).storage)
     assert [c.tolist() for c in layout.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]
@@ -286,7 +286,7 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
     """A model with recurrent layers: every sharded forward (fresh, and over a cache) cuts contiguous
     partitions in rank order of >= 2 tokens (a partition table's too short ones give way to even ones);
     fewer than 2 tokens per rank run on every rank; decode is replicated whatever the batch."""
-    policy = Policy(world, prefill=fixed("kv_runahead"), kvr_sizes=lambda t, p: [t - world + 1] + [1] * (world - 1))
+    policy = Policy(world, prefill=fixed("kv_runahead"), partitions=lambda t, p: [t - world + 1] + [1] * (world - 1))
     policy = Policy(**{**policy.__dict__, "chain": True})
     layout = ShardLayout(0, world)
     for num_new, chained in [(2 * world + 1, True), (2 * world - 1, False), (2 * world, True)]:
@@ -306,13 +306,13 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
 def test_csa_cuts_the_policys_partitions_and_stores_its_own():
     """CSA (issue 41) runs the policy's contiguous partitions (balanced by default) though it cannot rebalance the K/V:
     its blocks travel pruned, so each rank stores its own partition; the prefill is one balanced ones measure."""
-    csa = dict(prefill=fixed("csa"), kvr_sizes=lambda t, p: [6, 3, 2], rebalance=True)
+    csa = dict(prefill=fixed("csa"), partitions=lambda t, p: [6, 3, 2], rebalance=True)
     plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **csa))
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
     assert all(s.rebalance is None for s in plan.storage.store) and plan.sized
     chained = plan_for(
-        ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "kvr_sizes": lambda t, p: [9, 1, 1]}, chain=True)
+        ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "partitions": lambda t, p: [9, 1, 1]}, chain=True)
     )
     assert [len(r) for r in chained.shards.token_rows] == [4, 3, 4]  # a chained rank needs 2 tokens: even instead
     pass_q = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "prefill": fixed("ring_pass_q")}))
@@ -361,7 +361,7 @@ def test_auto_weighs_the_records_by_their_flags_and_formulas(monkeypatch):
 def test_the_plan_keeps_the_policys_decision():
     """A prefill's plan keeps what its policy decided, with the strategy it runs and the partitions it cut; a decode
     forward asks the policy nothing."""
-    policy, s, _ = _prefill_policy(world=3, chain=True, strategy="kv_runahead", kvr_partitions="even")
+    policy, s, _ = _prefill_policy(world=3, chain=True, strategy="kv_runahead", partitions="even")
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 11, policy=policy.of(s))
     assert plan.decision.strategy == plan.algorithm == "kv_runahead" and plan.decision.partitions == (4, 3, 4)

@@ -305,8 +305,8 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     if policy.chain or record.contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
         # uneven only where the K/V can be rebalanced (pass-Q and Ulysses move no whole K/V) or the strategy stores its
         # own partitions (CSA)
-        uneven = policy.kvr_sizes is not None and record.cuts_unevenly
-        sizes = policy.kvr_sizes(num_new, past) if uneven else None
+        uneven = policy.partitions is not None and record.cuts_unevenly
+        sizes = policy.partitions(num_new, past) if uneven else None
         least = 2 if policy.chain else 0  # a chained rank's recurrent mixers need >= 2 tokens
         cut = sizes if sizes and min(sizes) >= least else even(num_new, policy.world)
         return replace(decision, partitions=tuple(cut)), contiguous_plan(cut)

@@ -56,7 +56,7 @@ class Policy:
     world: int
     decode: str = "auto"  # "auto", "replicated" or "ring_pass_q"
     prefill: Callable[[int, int], PrefillDecision] = fixed("ring_pass_kv", "the default")  # (T, P) -> decision
-    kvr_sizes: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
+    partitions: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
     interleave: int = 1  # decode tokens stored per rank before the next rank takes over
     chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
     rebalance: bool = False  # uneven contiguous partitions commit an even share of the K/V per rank (not under DCP)
@@ -157,7 +157,7 @@ class PrefillPolicy:
     def partitions(self, settings, num_new: int, past: int = 0) -> list[int] | None:
         """The contiguous partition sizes a prefill of num_new new tokens over `past` would cut under `settings`
         (None: the default, even); no collective."""
-        sizes = self.of(settings).kvr_sizes
+        sizes = self.of(settings).partitions
         return sizes(num_new, past) if sizes is not None else None
 
     def work_terms(self, settings) -> tuple[float, float]:

@@ -133,7 +133,7 @@ def plans_for(case: Case, n: int, length: int, padding):
         n,
         decode="replicated" if case.kind in ("partial", "decode") else "auto",
         prefill=fixed(prefill),
-        kvr_sizes=sizes,
+        partitions=sizes,
     )
     layout = ShardLayout(0, n)
     tested = []
