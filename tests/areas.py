@@ -109,10 +109,10 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "decode": Area(
-        "sharded-KV decode (vLLM DCP's merge, CSPS broadcast-Q) and local attention",
+        "replicated decode (vLLM DCP's merge, CSPS broadcast-Q) and local attention",
         (A + "decode.py", A + "local.py"),
         (
-            _algorithm("decode"),
+            _algorithm("replicated_decode"),
             _algorithm("local"),
             "test_algorithms.py::test_random_forward_sequences",
             "test_units.py::test_decode_merge_equals_the_full_merge",

@@ -47,7 +47,7 @@ def test_fresh_prefill_covers_every_token_once(world, num_new):
     layout = ShardLayout(0, world)
     plan = plan_for(layout, num_new)
     if num_new < world:
-        assert plan.algorithm == "decode" and plan.shards.token_rows is None
+        assert plan.algorithm == "replicated_decode" and plan.shards.token_rows is None
         stores = [s.rows.tolist() for s in plan.storage.store]
         assert sorted(sum(stores, [])) == list(range(num_new))
     else:
@@ -112,7 +112,7 @@ def test_no_cache_short_forward_is_local():
 def test_one_token_prompt_with_batch_ge_n_is_replicated():
     """Batched decode needs a non-empty cache (was an IndexError in the column tables)."""
     plan = plan_for(ShardLayout(0, 2), 1, batch=4)
-    assert plan.algorithm == "decode"
+    assert plan.algorithm == "replicated_decode"
 
 
 def test_batched_decode_after_a_prefill_and_a_turn_after_it():
@@ -249,11 +249,11 @@ def test_kv_interleave_crop_ends_the_open_run():
     cache.layout.commit(plan_for(cache.layout, 10, policy=policy).storage)
     for _ in range(3):
         cache.layout.commit(plan_for(cache.layout, 1, policy=policy).storage)
-    assert cache.layout.run == ("decode", 0, 3) and cache.layout.counts() == [8, 5]
+    assert cache.layout.run == ("replicated_decode", 0, 3) and cache.layout.counts() == [8, 5]
     cache.crop(-3)
     assert cache.layout.run is None and cache.layout.counts() == [5, 5]
     plan = plan_for(cache.layout, 1, policy=policy)
-    assert plan.storage.run == ("decode", 0, 1)
+    assert plan.storage.run == ("replicated_decode", 0, 1)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])
@@ -297,10 +297,10 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
             assert sum(rows, []) == list(range(num_new)) and min(len(r) for r in rows) >= 2
             assert plan.algorithm == ("kv_runahead" if layout.seq_length == 0 else "ring_pass_kv")
         else:
-            assert plan.algorithm == "decode"
+            assert plan.algorithm == "replicated_decode"
         layout.commit(plan.storage)
     plan = plan_for(layout, 1, batch=world + 1, policy=policy)
-    assert plan.algorithm == "decode" and not plan.chained
+    assert plan.algorithm == "replicated_decode" and not plan.chained
 
 
 def test_csa_cuts_the_policys_partitions_and_stores_its_own():

@@ -311,7 +311,7 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
 
 
 def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
-    """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
+    """One decode step at `context` tokens, batch 1 (replicated decode): every rank reads the weights
     and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
     one small collective per layer."""
     bw = m.memory_bandwidth

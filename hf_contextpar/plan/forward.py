@@ -16,7 +16,7 @@ Three shapes of forward:
 - One new token per sequence, B >= N sequences, a non-empty cache (batched decode, Meta Alg. 4):
   sequence b runs on rank (b + offset) mod N, which stores its K/V.
 - Otherwise (B < N decode, prompts shorter than N): every rank runs all T tokens; each token's
-  K/V is stored on one rank ("decode"), or nowhere without a cache ("local").
+  K/V is stored on one rank ("replicated_decode"), or nowhere without a cache ("local").
 Decode placement goes in runs of `Policy.interleave` tokens per rank (vLLM's
 cp_kv_cache_interleave_size; 1 by default): the run a decode forward leaves open is part of the
 layout (`Storage.run`), so the next forward, one token later, continues it.
@@ -113,7 +113,7 @@ class Outputs:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
+    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "replicated_decode" or "local"
     world: int
     batch: int
     num_new: int
@@ -261,7 +261,7 @@ def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offse
 
 def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
-    continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
+    continuing = before.run[1:] if before.run is not None and before.run[0] == "replicated_decode" else None
     num_new = new_cols.numel()
     owned, run = decode_owners(num_new, rank_tokens(before.cols, batch), policy.interleave, continuing)
     # each rank's new columns: all of them, or none (its empty indices, which _append skips), without an index op:
@@ -273,9 +273,9 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
         store=[RankCommit(rows=o) for o in owned],
         cols=kv_cols,
         rotation=before.rotation,
-        run=("decode", *run) if run is not None else None,
+        run=("replicated_decode", *run) if run is not None else None,
     )
-    return "decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
+    return "replicated_decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
 
 
 def _local(policy: Policy, new_cols):
@@ -340,7 +340,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
         if policy.decode == "ring_pass_q":
             raise DecodeBatchError(
                 f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {world} ranks); "
-                "use decode='auto', which falls back to replicated sharded-KV decode."
+                "use decode='auto', which falls back to replicated decode."
             )
         return None, None
     counts = sequence_counts(cols, batch)

@@ -242,13 +242,13 @@ for _s in (
         traffic=_csa_traffic,
     ),
     Strategy(
-        "decode",
+        "replicated_decode",
         "fewer sequences than ranks: every rank runs the new tokens over its slice of the cache",
         prefill=False,
         stays_local=True,
         returns_lse=False,
         traffic=_decode_traffic,
-        algorithm=".decode:sharded_kv_decode",
+        algorithm=".decode:replicated_decode",
     ),
     Strategy(
         "ring_pass_q_decode",

@@ -328,7 +328,7 @@ def main(argv=None):
         "--decode",
         default="auto",
         choices=[d for d in DECODES if d != "ring_pass_q"],
-        help="decode algorithm (one sequence: replicated sharded-KV decode)",
+        help="decode algorithm (one sequence: replicated decode)",
     )
     g.add_argument(
         "--partitions",

@@ -70,7 +70,7 @@ CASES = [
     Case("ring_pass_kv_after_batched", "ring_pass_kv", "after_batched"),
     Case("ring_pass_q_after_batched", "ring_pass_q", "after_batched"),
     Case("allgather_kv_after_batched", "allgather_kv", "after_batched"),
-    Case("decode", "decode", "decode"),
+    Case("replicated_decode", "replicated_decode", "decode"),
     Case("ring_pass_q_decode", "ring_pass_q_decode", "batched_decode"),
     Case("local", "local", "local"),
 ]
