@@ -44,7 +44,7 @@ def csa_reference(model, csa: CSA, world: int, partitions=None):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    chained = any(r is not None for r in cache_recurrence(DynamicCache(config=model.config)))
+    chained = any(r.states for r in cache_recurrence(DynamicCache(config=model.config)))
     reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained, _sizes(partitions))
     AttentionInterface.register(NAME, reference)
     AttentionMaskInterface.register(NAME, _padding_mask)

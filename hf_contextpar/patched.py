@@ -56,7 +56,7 @@ class PatchedModel:
         shape = model_shape(model)
         dcp = dcp_of(model)  # (group, index, size) of the TP ranks sharing this rank's KV head
         contract = InputContract(model, rank, world, ATTENTION_NAME)
-        chain = any(r is not None for r in contract.recurrence)
+        chain = any(r.states for r in contract.recurrence)
         check_layout(model, settings, world, shape, tp, dcp, chain)
         indexed = check_indexed(model.config, settings, dcp is not None)
         check_entries(settings, model.config.model_type, contract.recurrence)  # compressed entries (V4's)
