@@ -374,3 +374,6 @@ def test_the_plan_keeps_the_policys_decision():
     policy, s, _ = _prefill_policy(world=3)
     plan = plan_for(ShardLayout(0, 3), 12, policy=policy.of(s))
     assert plan.decision.strategy == plan.algorithm and plan.decision.partitions is None  # head-tail shards
+    table = dict(world=3, entries={"12": [0.5, 0.25, 0.25]})  # KVR-P: a table's partitions
+    policy, s, _ = _prefill_policy(world=3, strategy="kv_runahead", partitions=table)
+    assert plan_for(ShardLayout(0, 3), 12, policy=policy.of(s)).decision.partitions == (6, 3, 3)

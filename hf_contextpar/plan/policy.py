@@ -20,6 +20,7 @@ that keep each query on its rank; one candidate is the decision, several are wei
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -95,18 +96,16 @@ class PrefillPolicy:
         return self._made[1]
 
     def _policy(self, settings) -> Policy:
-        table = settings.partition_table
+        sizes = None  # even
         if self.balanced(settings):
-            sizes = lambda num_new, past: self._balanced(settings, num_new, past)  # noqa: E731
-        elif table is not None:
-            sizes = lambda num_new, past: table.sizes(num_new, self.world)  # noqa: E731
-        else:
-            sizes = None
+            sizes = functools.partial(self._balanced, settings)
+        elif settings.partition_table is not None:  # KVR-P
+            sizes = functools.partial(self._from_table, settings.partition_table)
         decode = "replicated" if self.indexed else settings.decode  # batched pass-Q decode moves queries (refused)
         return Policy(
             self.world,
             decode,
-            lambda num_new, past: self._decide(settings, num_new, past),
+            functools.partial(self._decide, settings),
             sizes,
             settings.kv_interleave,
             chain=self.chain,
@@ -153,6 +152,9 @@ class PrefillPolicy:
             return weighted(num_new, self.world, per_token, per_pair, weights)
         a, b = self.work.scales()
         return balanced(num_new, self.world, past, a * per_token, b * per_pair)
+
+    def _from_table(self, table, num_new: int, past: int) -> list[int]:
+        return table.sizes(num_new, self.world)
 
     def partitions(self, settings, num_new: int, past: int = 0) -> list[int] | None:
         """The contiguous partition sizes a prefill of num_new new tokens over `past` would cut under `settings`
