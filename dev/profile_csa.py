@@ -29,7 +29,7 @@ def setting(name: str, csa: CSA) -> dict:
     if name == "csa":
         return dict(sparse=csa)
     if name == "csa_even":
-        return dict(sparse=csa, kvr_partitions="even")
+        return dict(sparse=csa, partitions="even")
     return dict(strategy=name)
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import hf_contextpar
+from hf_contextpar import patched
 from hf_contextpar import runtime as rt
 from hf_contextpar.attention import decode
 from hf_contextpar.cache import sharded
@@ -89,10 +90,10 @@ def instrument():
     R = rt.ContextParallelRuntime
     R._pre_forward = timed("pre-hook (all)", R._pre_forward)
     R._post_forward = timed("post-hook (all)", R._post_forward)
-    rt.build_plan = timed("  build_plan", rt.build_plan)
+    patched.build_plan = timed("  build_plan", patched.build_plan)
     agreement.RankCheck.inputs = timed("  rank check", agreement.RankCheck.inputs)
     contract.InputContract.read = timed("  input contract", contract.InputContract.read)
-    R._shard_inputs = timed("  input split", R._shard_inputs)
+    rt.shard_inputs = timed("  input split", rt.shard_inputs)
     sharded.ShardedCache.end = timed("  cache end", sharded.ShardedCache.end)
     decode.attend = timed("  attention kernel", decode.attend)
     decode.pack_partial = timed("  pack partial", decode.pack_partial)
@@ -203,8 +204,9 @@ def show_ops(one, two):
 def plan_only(length: int, steps: int, world: int = 2):
     """`build_plan` of replicated decode steps after a prefill of `length` tokens, in one process (no model,
     no collective): the pure part of the pre-hook, timed without the load a second rank adds."""
-    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.plan.forward import build_plan
     from hf_contextpar.plan.layout import ShardLayout
+    from hf_contextpar.plan.policy import Policy
 
     layout, policy, times = ShardLayout(0, world), Policy(world), []
 

@@ -78,7 +78,7 @@ def cmd_csa(args) -> int:
         d, names, lambda how: distributed_runs(d, model, tok, cases, args, how, results=False)
     )
     if names:  # CSA on even partitions beside its balanced default: what the balancing buys
-        timed[CSA_EVEN] = distributed_runs(d, model, tok, cases, args, dict(sparse=csa, kvr_partitions="even"), False)
+        timed[CSA_EVEN] = distributed_runs(d, model, tok, cases, args, dict(sparse=csa, partitions="even"), False)
     # after CSA's run: its reference cuts each prompt as that run's result did (placement decides levels)
     one = _one_process(d, model, tok, cases, csa, args, [s["partitions"] for s in sparse])
     records = [_record(c, o, e, s, k, tok) for c, o, e, s, k in zip(cases, one, exact, sparse, kept)]

@@ -39,12 +39,12 @@ def csa_reference(model, csa: CSA, world: int, partitions=None):
     """Within the block, `model` (unpatched, one process) attends as `world` ranks running `csa` would.
     partitions: the sizes a fresh prompt of T tokens is cut into: a callable T -> sizes (the distributed run's
     `get_runtime(model).partitions`: the balanced default is the same in every run), a
-    list (one prompt length), a PartitionTable (or its dict), or None: even (`kvr_partitions="even"`)."""
+    list (one prompt length), a PartitionTable (or its dict), or None: even (`partitions="even"`)."""
     refuse_layers(model.config)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    chained = any(r is not None for r in cache_recurrence(DynamicCache(config=model.config)))
+    chained = any(r.states for r in cache_recurrence(DynamicCache(config=model.config)))
     reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained, _sizes(partitions))
     AttentionInterface.register(NAME, reference)
     AttentionMaskInterface.register(NAME, _padding_mask)
@@ -62,7 +62,7 @@ def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask
 
 
 def _sizes(partitions):
-    """partitions as a callable T -> sizes or None (what the distributed plan reads of `Policy.kvr_sizes`)."""
+    """partitions as a callable T -> sizes or None (what the distributed plan reads of `Policy.partitions`)."""
     if partitions is None or callable(partitions):
         return partitions
     if isinstance(partitions, (list, tuple)):

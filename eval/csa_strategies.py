@@ -16,7 +16,7 @@ import hf_contextpar
 from hf_contextpar.plan.strategies import prefill_names
 
 CSA_RUN = "csa"
-CSA_EVEN = "csa_even_partitions"  # CSA on even partitions (kvr_partitions="even"), beside its balanced default
+CSA_EVEN = "csa_even_partitions"  # CSA on even partitions (partitions="even"), beside its balanced default
 
 
 def exact_strategies(text: str | None) -> list[str]:

@@ -7,6 +7,7 @@ apply that fails half-way undoes what it did before raising.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 from . import attention
@@ -44,9 +45,10 @@ def apply_context_parallel(
     calibration=None,
     planner_rule: str = "cost",
     decode: str = "auto",
-    kvr_partitions=None,
+    partitions=None,
     kv_interleave: int = 1,
     sparse=None,
+    kvr_partitions=None,
 ):
     """Patch `model` in place for context-parallel inference over `group` and return it.
 
@@ -57,7 +59,8 @@ def apply_context_parallel(
         machine's measured C and BW (Meta Alg. 5). KV-Runahead runs on fresh prompts; a partial
         prefill over a non-empty cache uses ring pass-KV. Ulysses needs N to divide the query and
         KV head counts.
-    kvr_partitions: for "kv_runahead", CSA (sparse=) and the state chain of a model with recurrent layers, a partition
+    partitions: the contiguous partitions of "kv_runahead", CSA (sparse=) and the state chain of a model with
+        recurrent layers (kvr_partitions, its former name, is still accepted with a DeprecationWarning): a partition
         table (PartitionTable, dict or JSON path from `python -m hf_contextpar kvr-table`) to interpolate
         partitions from (KVR-P); "balanced": partitions of equal work (later ranks, whose queries see more
         keys, take fewer tokens), from the cost model scaled to the ranks' measured compute in earlier
@@ -91,7 +94,7 @@ def apply_context_parallel(
         planner_rule=planner_rule,
         check_inputs=check_inputs,
         kv_interleave=kv_interleave,
-        kvr_partitions=kvr_partitions,
+        partitions=_renamed(partitions, kvr_partitions),
         calibration=calibration,
         sparse=sparse,
     )
@@ -109,6 +112,20 @@ def apply_context_parallel(
         raise
     _install(model, runtime, family, device)
     return model
+
+
+def _renamed(partitions, kvr_partitions):
+    """partitions=, or kvr_partitions= (its name before it governed CSA's and the recurrent chain's partitions too)."""
+    if kvr_partitions is None:
+        return partitions
+    if partitions is not None:
+        raise ValueError("give partitions= only (kvr_partitions= is its former name), not both.")
+    warnings.warn(
+        "apply_context_parallel(kvr_partitions=...) is now partitions=...; the old name will be removed.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return kvr_partitions
 
 
 def _install(model, runtime, family, device):
@@ -143,7 +160,7 @@ def _switch_attention(model, runtime, undo: Undo):
     """Register the library's attention and switch the model to it (a model without attention layers,
     Mamba2's, keeps its own); refused where the model does not take it."""
     attention.register()
-    if runtime.contract.attention_name is None:
+    if runtime.patched.contract.attention_name is None:
         return
     original = model.config._attn_implementation
     attention.refuse_unknown_implementation(original)

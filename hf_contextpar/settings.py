@@ -44,7 +44,7 @@ class Settings:
         planner_rule="cost",
         check_inputs=True,
         kv_interleave=1,
-        kvr_partitions=None,
+        partitions=None,
         calibration=None,
         sparse=None,
     ) -> Settings:
@@ -62,16 +62,16 @@ class Settings:
             )
         if sparse is not None and not isinstance(sparse, CSA):
             raise ValueError(f"sparse must be None or hf_contextpar.sparse.CSA(...), got {sparse!r}.")
-        fixed = isinstance(kvr_partitions, str) and kvr_partitions in PARTITION_MODES or kvr_partitions is None
+        fixed = isinstance(partitions, str) and partitions in PARTITION_MODES or partitions is None
         return cls(
             strategy=strategy,
             decode=decode,
             planner_rule=planner_rule,
             check_inputs=bool(check_inputs),
             kv_interleave=kv_interleave,
-            partitions=kvr_partitions if fixed else "table",
+            partitions=partitions if fixed else "table",
             calibration=calibration,
-            partition_table=None if fixed else kvr_partitions,
+            partition_table=None if fixed else partitions,
             sparse=sparse,
         )
 
@@ -96,7 +96,7 @@ class Settings:
             planner_rule=self.planner_rule,
             check_inputs=self.check_inputs,
             kv_interleave=self.kv_interleave,
-            kvr_partitions=self.partitions,
+            partitions=self.partitions,
             sparse=self.sparse.describe() if self.sparse is not None else None,
         )
 

@@ -165,11 +165,11 @@ class CompressedLayer(ChainedLayer):
 
     # -- the cache API ------------------------------------------------------------------------
     def remember(self):
-        """At a forward's start (ShardedCache.begin): its states, for `settle` if the forward fails. The forward
+        """At a forward's start (ShardedCache.begin): its states, for `end_forward` if the forward fails. The forward
         replaces them, never writes into them, so copies of the dicts keep them."""
         self._before = {f: dict(getattr(self, f)) for f in (*_FIELDS, "entry_count", "kept", "kept_ids")}
 
-    def settle(self, ok: bool):
+    def end_forward(self, ok: bool):
         """At a forward's end: a failed one's states dropped (as the K/V's are), then the copies."""
         for f, states in getattr(self, "_before", {}).items() if not ok else ():
             setattr(self, f, states)

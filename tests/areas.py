@@ -114,10 +114,10 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "decode": Area(
-        "sharded-KV decode (vLLM DCP's merge, CSPS broadcast-Q) and local attention",
+        "replicated decode (vLLM DCP's merge, CSPS broadcast-Q) and local attention",
         (A + "decode.py", A + "local.py"),
         (
-            _algorithm("decode"),
+            _algorithm("replicated_decode"),
             _algorithm("local"),
             "test_algorithms.py::test_random_forward_sequences",
             "test_units.py::test_decode_merge_equals_the_full_merge",
@@ -222,6 +222,7 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/plan/__init__.py",
             "hf_contextpar/plan/forward.py",
             "hf_contextpar/plan/layout.py",
+            "hf_contextpar/plan/policy.py",  # strategy choice and partition sizing: what a prefill runs, and why
             "hf_contextpar/plan/sharding.py",
             "hf_contextpar/plan/strategies.py",
         ),
@@ -316,7 +317,10 @@ AREAS: dict[str, Area] = {
             "hf_contextpar/__init__.py",
             "hf_contextpar/api.py",
             "hf_contextpar/runtime.py",
+            "hf_contextpar/patched.py",
+            "hf_contextpar/ledger.py",
             "hf_contextpar/settings.py",
+            "hf_contextpar/inputs.py",
             "hf_contextpar/outputs.py",
         ),
         (

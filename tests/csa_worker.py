@@ -56,7 +56,7 @@ def conversation(family: str, csa: CSA, n: int, against_plain: bool, partitions=
     turn = torch.randint(0, 256, (2, 5), generator=g)
     model, cp = (
         build(family),
-        hf_contextpar.apply_context_parallel(build(family), sparse=csa, kvr_partitions=partitions),
+        hf_contextpar.apply_context_parallel(build(family), sparse=csa, partitions=partitions),
     )
     ref = OnRankZero(model)
     runtime = hf_contextpar.get_runtime(cp)
@@ -106,7 +106,7 @@ def expected_sent(cp, runtime, mask, sizes) -> float:
     from hf_contextpar.plan.strategies import STRATEGIES, Rows
     from hf_contextpar.sparse.csa import kept_counts
 
-    run, cfg = runtime.sparse, cp.config
+    run, cfg = runtime.patched.sparse, cp.config
     bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
     real = [mask[:, a:b].bool() for a, b in zip(bounds, bounds[1:])]
 

@@ -171,7 +171,7 @@ def run(scenario: str, batched: bool):
             elif scenario == "deepcopy":
                 copy.deepcopy(model)
             elif scenario == "partitions_differ":  # how partitions are cut decides the chain's messages
-                hf_contextpar.apply_context_parallel(tiny_model("llama"), kvr_partitions="even" if rank else "balanced")
+                hf_contextpar.apply_context_parallel(tiny_model("llama"), partitions="even" if rank else "balanced")
             elif scenario == "timeout_differs":  # decides whether a group is made: once on one rank only
                 hf_contextpar.apply_context_parallel(tiny_model("llama"), timeout=15.0 if rank == 0 else None)
             elif scenario.startswith(

@@ -1029,7 +1029,7 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
             strategy=case["strategy"],
             decode=case["decode"],
             kv_interleave=case.get("kv_interleave", 1),
-            kvr_partitions=case.get("partitions"),
+            partitions=case.get("partitions"),
             timeout=CASE_TIMEOUT_S,
             sparse=csa_of(case),
         )

@@ -51,7 +51,7 @@ def check(family: str, n: int, strategy: str, rec):
         ratios = [2.0**-r for r in range(n)]
         strategy, extra = (
             "kv_runahead",
-            dict(kvr_partitions=dict(world=n, entries={"8": [x / sum(ratios) for x in ratios]})),
+            dict(partitions=dict(world=n, entries={"8": [x / sum(ratios) for x in ratios]})),
         )
     hf_contextpar.apply_context_parallel(cp, strategy=strategy, timeout=120, **extra)
     with Fp64Internals():

@@ -47,7 +47,7 @@ def gather(comm: Comm, rank: int, world: int) -> str:
             return "a gather carrying the fingerprint returned the wrong stack"
     seen = []
     comm.check_before_next(torch.tensor([rank, 7]), seen.append)
-    comm.settle()  # no gather came: gathered on its own
+    comm.run_check()  # no gather came: gathered on its own
     if [s.tolist() for s in seen] != [[[r, 7] for r in range(world)]]:
         return "the fingerprint gathered on its own gave the wrong stack"
     return "ok"

@@ -92,7 +92,7 @@ def traffic(n, rec):
         if strategy == "ulysses" and cfg.num_key_value_heads % n:
             continue
         # KV-Runahead on even partitions (KVR-E): the papers' closed forms hold there (Eq. 7)
-        extra = dict(kvr_partitions="even") if strategy == "kv_runahead" else {}
+        extra = dict(partitions="even") if strategy == "kv_runahead" else {}
         cp = hf_contextpar.apply_context_parallel(tiny_model("phi3"), strategy=strategy, timeout=120, **extra)
         rt = hf_contextpar.get_runtime(cp)
         for length in (64, 101):

@@ -28,7 +28,8 @@ import torch
 
 from hf_contextpar.attention import step as step_module
 from hf_contextpar.cache.sharded import ShardLayout
-from hf_contextpar.plan.forward import Policy, build_plan
+from hf_contextpar.plan.forward import build_plan
+from hf_contextpar.plan.policy import Policy, fixed
 from hf_contextpar.plan.sharding import partition_sizes
 from hf_contextpar.tools.selftest.simulated import SimulatedWorld, SimulationError
 from hf_contextpar.tools.selftest.spec import (
@@ -131,8 +132,8 @@ def test_random_forward_sequences(seed):
         policy = Policy(
             n,
             decode=rng.choice(["auto", "replicated"]),
-            prefill=lambda t, p, s=strategy: s,
-            kvr_sizes=lambda t, p: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
+            prefill=fixed(strategy),
+            partitions=lambda t, p: partition_sizes(t, [rng.random() + 0.2 for _ in range(n)]),
         )
         pad = padding[:, : past + num_new] if padding is not None else None
         plan = build_plan(

@@ -425,7 +425,7 @@ def test_simulated_ranks_on_the_fake_group(tmp_path):
     one = row["one"]["kv_bytes"]
     for r in row["ranks"]:
         assert abs(r["kv_bytes"] - one / 2) <= one / 301, r  # 150 or 151 of 301 tokens
-        assert r["algorithms"]["decode"] == 2 and r["bytes_sent"] > 0
-        assert set(r["algorithms"]) - {"decode"}, r  # and a prefill strategy
+        assert r["algorithms"]["replicated_decode"] == 2 and r["bytes_sent"] > 0
+        assert set(r["algorithms"]) - {"replicated_decode"}, r  # and a prefill strategy
     assert row["prefill_speedup"] > 0 and row["ttit_ratio"] > 0
     assert "| 301 | 2 |" in markdown(report)

@@ -14,9 +14,11 @@ from transformers import DynamicCache
 
 import hf_contextpar
 from hf_contextpar.attention.indexed import Indexer
+from hf_contextpar.cache.layers import KVOnly, Recurrent
 from hf_contextpar.cache.sharded import ShardedCache
 from hf_contextpar.plan.context import forward_context
-from hf_contextpar.plan.forward import Policy, build_plan
+from hf_contextpar.plan.forward import build_plan
+from hf_contextpar.plan.policy import Policy
 
 LAYERS, B, H, D = 2, 3, 2, 4
 
@@ -306,7 +308,7 @@ def test_recurrent_and_hybrid_layers_keep_transformers_semantics():
 
     from hf_contextpar.cache.layers import ShardedHybridLayer
 
-    sharded = ShardedCache(3, 0, 1, recurrence=[(1, False), None, (1, True)])
+    sharded = ShardedCache(3, 0, 1, recurrence=[Recurrent(1), KVOnly(), Recurrent(1, kv=True)])
     single = Cache(layers=[LinearAttentionLayer(), DynamicLayer(), LinearAttentionAndFullAttentionLayer()])
     assert [type(x).__name__ for x in sharded.layers] == ["LinearAttentionLayer", "ShardedLayer", "ShardedHybridLayer"]
     assert isinstance(sharded.layers[2], ShardedHybridLayer) and sharded.kv_layers == sharded.layers[1:]

@@ -170,14 +170,15 @@ def _simulated_csa(n: int, sizes: list, window, keep, layers: int, gen):
     outputs, the whole-sequence reference for the same Q, K, V and padding, and the ranks' communicators."""
     from hf_contextpar.attention.csa import csa
     from hf_contextpar.cache.sharded import ShardLayout
-    from hf_contextpar.plan.forward import Policy, build_plan
+    from hf_contextpar.plan.forward import build_plan
+    from hf_contextpar.plan.policy import Policy, fixed
     from hf_contextpar.sparse.csa import SparseRun
     from hf_contextpar.tools.selftest.simulated import run_algorithm, shard_inputs
     from hf_contextpar.tools.selftest.spec import SCALE, make_padding, reference
 
     total, batch = sum(sizes), 2
     valid = make_padding(batch, total, gen)
-    policy = Policy(n, prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: list(sizes))
+    policy = Policy(n, prefill=fixed("csa"), partitions=lambda t, p: list(sizes))
     plan = build_plan(
         policy,
         ShardLayout(0, n),

@@ -79,7 +79,7 @@ def _scenario_lines(scenario: str, request) -> tuple[list, list]:
         ("dropout", "UnsupportedModelError", "attention dropout is not supported"),
         ("deepcopy", "PatchStateError", "cannot be deep-copied"),
         ("timeout_differs", "RankMismatchError", "different timeout on different ranks"),
-        ("partitions_differ", "RankMismatchError", "different kvr_partitions on different"),
+        ("partitions_differ", "RankMismatchError", "different partitions on different"),
         ("lookup_from_embeds", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("lookup_from_embeds_unchecked", "CandidateDecodingError", "decoding from inputs_embeds are not supported"),
         ("zero_tokens", "UnsupportedInputError", "the input holds no tokens"),
@@ -211,6 +211,17 @@ def test_single_process_is_a_faithful_no_op():
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_partitions_former_name_still_works_with_a_warning():
+    """partitions= was kvr_partitions= before it governed CSA's and the recurrent chain's partitions too: the old
+    keyword is read as the new one with a DeprecationWarning; both at once are refused."""
+    model = tiny_model("qwen3")
+    with pytest.warns(DeprecationWarning, match="partitions="):
+        assert hf_contextpar.apply_context_parallel(model, kvr_partitions="even") is model
+    with pytest.raises(ValueError, match="not both"):
+        hf_contextpar.apply_context_parallel(model, partitions="even", kvr_partitions="even")
+    assert hf_contextpar.apply_context_parallel(model, partitions="balanced") is model
 
 
 @pytest.mark.parametrize(

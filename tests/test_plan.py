@@ -9,7 +9,8 @@ import torch
 
 from hf_contextpar.cache.sharded import ShardLayout
 from hf_contextpar.errors import DecodeBatchError
-from hf_contextpar.plan.forward import Policy, build_plan
+from hf_contextpar.plan.forward import build_plan
+from hf_contextpar.plan.policy import Policy, fixed
 
 
 def plan_for(layout, num_new, batch=1, policy=None, keep=0, uses_cache=True, positions=None):
@@ -46,7 +47,7 @@ def test_fresh_prefill_covers_every_token_once(world, num_new):
     layout = ShardLayout(0, world)
     plan = plan_for(layout, num_new)
     if num_new < world:
-        assert plan.algorithm == "decode" and plan.shards.token_rows is None
+        assert plan.algorithm == "replicated_decode" and plan.shards.token_rows is None
         stores = [s.rows.tolist() for s in plan.storage.store]
         assert sorted(sum(stores, [])) == list(range(num_new))
     else:
@@ -111,7 +112,7 @@ def test_no_cache_short_forward_is_local():
 def test_one_token_prompt_with_batch_ge_n_is_replicated():
     """Batched decode needs a non-empty cache (was an IndexError in the column tables)."""
     plan = plan_for(ShardLayout(0, 2), 1, batch=4)
-    assert plan.algorithm == "decode"
+    assert plan.algorithm == "replicated_decode"
 
 
 def test_batched_decode_after_a_prefill_and_a_turn_after_it():
@@ -132,7 +133,7 @@ def test_batched_decode_after_a_prefill_and_a_turn_after_it():
     assert any(c.dim() == 2 for c in layout.cols)
     # a further turn over per-sequence tables: message sizes are the table widths, not their numel
     for strategy in ("ring_pass_kv", "allgather_kv", "kv_runahead", "ulysses"):
-        plan = plan_for(layout, 7, batch=batch, policy=Policy(world, prefill=lambda t, p, s=strategy: s))
+        plan = plan_for(layout, 7, batch=batch, policy=Policy(world, prefill=fixed(strategy)))
         assert plan.algorithm == {"kv_runahead": "ring_pass_kv", "ulysses": "allgather_kv"}.get(strategy, strategy)
         for r in range(world):
             assert plan.shards.kv_size(r) == plan.shards.kv_cols[r].shape[-1]
@@ -148,7 +149,7 @@ def test_ring_pass_q_decode_below_n_sequences_is_an_error():
 
 
 def test_kv_runahead_partitions_are_contiguous_on_fresh_prompts_only():
-    policy = Policy(3, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t, p: [t - 2, 1, 1])
+    policy = Policy(3, prefill=fixed("kv_runahead"), partitions=lambda t, p: [t - 2, 1, 1])
     layout = ShardLayout(0, 3)
     plan = plan_for(layout, 10, policy=policy)
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(8)), [8], [9]]
@@ -160,16 +161,16 @@ def test_uneven_partitions_level_what_each_rank_keeps():
     """Uneven contiguous partitions commit the even split: each rank keeps its even range of the new columns,
     from its own tokens and the blocks it receives. KV-Runahead sees only earlier ranks' blocks, so only
     front-loaded partitions rebalance there; ring pass-KV sees them all (a chain's later turn, over a cache)."""
-    kvr = dict(prefill=lambda t, p: "kv_runahead", rebalance=True)
-    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p: [6, 3, 2], **kvr))
+    kvr = dict(prefill=fixed("kv_runahead"), rebalance=True)
+    plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, partitions=lambda t, p: [6, 3, 2], **kvr))
     assert [r.tolist() for r in plan.shards.kv_cols] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [r.tolist() for r in plan.storage.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]  # even(11, 3)
     assert [s.rebalance for s in plan.storage.store] == [(0, 4, 0), (4, 7, 6), (7, 11, 9)]
     for sizes in ([2, 3, 6], [4, 3, 4]):  # back-loaded; already even
-        plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, kvr_sizes=lambda t, p, s=sizes: s, **kvr))
+        plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, partitions=lambda t, p, s=sizes: s, **kvr))
         assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
         assert all(s.rebalance is None for s in plan.storage.store)
-    ring = dict(prefill=lambda t, p: "ring_pass_kv", kvr_sizes=lambda t, p: [2, 3, 6], chain=True, rebalance=True)
+    ring = dict(prefill=fixed("ring_pass_kv"), partitions=lambda t, p: [2, 3, 6], chain=True, rebalance=True)
     layout = ShardLayout(0, 3)
     layout.commit(plan_for(layout, 11, policy=Policy(3, **ring)).storage)
     assert [c.tolist() for c in layout.cols] == [list(range(4)), [4, 5, 6], [7, 8, 9, 10]]
@@ -248,11 +249,11 @@ def test_kv_interleave_crop_ends_the_open_run():
     cache.layout.commit(plan_for(cache.layout, 10, policy=policy).storage)
     for _ in range(3):
         cache.layout.commit(plan_for(cache.layout, 1, policy=policy).storage)
-    assert cache.layout.run == ("decode", 0, 3) and cache.layout.counts() == [8, 5]
+    assert cache.layout.run == ("replicated_decode", 0, 3) and cache.layout.counts() == [8, 5]
     cache.crop(-3)
     assert cache.layout.run is None and cache.layout.counts() == [5, 5]
     plan = plan_for(cache.layout, 1, policy=policy)
-    assert plan.storage.run == ("decode", 0, 1)
+    assert plan.storage.run == ("replicated_decode", 0, 1)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.0, "2", True, None])
@@ -285,9 +286,7 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
     """A model with recurrent layers: every sharded forward (fresh, and over a cache) cuts contiguous
     partitions in rank order of >= 2 tokens (a partition table's too short ones give way to even ones);
     fewer than 2 tokens per rank run on every rank; decode is replicated whatever the batch."""
-    policy = Policy(
-        world, prefill=lambda t, p: "kv_runahead", kvr_sizes=lambda t, p: [t - world + 1] + [1] * (world - 1)
-    )
+    policy = Policy(world, prefill=fixed("kv_runahead"), partitions=lambda t, p: [t - world + 1] + [1] * (world - 1))
     policy = Policy(**{**policy.__dict__, "chain": True})
     layout = ShardLayout(0, world)
     for num_new, chained in [(2 * world + 1, True), (2 * world - 1, False), (2 * world, True)]:
@@ -298,23 +297,83 @@ def test_chained_plans_cut_contiguous_partitions_of_two_tokens_or_more(world):
             assert sum(rows, []) == list(range(num_new)) and min(len(r) for r in rows) >= 2
             assert plan.algorithm == ("kv_runahead" if layout.seq_length == 0 else "ring_pass_kv")
         else:
-            assert plan.algorithm == "decode"
+            assert plan.algorithm == "replicated_decode"
         layout.commit(plan.storage)
     plan = plan_for(layout, 1, batch=world + 1, policy=policy)
-    assert plan.algorithm == "decode" and not plan.chained
+    assert plan.algorithm == "replicated_decode" and not plan.chained
 
 
 def test_csa_cuts_the_policys_partitions_and_stores_its_own():
     """CSA (issue 41) runs the policy's contiguous partitions (balanced by default) though it cannot rebalance the K/V:
     its blocks travel pruned, so each rank stores its own partition; the prefill is one balanced ones measure."""
-    csa = dict(prefill=lambda t, p: "csa", kvr_sizes=lambda t, p: [6, 3, 2], rebalance=True)
+    csa = dict(prefill=fixed("csa"), partitions=lambda t, p: [6, 3, 2], rebalance=True)
     plan = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **csa))
     assert [r.tolist() for r in plan.shards.token_rows] == [list(range(6)), [6, 7, 8], [9, 10]]
     assert [c.tolist() for c in plan.storage.cols] == [c.tolist() for c in plan.shards.kv_cols]
     assert all(s.rebalance is None for s in plan.storage.store) and plan.sized
     chained = plan_for(
-        ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "kvr_sizes": lambda t, p: [9, 1, 1]}, chain=True)
+        ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "partitions": lambda t, p: [9, 1, 1]}, chain=True)
     )
     assert [len(r) for r in chained.shards.token_rows] == [4, 3, 4]  # a chained rank needs 2 tokens: even instead
-    pass_q = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "prefill": lambda t, p: "ring_pass_q"}))
+    pass_q = plan_for(ShardLayout(0, 3), 11, policy=Policy(3, **{**csa, "prefill": fixed("ring_pass_q")}))
     assert not pass_q.contiguous and not pass_q.sized  # head-tail: the policy's sizes are a contiguous strategy's
+
+
+def _prefill_policy(world=2, chain=False, indexed=False, **settings):
+    """A model's prefill policy (plan/policy.py) with its settings, on a small cost-model shape."""
+    from hf_contextpar.plan.costmodel import Shape
+    from hf_contextpar.plan.policy import PrefillPolicy
+    from hf_contextpar.settings import Settings
+
+    shape = Shape(layers=2, heads=4, kv_heads=2, head_dim=8, linear_weights=4096, elem_bytes=8)
+    s = Settings.of(**settings).resolved("cpu", world)
+    indexed = frozenset({0, 1}) if indexed else frozenset()
+    policy = PrefillPolicy(world, shape, 2, chain=chain, indexed=indexed, sparse=None, measured=True, rebalance=True)
+    return policy, s, shape
+
+
+def test_auto_weighs_the_records_by_their_flags_and_formulas(monkeypatch):
+    """strategy="auto" picks among the strategy records by their flags (the one candidate of a chain, of an indexer)
+    and, where several fit, by their `time` formulas (the planner's Decision, kept by the plan): a new record flagged
+    `auto` whose formula is the cheapest wins without its name appearing anywhere in the policy."""
+    from dataclasses import replace
+
+    from hf_contextpar.plan.choice import choose
+    from hf_contextpar.plan.strategies import STRATEGIES
+
+    policy, s, shape = _prefill_policy(chain=True)
+    d = policy.of(s).prefill(64, 0)
+    assert (d.strategy, d.planner) == ("kv_runahead", None) and "contiguous" in d.why
+    policy, s, _ = _prefill_policy(indexed=True)
+    assert policy.of(s).prefill(64, 0).strategy == "ring_pass_kv"  # keeps each query (and its top-k) on its rank
+    policy, s, _ = _prefill_policy()
+    for T, P in ((8, 0), (64, 4096), (4096, 0)):
+        d = policy.of(s).prefill(T, P)
+        assert d.planner == choose(T, P, 2, shape, s.calibration, "cost") and d.strategy == d.planner.strategy
+    policy, s, _ = _prefill_policy(strategy="allgather_kv")
+    assert policy.of(s).prefill(64, 0) == policy.of(s).prefill(64, 0) and policy.of(s).prefill(64, 0).planner is None
+    free = replace(STRATEGIES["allgather_kv"], name="toy_free", auto=True, time=lambda c: 0.0)
+    monkeypatch.setitem(STRATEGIES, "toy_free", free)
+    policy, s, _ = _prefill_policy()
+    assert policy.of(s).prefill(64, 0).strategy == "toy_free"
+
+
+def test_the_plan_keeps_the_policys_decision():
+    """A prefill's plan keeps what its policy decided, with the strategy it runs and the partitions it cut; a decode
+    forward asks the policy nothing."""
+    policy, s, _ = _prefill_policy(world=3, chain=True, strategy="kv_runahead", partitions="even")
+    layout = ShardLayout(0, 3)
+    plan = plan_for(layout, 11, policy=policy.of(s))
+    assert plan.decision.strategy == plan.algorithm == "kv_runahead" and plan.decision.partitions == (4, 3, 4)
+    layout.commit(plan.storage)
+    later = plan_for(layout, 9, policy=policy.of(s))  # over a cache: KV-Runahead's chain runs as ring pass-KV
+    assert later.decision.strategy == later.algorithm == "ring_pass_kv" and "fresh prompts only" in later.decision.why
+    assert later.decision.partitions == (3, 3, 3)  # the states' chain keeps contiguous partitions
+    layout.commit(later.storage)
+    assert plan_for(layout, 1, policy=policy.of(s)).decision is None
+    policy, s, _ = _prefill_policy(world=3)
+    plan = plan_for(ShardLayout(0, 3), 12, policy=policy.of(s))
+    assert plan.decision.strategy == plan.algorithm and plan.decision.partitions is None  # head-tail shards
+    table = dict(world=3, entries={"12": [0.5, 0.25, 0.25]})  # KVR-P: a table's partitions
+    policy, s, _ = _prefill_policy(world=3, strategy="kv_runahead", partitions=table)
+    assert plan_for(ShardLayout(0, 3), 12, policy=policy.of(s)).decision.partitions == (6, 3, 3)

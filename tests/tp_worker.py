@@ -79,7 +79,10 @@ def prefill_and_generate(model, ref, cp, strategy, decode, seed):
         kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         same = torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
         runtime = hf_contextpar.get_runtime(model)
-        algorithms, heads = dict(runtime.algorithm_counts), (runtime.shape.heads, runtime.shape.kv_heads)
+        algorithms, heads = (
+            dict(runtime.algorithm_counts),
+            (runtime.patched.shape.heads, runtime.patched.shape.kv_heads),
+        )
         kv = kv_held(model, ids, mask)
     finally:
         hf_contextpar.remove_context_parallel(model)

@@ -13,7 +13,7 @@ from .kernels import acc_dtype, attend
 from .merge import merge_packed, merge_packed_out, pack_partial
 
 
-def sharded_kv_decode(step, q, kv_local, **attn):
+def replicated_decode(step, q, kv_local, **attn):
     rank = step.comm.rank
     k, v = step.unpack(kv_local, rank)
     kind = step.block_kind(rank, attn.get("window"))  # once per forward: every layer's columns are the same

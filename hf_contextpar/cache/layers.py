@@ -11,6 +11,7 @@ own, whole on every rank. `ChainedLayer` is the interface of a family's own chai
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
@@ -300,17 +301,54 @@ class ChainedLayer(ShardedLayer):
 
     @abstractmethod
     def remember(self) -> None:
-        """At a forward's start (`ShardedCache.begin`): keep its states for `settle`."""
+        """At a forward's start (`ShardedCache.begin`): keep its states for `end_forward`."""
 
     @abstractmethod
-    def settle(self, ok: bool) -> None:
+    def end_forward(self, ok: bool) -> None:
         """At a forward's end (`ShardedCache.end`): a failed forward's states dropped, as the K/V's are."""
 
 
-class ChainedLayerFactory(ABC):
-    """What `sharded.FAMILY_LAYERS` makes of a template cache layer: the maker of this rank's `ChainedLayer`, in the
-    contract's per-layer recurrence list, which ranks and forwards compare: equal when they make the same layer (a
-    frozen dataclass's equality)."""
+class LayerMaker(ABC):
+    """One entry of the contract's per-layer recurrence list (`sharded.cache_recurrence`): the maker of this rank's
+    cache layer, which ranks and forwards compare (equal when they make the same layer: a frozen dataclass's
+    equality). `states`: the layer has states that pass down the ranks' chain in a prefill (recurrent.py); `kv`: it
+    holds K/V its attention reads."""
+
+    states: bool = False
+    kv: bool = True
+
+    @abstractmethod
+    def __call__(self, layout: ShardLayout, window: int | None) -> CacheLayerMixin: ...
+
+
+@dataclass(frozen=True)
+class KVOnly(LayerMaker):
+    """A layer of K/V alone: this rank's share of it (`ShardedLayer`)."""
+
+    def __call__(self, layout: ShardLayout, window: int | None) -> ShardedLayer:
+        return ShardedLayer(layout, window)
+
+
+@dataclass(frozen=True)
+class Recurrent(LayerMaker):
+    """A linear-attention, state-space or convolution layer (transformers' own, whole on every rank) with
+    `number_of_states` states; `kv`: a hybrid layer (Falcon-H1's, Zamba's) that holds K/V too."""
+
+    number_of_states: int
+    kv: bool = False
+    states: bool = True
+
+    def __call__(self, layout: ShardLayout, window: int | None) -> CacheLayerMixin:
+        if self.kv:
+            return ShardedHybridLayer(layout, window, self.number_of_states)
+        return LinearAttentionLayer(number_of_states=self.number_of_states)
+
+
+class ChainedLayerFactory(LayerMaker):
+    """What `sharded.FAMILY_LAYERS` makes of a template cache layer: the maker of this rank's `ChainedLayer` (a
+    family's own layer of K/V and states, DeepSeek-V4's compressors)."""
+
+    states = True
 
     @abstractmethod
     def __call__(self, layout: ShardLayout, window: int | None) -> ChainedLayer: ...

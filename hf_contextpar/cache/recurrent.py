@@ -199,7 +199,7 @@ class StateChain:
                     more=True,
                 )
 
-    def settle(self) -> None:
+    def leave_layer(self) -> None:
         """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
         now (before any attention message, which may wait for every rank: ring pass-KV does)."""
         self._leave()
@@ -226,7 +226,7 @@ class StateChain:
 
     def finish(self) -> None:
         """The forward is over: send the last layer's state, and wait for every send."""
-        self.settle()
+        self.leave_layer()
         for pending in self._sends:
             pending.wait()
         self._sends.clear()
@@ -312,7 +312,7 @@ class ChainedStates:
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.chain is not None:  # K/V of an attention layer: the recurrent layer before it is done
-            self.chain.settle()
+            self.chain.leave_layer()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):

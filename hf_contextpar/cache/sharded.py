@@ -29,13 +29,13 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import CacheMismatchError, PatchStateError
 from ..plan.context import ForwardContext
 from ..plan.layout import ShardLayout
 from ..plan.sharding import window_drops
-from .layers import ChainedLayer, ChainedLayerFactory, ShardedHybridLayer, ShardedLayer
+from .layers import ChainedLayer, ChainedLayerFactory, KVOnly, LayerMaker, Recurrent, ShardedLayer
 from .recurrent import ChainedStates
 from .states import is_recurrent
 
@@ -103,17 +103,18 @@ FAMILY_LAYERS: dict = {}
 
 
 def cache_recurrence(cache: Cache) -> list:
-    """Per layer of a transformers cache: (its conv / recurrent states, whether it holds K/V too), or None
-    for a layer of K/V alone. Linear-attention, state-space and convolution layers have states; a hybrid
-    layer (Falcon-H1's, Zamba's) both; a family's own chained layer (FAMILY_LAYERS) its factory."""
-    return [
-        _family_factory(layer)
-        if type(layer) in FAMILY_LAYERS
-        else (layer.number_of_states, isinstance(layer, CacheLayerMixin))
-        if is_recurrent(layer)
-        else None
-        for layer in cache.layers
-    ]
+    """Per layer of a transformers cache: the `LayerMaker` of this rank's layer for it. A layer of K/V alone is
+    `KVOnly`; linear-attention, state-space and convolution layers have states (`Recurrent`), a hybrid layer
+    (Falcon-H1's, Zamba's) K/V too; a family's own chained layer (FAMILY_LAYERS) its factory."""
+    return [_maker(layer) for layer in cache.layers]
+
+
+def _maker(layer) -> LayerMaker:
+    if type(layer) in FAMILY_LAYERS:
+        return _family_factory(layer)
+    if is_recurrent(layer):
+        return Recurrent(layer.number_of_states, kv=isinstance(layer, CacheLayerMixin))
+    return KVOnly()
 
 
 def _family_factory(layer) -> ChainedLayerFactory:
@@ -135,22 +136,12 @@ class ShardedCache(ChainedStates, Cache):
 
     def __init__(self, num_layers: int, rank: int, world: int, windows=None, recurrence=None):
         """windows: per layer, the sliding window its cache keeps (None: every token), as the
-        single-process cache would have it (`cache_windows`); recurrence: per layer, its states
-        (`cache_recurrence`), None for K/V alone."""
+        single-process cache would have it (`cache_windows`); recurrence: per layer, the `LayerMaker` of its
+        layer (`cache_recurrence`; None: K/V alone in every layer)."""
         windows = list(windows) if windows else [None] * num_layers
-        recurrence = list(recurrence) if recurrence else [None] * num_layers
+        recurrence = list(recurrence) if recurrence else [KVOnly()] * num_layers
         self.layout = ShardLayout(rank, world, windows)
-        layers = []
-        for w, r in zip(windows, recurrence):
-            if r is None:
-                layers.append(ShardedLayer(self.layout, w))
-            elif isinstance(r, ChainedLayerFactory):  # a family's chained layer (FAMILY_LAYERS)
-                layers.append(r(self.layout, w))
-            elif r[1]:
-                layers.append(ShardedHybridLayer(self.layout, w, r[0]))
-            else:
-                layers.append(LinearAttentionLayer(number_of_states=r[0]))
-        super().__init__(layers=layers)
+        super().__init__(layers=[make(self.layout, w) for w, make in zip(windows, recurrence)])
         self.kv_layers = [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
         for i, layer in enumerate(self.layers):
             if isinstance(layer, ShardedLayer):
@@ -211,7 +202,7 @@ class ShardedCache(ChainedStates, Cache):
                 "patched model; after remove_context_parallel, start again without it (or with a new cache)."
             )
         if self.chain is not None:  # an exchange with every rank: the recurrent layer before it is done (Qwen4-Exp)
-            self.chain.settle()
+            self.chain.leave_layer()
         return self.context.indexer.gather(keys, layer_idx)
 
     def end(self, ok: bool = True):
@@ -235,7 +226,7 @@ class ShardedCache(ChainedStates, Cache):
                 layer._keep(layer.first + live)
         for layer in self.kv_layers:  # a family's chained layer: its states as they were if the forward failed
             if isinstance(layer, ChainedLayer):
-                layer.settle(ok)
+                layer.end_forward(ok)
 
     def _trim(self, before: list):
         """Sliding layers drop what the layout dropped since `before` (per layer)."""

@@ -80,7 +80,7 @@ class Comm:
         self.tagged = {"attention": CommStats(), "control": CommStats()}
         self._global = [dist.get_global_rank(group, r) for r in range(world)]
         self._next, self._prev = self._global[(rank + 1) % world], self._global[(rank - 1) % world]
-        self._gate = None  # a check to settle before the next message (see `check_before_next`)
+        self._gate = None  # a check to run before the next message (see `check_before_next`)
         self._rider = None  # (fingerprint, verify) riding on the next shared-memory all-gather
         self.shm = None  # a ShmGather when every rank is a CPU process on this host (set by apply)
         _live.add(self)
@@ -92,7 +92,7 @@ class Comm:
 
     def check_before_next(self, fingerprint: torch.Tensor, verify) -> None:
         """Gather every rank's `fingerprint` and run `verify(stack)` before the next message is posted
-        (or at `settle()`).
+        (or at `run_check()`).
 
         The runtime checks each forward's inputs this way: ranks whose inputs differ would run
         mismatched collectives, so the check must pass before the first message, but need not cost a
@@ -113,7 +113,8 @@ class Comm:
         """Forget a pending check (a forward that raised: its collective may be in flight)."""
         self._gate = self._rider = None
 
-    def settle(self) -> None:
+    def run_check(self) -> None:
+        """Run the pending check now (`check_before_next`): before a message, or at a forward's end where none ran."""
         if self._gate is not None:
             check, self._gate = self._gate, None
             check()
@@ -148,7 +149,7 @@ class Comm:
         return self._post(op, None, torch.empty(shape, dtype=dtype, device=device))
 
     def _post(self, op: str, send: torch.Tensor | None, recv: torch.Tensor | None) -> Pending:
-        self.settle()
+        self.run_check()
         ops = []
         if send is not None and send.numel() > 0:
             ops.append(dist.P2POp(dist.isend, send, self._next, self.group))
@@ -164,7 +165,7 @@ class Comm:
         flat = t.contiguous().view(-1)
         if self._rider is not None and self.shm.fits(flat, extra=self._rider[0]):
             return self._all_gather_riding(t, flat, tag)
-        self.settle()
+        self.run_check()
         with self._guard("all_gather", "all_gather", tag):
             if self.shm is not None and self.shm.fits(flat):
                 out = self.shm.all_gather(flat)
@@ -195,7 +196,7 @@ class Comm:
         every rank, so later collectives of the forward queue behind it safely. Always over the
         process group.
         """
-        self.settle()
+        self.run_check()
         flat = t.contiguous().view(-1)
         out = torch.empty(self.world * flat.numel(), dtype=t.dtype, device=t.device)
         with self._guard("all_gather", "all_gather", tag):
@@ -211,7 +212,7 @@ class Comm:
         so a caller can work on the blocks that have landed while the rest are in flight.
         shapes[r]: rank r's block shape, known to every rank. op: the name its bytes and waits are counted under.
         """
-        self.settle()
+        self.run_check()
         mine = mine.contiguous()
         out = []
         for r, shape in enumerate(shapes):
@@ -226,7 +227,7 @@ class Comm:
 
     def all_to_all(self, send: list[torch.Tensor], recv_shapes: list[tuple]) -> list[torch.Tensor]:
         """send[j] goes to rank j; returns what every rank sent to this one (shapes known in advance)."""
-        self.settle()
+        self.run_check()
         flat = torch.cat([t.reshape(-1) for t in send])
         out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
         out = torch.empty(sum(out_sizes), dtype=flat.dtype, device=flat.device)

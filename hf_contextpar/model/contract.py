@@ -174,11 +174,9 @@ class InputContract:
         # the sliding layers of the cache the unpatched model makes when given none
         template = DynamicCache(config=model.config)
         self.windows = cache_windows(template)
-        self.recurrence = cache_recurrence(template)  # per layer: its conv / recurrent states, None for K/V alone
+        self.recurrence = cache_recurrence(template)  # per layer: the LayerMaker of its cache layer (K/V, states)
         self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
-        if all(
-            isinstance(r, tuple) and not r[1] for r in self.recurrence
-        ):  # recurrent layers alone (Mamba2): no attention
+        if all(r.states and not r.kv for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
@@ -300,7 +298,7 @@ class InputContract:
                     "Drop cache_implementation."
                 )
             indexers = [hasattr(layer, "update_indexer") for layer in cache.layers]
-            if (any(self.recurrence) and cache_recurrence(cache) != self.recurrence) or (
+            if (any(r.states for r in self.recurrence) and cache_recurrence(cache) != self.recurrence) or (
                 any(self.indexers) and indexers != self.indexers
             ):  # one process fails inside the model (no layer to hold the states, or the index keys)
                 raise CacheMismatchError(

@@ -1,7 +1,7 @@
 """Choosing ring pass-KV or ring pass-Q for each prefill call (Meta CP paper 3.4, Alg. 1/5, App. D).
 
 The default rule ("cost") picks the strategy with the lower predicted time from the one cost
-model (`costmodel.model_ring_times`: per rank, summed over layers, the causal attention of T new tokens
+model (each record's `time` formula, `costmodel.model_time`: per rank, summed over layers, the causal attention of T new tokens
 over P cached ones, each ring step's message overlapped with one step's compute, and pass-Q's
 All2All home). The paper's rules stay available as planner_rule:
 - "alg5": Meta Alg. 5 (Table 3's roofline, which counts the new x new block in full): pass-KV iff
@@ -19,8 +19,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from .costmodel import Shape, model_ring_times
+from .costmodel import Shape, model_time
 from .machine import PAPER_H, Machine
+from .strategies import STRATEGIES
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,27 @@ def empirical_h(T: int, P: int, coefficients=PAPER_H) -> float:
     return a * math.log(T) + b * math.log(T / (T + P)) + c
 
 
-def choose(T: int, P: int, N: int, shape: Shape, cal: Machine, rule: str = "cost") -> Decision:
-    """pass-KV or pass-Q for a prefill of T new tokens over P cached ones on N ranks."""
+def choose(T: int, P: int, N: int, shape: Shape, cal: Machine, rule: str = "cost", candidates=None) -> Decision:
+    """Of the candidates (strategy records; by default those strategy="auto" weighs on a model without recurrent
+    layers or an indexer: ring pass-KV and ring pass-Q), the one for a prefill of T new tokens over P cached ones on
+    N ranks. "cost": the least predicted time, each candidate's `time` formula summed over the model's layers (the
+    first registered on a tie); the paper's rules ("alg5", "empirical") say whether pass-KV wins, i.e. the candidate
+    that moves K/V rather than queries."""
     if rule not in RULES:
         raise ValueError(f"planner rule must be one of {RULES}, got {rule!r}")
-    kv_time, q_time = model_ring_times(T, P, N, shape, cal)
+    if candidates is None:
+        candidates = [s for s in STRATEGIES.values() if s.prefill and s.auto and not s.approximate and not s.contiguous]
+    times = {s.name: model_time(s, T, P, N, shape, cal) for s in candidates}
+    kv = next(s.name for s in candidates if not s.moves_queries)  # the paper's pass-KV: its K/V travel
+    q = next(s.name for s in candidates if s.moves_queries)  # the paper's pass-Q: its queries travel
     kv_ok, t_thr, miss_thr = alg5_prefers_pass_kv(T, P, N, shape, cal)
     if rule == "empirical":
         kv_ok = empirical_h(T, P, cal.h_coefficients) > 0
-    elif rule == "cost":
-        kv_ok = kv_time <= q_time
-    d = Decision("ring_pass_kv" if kv_ok else "ring_pass_q", rule, T, P, N, kv_time, q_time, t_thr, miss_thr)
+    if rule == "cost":
+        strategy = min((name for name in times if times[name] is not None), key=times.get)
+    else:
+        strategy = kv if kv_ok else q
+    d = Decision(strategy, rule, T, P, N, times[kv], times[q], t_thr, miss_thr)
     logger.debug("planner: %s", d)
     return d
 

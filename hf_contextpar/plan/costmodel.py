@@ -237,13 +237,15 @@ def all2all_time(T: int, N: int, shape: Shape, m: Machine) -> float:
     return m.a2a_latency + home / m.a2a_bandwidth
 
 
-def model_ring_times(T: int, P: int, N: int, shape: Shape, m: Machine) -> tuple[float, float]:
-    """`ring_attention_times` summed over the model's layers (full and sliding ones)."""
-    kv_time = q_time = 0.0
+def model_time(s, T: int, P: int, N: int, shape: Shape, m: Machine) -> float | None:
+    """Strategy record s's attention with its traffic, summed over the model's layers (full and sliding ones):
+    what strategy="auto" weighs (choice.choose); None where the cost model does not predict it."""
+    if s.time is None or not _modelled(s, P, N, shape):
+        return None
+    total = 0.0
     for window, count in shape.window_counts().items():
-        kv, q = ring_attention_times(T, P, N, shape, m, window)
-        kv_time, q_time = kv_time + count * kv, q_time + count * q
-    return kv_time, q_time
+        total += count * s.time(LayerCost(T, P, N, shape, m, window))
+    return total
 
 
 def ulysses_fits(heads: int, kv_heads: int, world: int) -> bool:
@@ -309,7 +311,7 @@ def traffic_per_rank(strategy: str, T: int, P: int, N: int, shape: Shape) -> flo
 
 
 def predict_ttit(context: int, N: int, shape: Shape, m: Machine) -> float:
-    """One decode step at `context` tokens, batch 1 (sharded-KV decode): every rank reads the weights
+    """One decode step at `context` tokens, batch 1 (replicated decode): every rank reads the weights
     and its 1/N of each layer's KV cache (memory-bound at batch 1; a sliding layer's window), then
     one small collective per layer."""
     bw = m.memory_bandwidth

@@ -16,7 +16,7 @@ Three shapes of forward:
 - One new token per sequence, B >= N sequences, a non-empty cache (batched decode, Meta Alg. 4):
   sequence b runs on rank (b + offset) mod N, which stores its K/V.
 - Otherwise (B < N decode, prompts shorter than N): every rank runs all T tokens; each token's
-  K/V is stored on one rank ("decode"), or nowhere without a cache ("local").
+  K/V is stored on one rank ("replicated_decode"), or nowhere without a cache ("local").
 Decode placement goes in runs of `Policy.interleave` tokens per rank (vLLM's
 cp_kv_cache_interleave_size; 1 by default): the run a decode forward leaves open is part of the
 layout (`Storage.run`), so the next forward, one token later, continues it.
@@ -30,13 +30,13 @@ K/V blocks, hence their message sizes, are the layout's minus those slots (`Shar
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..errors import DecodeBatchError, UnsupportedInputError
 from .partitions import even
+from .policy import Policy, PrefillDecision
 from .sharding import (
     contiguous_plan,
     decode_owners,
@@ -67,19 +67,6 @@ class RankCommit:
     # uneven contiguous partitions' rebalancing (`_rebalanced`): (lo, hi, start) keeps the new columns [lo, hi), from
     # the blocks it receives and its own (which start at column `start`), so every rank commits an even share
     rebalance: tuple | None = None
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The settings a plan depends on, agreed by every rank at apply time."""
-
-    world: int
-    decode: str = "auto"  # "auto", "replicated" or "ring_pass_q"
-    prefill: Callable[[int, int], str] = lambda num_new, past: "ring_pass_kv"  # (T, P) -> strategy
-    kvr_sizes: Callable[[int, int], list] | None = None  # (T, P) -> contiguous partition sizes (None: even)
-    interleave: int = 1  # decode tokens stored per rank before the next rank takes over
-    chain: bool = False  # recurrent layers: contiguous partitions of at least 2 tokens in order, replicated decode
-    rebalance: bool = False  # uneven contiguous partitions commit an even share of the K/V per rank (not under DCP)
 
 
 @dataclass(frozen=True)
@@ -126,7 +113,7 @@ class Outputs:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "decode" (replicated) or "local"
+    algorithm: str  # a prefill strategy, "ring_pass_q_decode", "replicated_decode" or "local"
     world: int
     batch: int
     num_new: int
@@ -137,6 +124,7 @@ class ForwardPlan:
     storage: Storage | None  # None: the forward runs without a cache
     outputs: Outputs
     chained: bool = False  # recurrent layers pass their states down the ranks (contiguous partitions in order)
+    decision: PrefillDecision | None = None  # a prefill: what the policy decided, with the partitions cut
 
     @property
     def seq_length(self) -> int:
@@ -150,7 +138,7 @@ class ForwardPlan:
     @property
     def sized(self) -> bool:
         """Contiguous partitions the policy's sizes may cut unevenly (a chain, KV-Runahead, CSA): the prefills whose
-        busy times balanced partitions learn from (runtime._measure; CSA's cut from the model's terms alone)."""
+        busy times balanced partitions learn from (policy.PrefillPolicy.measure; CSA's cut from the model's terms alone)."""
         return self.contiguous and (self.chained or STRATEGIES[self.algorithm].cuts_unevenly)
 
 
@@ -188,8 +176,10 @@ def build_plan(
     new_cols = torch.arange(before.past, before.past + num_new)
     # a chained rank's recurrent mixers take its padding from its own >= 2 tokens (transformers reads a 1-token
     # forward as decode, unmasked): fewer tokens run on every rank
+    decision = None
     if num_new >= policy.world * (2 if policy.chain else 1):
-        algorithm, shards, storage, outputs = _shard_tokens(policy, before, new_cols, logits_to_keep)
+        decision, shards, storage, outputs = _shard_tokens(policy, before, new_cols, logits_to_keep)
+        algorithm = decision.strategy
     else:
         offset, run = (
             _rotation(policy, before.cols, before.rotation, batch, before.run)
@@ -221,12 +211,14 @@ def build_plan(
         storage=storage,
         outputs=outputs,
         chained=policy.chain and shards.token_rows is not None,
+        decision=decision,
     )
 
 
 def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     """Prefill (T >= N): each rank runs and stores its share of the new tokens."""
-    algorithm, rows = _prefill(policy, before.cols, new_cols.numel(), before.past)
+    decision, rows = _prefill(policy, before.cols, new_cols.numel(), before.past)
+    algorithm = decision.strategy
     q_cols = [new_cols[r] for r in rows]
     kv_cols = _append(before.cols, q_cols)
     keep, gather = _token_gather(rows, new_cols.numel(), logits_to_keep)
@@ -236,7 +228,7 @@ def _shard_tokens(policy: Policy, before: _Before, new_cols, logits_to_keep):
     rebalanced = _rebalanced(q_cols, algorithm) if policy.rebalance and contiguous and flat else None
     store, kept = rebalanced or ([RankCommit()] * policy.world, q_cols)
     storage = dict(store=store, cols=_append(before.cols, kept), rotation=before.rotation, run=None)
-    return algorithm, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
+    return decision, shards, storage, Outputs(keep=keep, logits=gather, hidden=Gather(list(rows), new_cols.numel()))
 
 
 def _rebalanced(q_cols, algorithm: str):
@@ -269,7 +261,7 @@ def _batched_decode(policy: Policy, before: _Before, new_cols, batch: int, offse
 
 def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     """Every rank runs every new token; each token's K/V is stored on one rank."""
-    continuing = before.run[1:] if before.run is not None and before.run[0] == "decode" else None
+    continuing = before.run[1:] if before.run is not None and before.run[0] == "replicated_decode" else None
     num_new = new_cols.numel()
     owned, run = decode_owners(num_new, rank_tokens(before.cols, batch), policy.interleave, continuing)
     # each rank's new columns: all of them, or none (its empty indices, which _append skips), without an index op:
@@ -281,9 +273,9 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
         store=[RankCommit(rows=o) for o in owned],
         cols=kv_cols,
         rotation=before.rotation,
-        run=("decode", *run) if run is not None else None,
+        run=("replicated_decode", *run) if run is not None else None,
     )
-    return "decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
+    return "replicated_decode", shards, storage, Outputs(keep=None, logits=None, hidden=None)
 
 
 def _local(policy: Policy, new_cols):
@@ -302,20 +294,26 @@ def _dropped(before: _Before, cols, num_new: int) -> dict:
 
 
 def _prefill(policy: Policy, cols, num_new: int, past: int):
-    """The prefill algorithm and, per rank, the indices of the new tokens it takes."""
-    algorithm = policy.prefill(num_new, past)
-    if past and STRATEGIES[algorithm].fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
-        algorithm = STRATEGIES[algorithm].over_cache
-    if policy.chain or STRATEGIES[algorithm].contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
+    """What the policy decided, with the strategy this prefill runs and the partitions it cuts, and per rank the
+    indices of the new tokens it takes."""
+    decision = policy.prefill(num_new, past)
+    record = STRATEGIES[decision.strategy]
+    if past and record.fresh_only:  # KV-Runahead's chain needs every earlier token on an earlier rank
+        why = f"{decision.why}; {record.over_cache} over a cache ({record.name} runs on fresh prompts only)"
+        decision = replace(decision, strategy=record.over_cache, why=why)
+        record = STRATEGIES[record.over_cache]
+    if policy.chain or record.contiguous:  # the states' chain, KV-Runahead's, CSA's: in rank order,
         # uneven only where the K/V can be rebalanced (pass-Q and Ulysses move no whole K/V) or the strategy stores its
         # own partitions (CSA)
-        uneven = policy.kvr_sizes is not None and STRATEGIES[algorithm].cuts_unevenly
-        sizes = policy.kvr_sizes(num_new, past) if uneven else None
+        uneven = policy.partitions is not None and record.cuts_unevenly
+        sizes = policy.partitions(num_new, past) if uneven else None
         least = 2 if policy.chain else 0  # a chained rank's recurrent mixers need >= 2 tokens
-        return algorithm, contiguous_plan(sizes if sizes and min(sizes) >= least else even(num_new, policy.world))
-    if STRATEGIES[algorithm].over_tables and any(c.dim() == 2 for c in cols):
-        algorithm = STRATEGIES[algorithm].over_tables  # after batched decode no single column order exists
-    return algorithm, head_tail_plan(num_new, policy.world, rank_counts(cols))
+        cut = sizes if sizes and min(sizes) >= least else even(num_new, policy.world)
+        return replace(decision, partitions=tuple(cut)), contiguous_plan(cut)
+    if record.over_tables and any(c.dim() == 2 for c in cols):
+        why = f"{decision.why}; {record.over_tables} after batched decode (no single column order exists)"
+        decision = replace(decision, strategy=record.over_tables, why=why)
+    return decision, head_tail_plan(num_new, policy.world, rank_counts(cols))
 
 
 def _append(cols, new_cols):
@@ -342,7 +340,7 @@ def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tupl
         if policy.decode == "ring_pass_q":
             raise DecodeBatchError(
                 f"decode='ring_pass_q' needs at least one sequence per rank (batch {batch} < {world} ranks); "
-                "use decode='auto', which falls back to replicated sharded-KV decode."
+                "use decode='auto', which falls back to replicated decode."
             )
         return None, None
     counts = sequence_counts(cols, batch)

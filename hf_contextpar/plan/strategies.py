@@ -67,6 +67,8 @@ class Strategy:
     # queries leave the rank that ran them (pass-Q, Ulysses): a per-query selection made there (indexed attention's
     # top-k) does not go with them, so a model with indexed attention refuses it
     moves_queries: bool = False
+    # strategy="auto" weighs it (plan/policy.py): among the candidates whose partitions are the model's, by `time`
+    auto: bool = False
     time: Callable | None = None  # (LayerCost) -> one layer's attention seconds with its messages, or None
     traffic: Callable | None = None  # (Rows) -> bytes (sent, received) of one layer on that rank
     algorithm: str = ""  # "module:function" (a module relative to hf_contextpar.attention); "": ".{name}:{name}"
@@ -183,6 +185,7 @@ for _s in (
         "ring_pass_kv",
         "Meta Alg. 2: K/V blocks travel the ring, overlapped with attention",
         brings_kv="all",
+        auto=True,
         time=_ring_kv_time,
         traffic=_ring_kv_traffic,
     ),
@@ -191,6 +194,7 @@ for _s in (
         "Meta Alg. 3: query blocks travel the ring; partial outputs go home by All2All",
         stays_local=True,
         moves_queries=True,
+        auto=True,
         time=_ring_q_time,
         traffic=_ring_q_traffic,
     ),
@@ -209,6 +213,7 @@ for _s in (
         fresh_only=True,
         over_cache="ring_pass_kv",
         posts_ahead=True,
+        auto=True,  # the candidate of a model whose recurrent states chain down the ranks: one way, as they go
         time=_runahead_time,
         traffic=_runahead_traffic,
     ),
@@ -237,13 +242,13 @@ for _s in (
         traffic=_csa_traffic,
     ),
     Strategy(
-        "decode",
+        "replicated_decode",
         "fewer sequences than ranks: every rank runs the new tokens over its slice of the cache",
         prefill=False,
         stays_local=True,
         returns_lse=False,
         traffic=_decode_traffic,
-        algorithm=".decode:sharded_kv_decode",
+        algorithm=".decode:replicated_decode",
     ),
     Strategy(
         "ring_pass_q_decode",

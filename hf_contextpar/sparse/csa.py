@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -284,6 +285,7 @@ class SparseRun:
     """What a patched model's forwards read of its approximate mode: the settings, resolved at apply, and
     the attention layers that keep every token."""
 
+    strategy: ClassVar[str] = "csa"  # the record (plan/strategies.py) a fresh prefill runs in this mode
     csa: CSA
     exact: frozenset  # attention layer indices
     last: int  # the last attention layer (no later layer reads its order)

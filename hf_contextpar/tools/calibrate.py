@@ -155,7 +155,7 @@ def miss_rate_sweep(model, runtime, total: int, rates, repeats: int = 3, device=
                 times[s] = median_seconds(
                     partial_prefill, repeats, device, barrier=lambda: dist.barrier(group=runtime.comm.group)
                 )
-            d = choose(T, P, runtime.world, runtime.shape, saved.calibration, saved.planner_rule)
+            d = choose(T, P, runtime.world, runtime.patched.shape, saved.calibration, saved.planner_rule)
             rows.append(
                 dict(
                     miss_rate=T / total,

@@ -139,7 +139,7 @@ def cmd_generate(args):
         strategy=args.strategy,
         decode=args.decode,
         timeout=args.timeout,
-        kvr_partitions=args.kvr_partitions,
+        partitions=args.partitions,
         sparse=csa_setting(args),
         **(dict(group=cp_group) if tp_group is not None else {}),
     )
@@ -229,7 +229,7 @@ def cmd_calibrate(args):
     from .calibrate import measure
 
     model, runtime, device = _setup(args)
-    cal = measure(runtime.shape, DTYPES[args.dtype], device, group=runtime.comm.group, tokens=args.tokens)
+    cal = measure(runtime.patched.shape, DTYPES[args.dtype], device, group=runtime.comm.group, tokens=args.tokens)
     if runtime.rank == 0:
         path = cal.save(args.out)
         print(f"C  (attention, achieved) = {cal.attn_flops / 1e9:.2f} GFLOP/s per rank")
@@ -275,7 +275,7 @@ def cmd_kvr_table(args):
         table.details.update(model=args.model, dtype=args.dtype)
         print(
             f"saved to {table.save(args.out)}; use apply_context_parallel(model, strategy='kv_runahead', "
-            f"kvr_partitions='{args.out}')"
+            f"partitions='{args.out}')"
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -328,12 +328,15 @@ def main(argv=None):
         "--decode",
         default="auto",
         choices=[d for d in DECODES if d != "ring_pass_q"],
-        help="decode algorithm (one sequence: replicated sharded-KV decode)",
+        help="decode algorithm (one sequence: replicated decode)",
     )
     g.add_argument(
-        "--kvr-partitions",
-        help="KV-Runahead partition table from `kvr-table`, 'balanced' (equal work per rank, as measured) or 'even'; "
-        "default: balanced on a model with recurrent layers, else even (each rank keeps 1/N of the KV either way)",
+        "--partitions",
+        "--kvr-partitions",  # its former name
+        dest="partitions",
+        help="the contiguous partitions of KV-Runahead, CSA and the recurrent state chain: a partition table from "
+        "`kvr-table`, 'balanced' (the default: equal work per rank, as measured) or 'even' (each rank keeps 1/N of "
+        "the KV either way); --kvr-partitions is its former name",
     )
     add_csa_arguments(g)
     g.add_argument("--threads", type=nonnegative_int, default=0, help="torch threads per process (default: torch's)")

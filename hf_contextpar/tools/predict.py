@@ -7,7 +7,7 @@ For a model (a hub id, a config.json or a model directory, a built-in model, or 
 published geometries below) on a machine (a preset below, or a calibration JSON from `python -m
 hf_contextpar calibrate`), prints per CP world size N, context length and KV-cache miss rate:
 each strategy's predicted TTFT (costmodel.predict_ttft), TTIT of the decode that follows (one
-token, sharded-KV decode), KV cache and attention traffic per rank, which strategy `auto` picks,
+token, replicated decode), KV cache and attention traffic per rank, which strategy `auto` picks,
 and the miss rate below which pass-Q overtakes pass-KV. `--tp` spreads each CP rank over that many
 GPUs (Meta's layout: TP8 inside a node, CP across nodes), each with the heads the model's TP plan
 leaves it (`tp_heads`; TP's own communication is not modelled). `--table4` checks the model against

@@ -40,7 +40,7 @@ def measure(model, ids, new_tokens: int, repeats: int, runtime) -> dict:
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)  # warm-up
     times, sent, dcp_sent = [], 0, 0
-    dcp = runtime.dcp.tagged["attention"] if runtime is not None and runtime.dcp is not None else None
+    dcp = runtime.patched.dcp.tagged["attention"] if runtime is not None and runtime.patched.dcp is not None else None
     for _ in range(repeats):
         dist.barrier()
         before = dcp.bytes_sent if dcp is not None else 0

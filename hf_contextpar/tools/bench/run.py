@@ -139,7 +139,7 @@ def run(args) -> dict | None:
         extra, gloo = {}, strategy.endswith(GLOO)
         strategy = strategy.removesuffix(GLOO)
         if strategy == KVR_TABLE:  # KV-Runahead with the table's interpolated partitions (KVR-P)
-            strategy, extra = "kv_runahead", dict(kvr_partitions=args.kvr_partitions)
+            strategy, extra = "kv_runahead", dict(partitions=args.kvr_partitions)
         if strategy == CSA_ROW:  # fresh prefills run CSA; anything over a cache runs ring pass-KV, exact
             strategy, extra = "ring_pass_kv", dict(sparse=args.sparse)
         hf_contextpar.apply_context_parallel(model, strategy=strategy, **extra)
@@ -263,7 +263,7 @@ def run(args) -> dict | None:
         load_before=os.getloadavg(),
         torch=torch.__version__,
         skipped=skipped,
-        kvr_partitions=args.kvr_partitions,
+        partitions=args.kvr_partitions,
         windowed=_windowed(model.config),
         csa=args.sparse.resolved(world).describe() if getattr(args, "sparse", None) is not None else None,
     )

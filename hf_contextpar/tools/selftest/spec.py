@@ -21,7 +21,8 @@ import torch
 
 from ...attention.masks import Chunked
 from ...cache.sharded import ShardLayout
-from ...plan.forward import Policy, build_plan
+from ...plan.forward import build_plan
+from ...plan.policy import Policy, fixed
 from ...plan.strategies import STRATEGIES, Rows
 from .simulated import local_rows, run_algorithm, shard_inputs
 
@@ -69,7 +70,7 @@ CASES = [
     Case("ring_pass_kv_after_batched", "ring_pass_kv", "after_batched"),
     Case("ring_pass_q_after_batched", "ring_pass_q", "after_batched"),
     Case("allgather_kv_after_batched", "allgather_kv", "after_batched"),
-    Case("decode", "decode", "decode"),
+    Case("replicated_decode", "replicated_decode", "decode"),
     Case("ring_pass_q_decode", "ring_pass_q_decode", "batched_decode"),
     Case("local", "local", "local"),
 ]
@@ -131,8 +132,8 @@ def plans_for(case: Case, n: int, length: int, padding):
     policy = Policy(
         n,
         decode="replicated" if case.kind in ("partial", "decode") else "auto",
-        prefill=lambda t, p: prefill,
-        kvr_sizes=sizes,
+        prefill=fixed(prefill),
+        partitions=sizes,
     )
     layout = ShardLayout(0, n)
     tested = []

@@ -292,7 +292,7 @@ def prefill_checkpoints(model) -> list:
     would wait for the slowest at each layer's check); there a prefill stops at its first new token."""
     runtime = get_runtime(model)
     if runtime is not None and (
-        runtime.chain or runtime.settings.strategy == "kv_runahead" or runtime.settings.sparse is not None
+        runtime.patched.chain or runtime.settings.strategy == "kv_runahead" or runtime.settings.sparse is not None
     ):
         return []
     count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
