@@ -48,6 +48,7 @@ class PatchedModel:
     indexed: frozenset  # indexed attention (DSA)'s layers: every rank's indexer scores every column
     sparse: SparseRun | None  # the approximate mode (CSA), where one was asked for
     policy: PrefillPolicy  # which strategy each prefill runs and how its partitions are cut
+    capabilities: dict = field(default_factory=dict)  # capabilities.py: name -> what the forwards read of it
     kv_shapes: dict = field(default_factory=dict)  # Step.kv_shapes: the K/V block geometry forwards have shown
 
     @staticmethod
@@ -74,7 +75,9 @@ class PatchedModel:
             world, shape, layers, chain=chain, indexed=indexed, sparse=sparse, measured=measured, rebalance=rebalance
         )
         dcp = Comm(*dcp) if dcp is not None else None
-        return PatchedModel(rank, world, tp_group, tp, dcp, shape, contract, chain, layers, indexed, sparse, policy)
+        return PatchedModel(
+            rank, world, tp_group, tp, dcp, shape, contract, chain, layers, indexed, sparse, policy, capabilities
+        )
 
     def plan(self, settings, inputs) -> ForwardPlan:
         """This forward's plan, from the contract's checked `Inputs` under the policy of `settings`."""

@@ -277,7 +277,7 @@ def test_a_new_capability_is_its_room_and_one_record_entry(monkeypatch):
 
     monkeypatch.setitem(capabilities.RECORD, "toy", capabilities.Capability("toy", toy))
     model = tiny_model("llama", tie_word_embeddings=True)
-    assert _runtime(model, 2).capabilities == {
+    assert _runtime(model, 2).patched.capabilities == {
         "whole_heads": False,
         "indexed": frozenset(),
         "chain": False,
