@@ -2,10 +2,11 @@
 
 A capability is something a model or the settings may use that the algorithms must be told of and that refuses
 what it cannot run exactly: moving whole heads (attention/ulysses.py), indexed attention (DSA, attention/indexed.py),
-the recurrent state chain (cache/recurrent.py). Its room holds its checks, its refusals and its hooks; this record
-lists the rooms' apply-time checks, which the runtime runs once, in this order, with the agreed facts (`Facts`: the
-same on every rank, so every rank refuses alike, before any forward). What a check returns is what the forwards
-read of the capability (falsy: the model does not use it), kept by the runtime as `capabilities[name]`.
+the recurrent state chain (cache/recurrent.py), the approximate mode (CSA, sparse/csa.py). Its room holds its
+checks, its refusals and its hooks; this record lists the rooms' apply-time checks, which apply runs once, in this
+order, with the agreed facts (`Facts`: the same on every rank, so every rank refuses alike, before any forward).
+What a check returns is what the forwards read of the capability (falsy: the model does not use it), kept as
+`PatchedModel.capabilities[name]` (patched.py).
 
 A new capability is its own room and one entry here; its refusals at run time are its room's functions, which the
 room it hooks into (the adapter, the cache) calls.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from .attention import indexed, ulysses
 from .cache import recurrent
+from .sparse import csa
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ RECORD: dict[str, Capability] = {
         Capability("whole_heads", ulysses.check),
         Capability("indexed", indexed.check),
         Capability("chain", recurrent.check),
+        Capability("csa", csa.check),
     )
 }
 

@@ -2,7 +2,7 @@
 
 `PatchedModel.of` reads the model once, when apply builds the runtime: its tensor-parallel layout and DCP peers
 (mesh.py), its shape for the cost model, its input contract, its recurrent layers, its indexer and its approximate
-mode; it refuses what cannot run exactly before any forward (the capability record, capabilities.py; model/limits.check_layout;
+mode; it refuses what cannot run exactly before any forward (the capability record, capabilities.py;
 attention/entries) and builds the prefill policy (plan/policy.py). Each forward's plan is made from it (`plan`: the
 contract's checked inputs under the policy), then three objects from the plan (`begin`): the forward's context
 (plan/context.py), the cache it stores into and the `Step` the attention layers read, all dropped when the forward
@@ -23,13 +23,12 @@ from .capabilities import check as check_capabilities
 from .comm.collectives import Comm
 from .mesh import check_cp_group, dcp_of, tensor_parallel
 from .model.contract import InputContract, attention_layers
-from .model.limits import check_layout
 from .model.shape import model_shape
 from .plan.context import forward_context
 from .plan.costmodel import Shape
 from .plan.forward import ForwardPlan, build_plan
 from .plan.policy import PrefillPolicy
-from .sparse.csa import SparseRun, full_layers
+from .sparse.csa import SparseRun
 
 
 @dataclass
@@ -63,10 +62,8 @@ class PatchedModel:
         # each capability's refusals, in its own room (capabilities.py): whole heads, indexed attention (DSA: every
         # rank's indexer scores every column), the recurrent chain (prefill passes states down the ranks)
         capabilities = check_capabilities(Facts(model, settings, world, tp, dcp, shape, recurrent))
-        chain, indexed = capabilities["chain"], capabilities["indexed"]
-        check_layout(settings, dcp)
+        chain, indexed, sparse = capabilities["chain"], capabilities["indexed"], capabilities["csa"]
         check_entries(settings, model.config.model_type, contract.recurrence)  # compressed entries (V4's)
-        sparse = SparseRun.of(settings.sparse, world, full_layers(model.config)) if settings.sparse else None
         layers = attention_layers(model.config)
         # the ranks measure their busy times for balanced partitions except under TP, whose peers of one CP rank
         # must cut the same partitions; uneven partitions commit an even share of the K/V except under DCP

@@ -27,7 +27,7 @@ from .comm.collectives import Comm
 from .errors import ContextParallelError, PatchStateError
 from .inputs import shard_inputs
 from .ledger import ForwardLog
-from .model.limits import refuse_candidate_decoding
+from .model.candidates import refuse_candidate_decoding
 from .model.rope import patch_rope, unpatch_rope
 from .outputs import gather_outputs
 from .patched import PatchedModel

@@ -299,7 +299,7 @@ AREAS: dict[str, Area] = {
         (
             "hf_contextpar/model/__init__.py",
             "hf_contextpar/model/contract.py",
-            "hf_contextpar/model/limits.py",
+            "hf_contextpar/model/candidates.py",
             "hf_contextpar/capabilities.py",
             "hf_contextpar/errors.py",
             "hf_contextpar/config.py",

@@ -907,7 +907,7 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     if isinstance(exc, hf_contextpar.CacheMismatchError):
         # transformers' assisted / prompt-lookup decoding over a cache filled by an earlier call feeds
         # the whole sequence again on top of the cache (the reference holds the context twice): refused
-        # before generate() runs (model/limits.py), and by a forward whose mask shows it
+        # before generate() runs (model/candidates.py), and by a forward whose mask shows it
         over_filled = any(case["turns"][t]["mode"] in ("assisted", "lookup") for t in range(1, turn + 1))
         return over_filled or phi3_dropped_the_callers_cache(case, exc, turn)
     if type(exc) is hf_contextpar.UnsupportedInputError:  # a negative int's meaning is the model's own

@@ -281,6 +281,7 @@ def test_a_new_capability_is_its_room_and_one_record_entry(monkeypatch):
         "whole_heads": False,
         "indexed": frozenset(),
         "chain": False,
+        "csa": None,
         "toy": True,
     }
     with pytest.raises(hf_contextpar.UnsupportedModelError, match="toy capability"):

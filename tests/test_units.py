@@ -354,7 +354,7 @@ def test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache()
     from transformers import DynamicCache
 
     from hf_contextpar import CacheMismatchError, CandidateDecodingError
-    from hf_contextpar.model.limits import refuse_candidate_decoding
+    from hf_contextpar.model.candidates import refuse_candidate_decoding
 
     model = SimpleNamespace(generation_config=SimpleNamespace(), forward=lambda input_ids=None, cache=None: None)
     embeds = dict(inputs_embeds=torch.zeros(1, 2, 4))

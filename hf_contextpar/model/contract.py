@@ -2,7 +2,7 @@
 
 At apply (`check_model`) the model is checked against what the algorithms
 implement; before each forward (`InputContract.read`) the caller's arguments become one checked
-`Inputs` record and the cache the forward runs with (limits.py refuses generate()'s candidate decoding where it
+`Inputs` record and the cache the forward runs with (candidates.py refuses generate()'s candidate decoding where it
 is not exact). Every
 refusal raises a typed `ContextParallelError` (errors.py) from the arguments alone, before any
 collective, so every rank given the same arguments refuses the same way.

@@ -280,6 +280,20 @@ def refuse_shared_modules(shared: list[str]) -> None:
         )
 
 
+def check(facts) -> SparseRun | None:
+    """At apply (capabilities.py): what the forwards run of CSA where `sparse=CSA(...)` was asked for, else None. DCP
+    splits a KV head's keys between TP ranks by slot, which CSA's per-rank pruning does not select over: refused. The
+    model's layers and family are refused by the contract (model/contract.py: `refuse_layers`, `refuse_family`)."""
+    csa = facts.settings.sparse
+    if csa is None:
+        return None
+    if facts.dcp is not None:
+        raise UnsupportedModelError(
+            "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
+        )
+    return SparseRun.of(csa, facts.world, full_layers(facts.config))
+
+
 @dataclass(frozen=True)
 class SparseRun:
     """What a patched model's forwards read of its approximate mode: the settings, resolved at apply, and

@@ -1,23 +1,13 @@
-"""What a patched model cannot combine, refused at apply: CSA with DCP; and before generate(), candidate decoding
-where one process does not compute what it means to. Each refusal says what to use instead. The model's own layer
-kinds are the contract's (contract.py); what a capability refuses is its own room's (hf_contextpar/capabilities.py
-lists them: whole heads, indexed attention, the recurrent chain)."""
+"""Candidate decoding (assisted, prompt lookup) where one process does not compute what it means to, refused before
+generate() runs any collective, with what to use instead. The model's own layer kinds are refused by the contract
+(contract.py); what a capability refuses, by its own room (hf_contextpar/capabilities.py lists them)."""
 
 from __future__ import annotations
 
 from transformers.cache_utils import Cache
 
 from ..cache.sharded import cache_argument
-from ..errors import CacheMismatchError, CandidateDecodingError, UnsupportedModelError
-
-
-def check_layout(settings, dcp) -> None:
-    """dcp: (group, index, size) of the TP ranks sharing this rank's KV head, or None."""
-    if settings.sparse is not None and dcp is not None:
-        raise UnsupportedModelError(
-            "sparse=CSA(...) is not supported with DCP (TP beyond the KV heads): use TP up to the KV heads."
-        )
-
+from ..errors import CacheMismatchError, CandidateDecodingError
 
 _CANDIDATE_ARGS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
