@@ -440,7 +440,9 @@ def csa_refuses(case: dict) -> bool:
     if (family is not None and not family.csa) or case["family"] in SHARED_ATTENTION:
         return True
     try:
-        refuse_csa_layers(build_config(case["family"], case["rope"], case.get("window")))
+        refuse_csa_layers(
+            build_config(case["family"], case["rope"], case.get("window")), sinks=case["family"] == "gpt_oss"
+        )
     except hf_contextpar.UnsupportedModelError:
         return True
     return False

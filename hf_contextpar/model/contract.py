@@ -67,13 +67,18 @@ def shared_attention_modules(model) -> list[str]:
     return sorted({type(m).__name__ for m in named if own_index(m) is None})
 
 
+def has_sinks(model) -> bool:
+    """Do the model's attention modules hold learned sink logits (a `sinks` parameter, one per head: GPT-OSS's)?"""
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
 def check_model(model, sparse: bool = False):
     """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
     _refuse_wrapper(model)
     config = model.config
     if sparse:
         sparse_csa.refuse_family(REGISTRY.get(config.model_type))
-        sparse_csa.refuse_layers(config)
+        sparse_csa.refuse_layers(config, sinks=has_sinks(model))
         sparse_csa.refuse_shared_modules(shared_attention_modules(model))
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(

@@ -234,9 +234,11 @@ def full_layers(config) -> list:
     return [i for i, t in enumerate(types) if t in ("full_attention", "hybrid")]
 
 
-def refuse_layers(config) -> None:
-    """What CSA does not define: chunked attention, attention sinks, a latent (MLA) cache, K/V shared across
-    layers, or no full-attention layer to prune (a family whose patch makes its layers attend otherwise: `refuse_family`). Refused at apply, with what to do."""
+def refuse_layers(config, sinks: bool = False) -> None:
+    """What CSA does not define: chunked attention, attention sinks (`sinks`: the model's attention modules hold
+    learned sink logits, model/contract.py finds them; or its config asks for them), a latent (MLA) cache, K/V shared
+    across layers, or no full-attention layer to prune (a family whose patch makes its layers attend otherwise:
+    `refuse_family`). Refused at apply, with what to do."""
     text = config.get_text_config(decoder=True)
     why = []
     if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
@@ -245,7 +247,7 @@ def refuse_layers(config) -> None:
         why.append("a latent (MLA) K/V cache")
     if getattr(text, "num_kv_shared_layers", 0):
         why.append("K/V shared across layers")
-    if text.model_type in ("gpt_oss",) or getattr(text, "use_sinks", False):
+    if sinks or getattr(text, "use_sinks", False):
         why.append("attention sinks")
     if not full_layers(config):
         why.append("no full-attention layer (nothing to prune)")
