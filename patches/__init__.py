@@ -412,6 +412,13 @@ INEXACT |= {
         "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
         "shard layers added inside one, nor attend with K/V it did not store"
     ),
+    # CpmAntModel._prepare_attention_mask: `context` is all ones, so its mask is `context[:, None, :] | ...`, True
+    # everywhere but the left padding (token id 0): in a prefill every token attends to the later ones too
+    "cpmant": (
+        "CpmAntModel.forward masks its prefill bidirectionally (its `context` is all ones: each token attends to later "
+        "ones too; only the left padding it finds from token id 0 is masked), and hf-contextpar's algorithms are "
+        "causal (or sliding-window causal) only; run it on one process"
+    ),
 }
 
 

@@ -147,7 +147,7 @@ VERIFIED = {
 }
 NOT_VERIFIED = {
     "blt": "skipped: the unpatched tiny model fails on one process (AttributeError: 'BltConfig' object has no attribut…",
-    "cpmant": "refused at apply: CpmAntForCausalLM does not take an attention implementation from transformers' Attent…",
+    "cpmant": "refused at apply: model_type 'cpmant' cannot run under context parallelism with hf-contextpar, register…",
     "dory": "refused at apply: model_type 'dory' cannot run under context parallelism with hf-contextpar, registered o…",
     "gemma4_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and shared_…",
     "gemma4_unified_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and…",
