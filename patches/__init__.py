@@ -419,7 +419,35 @@ INEXACT |= {
         "ones too; only the left padding it finds from token id 0 is masked), and hf-contextpar's algorithms are "
         "causal (or sliding-window causal) only; run it on one process"
     ),
+    # found by the census on its own tests' config (patching off, fixed-length patches). modeling_blt's BltModel pools
+    # bytes into patches by cross-attention (boundaries from patch_lengths or its entropy patcher over the whole
+    # sequence), runs its global transformer over them with no cache and positions from 0 in every forward, and its
+    # local decoder writes its self-attention K/V into the cross-attention cache: one process's cached decode is not
+    # its recompute (census config, fp64: logits 3.9 apart, 7 of 8 tokens other; its integration tests use_cache=False)
+    "blt": (
+        "its global transformer attends over patches pooled from the bytes, with no cache and positions from 0 in "
+        "every forward: a rank's bytes would form patches without the earlier ranks', and its own cached decode is "
+        "not its recompute (use_cache=False). Run it on one process"
+    ),
+    # every block an mLSTM recurrence (matrix memory, normalizer and max state per layer and head) kept in xLSTMCache,
+    # a plain class with no cache layers or state API: even one process's second generate() over it fails
+    # ('xLSTMCache' object has no attribute 'is_compileable')
+    "xlstm": (
+        "its blocks are mLSTM recurrences, not softmax attention, whose states live in xLSTMCache, outside "
+        "transformers' Cache API (the only way hf-contextpar passes a recurrent state down the ranks). Run it on one "
+        "process: its state does not grow with the context"
+    ),
 }
+# a drafter for Gemma 4's assisted decoding, not a causal LM of its own (modeling_gemma4_assistant.py): its forward
+# ignores input_ids and raises without the target's inputs_embeds and shared_kv_states, its layers attend over the
+# target's K/V with bidirectional masks and use_cache=False (every layer KV-shared by default: num_kv_shared_layers =
+# num_hidden_layers where unset)
+_DRAFTER = (
+    "it is Gemma 4's draft model for assisted decoding, not a causal LM of its own: its forward ignores input_ids and "
+    "attends over the target model's shared_kv_states, with no sequence or cache of its own to shard. Run it on one "
+    "process"
+)
+INEXACT |= {"gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER}
 
 
 families.CENSUS.update(transformers=CENSUS["transformers"], not_verified=NOT_VERIFIED)

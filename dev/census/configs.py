@@ -53,7 +53,16 @@ OVERRIDES: dict[str, dict] = {
     "axk2": DSA,
     "bailing_hybrid": dict(num_experts=4, num_expert_group=1, num_experts_per_token=2, linear_num_heads=4),
     "bamba": dict(attn_layer_indices=[1], **MAMBA),
-    "blt": dict(encoder_hash_byte_group_vocab=256),
+    # its own tests' config: patching off (fixed-length patches), num_hidden_layers set on the top config (its cache
+    # reads it), the global transformer twice as wide as the local encoder / decoder (hidden_size_global)
+    "blt": dict(
+        encoder_hash_byte_group_vocab=256,
+        encoder_hash_byte_group_size=[2, 3],
+        num_hidden_layers=2,
+        patch_in_forward=False,
+        global_config=dict(hidden_size=128, head_dim=32),
+        decoder_config=dict(hidden_size_global=128),
+    ),
     "codegen": dict(rotary_dim=8),
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
@@ -133,7 +142,16 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": QSA,
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "vaultgemma": {"_reference": "eager", "_fp64_tolerance": 1e-5},
-    "xlstm": dict(num_heads=4),
+    # its own tests' sizes and native kernels (the default Triton kernels need a GPU)
+    "xlstm": dict(
+        hidden_size=128,
+        num_heads=2,
+        qk_dim_factor=0.5,
+        v_dim_factor=1.0,
+        chunkwise_kernel="chunkwise--native_autograd",
+        sequence_kernel="native_sequence__native",
+        step_kernel="native",
+    ),
     "zaya": dict(num_experts_per_tok=1),
 }
 # causal-LM heads of models that no mapping marks as encoder or seq2seq, dropped with their reason

@@ -18,7 +18,8 @@ returned cache. Outcomes:
 - crash: any other exception from the patched run (or a refusal after the first forward, or ranks
   that disagree);
 - differs: no error, another answer;
-- skipped: the unpatched model itself fails on one process with the tiny config (the reason given).
+- skipped: the unpatched model itself fails on one process with the tiny config (the reason given), and
+  apply does not refuse the family (a refusal at apply is the outcome whatever the input: refused, with a note).
 
     torchrun --nproc_per_node 2 -m dev.census [--families a,b] [--strategy auto]
         [--json out.json] [--markdown out.md] [--resume]
@@ -170,6 +171,34 @@ def reference(model_type: str, ids, more) -> dict:
     return dict(failure=failure)
 
 
+def refused_at_apply(model_type: str) -> dict | None:
+    """Where the unpatched model fails on the census's input (a drafter that takes another model's states, say):
+    apply's refusal of the family, which does not depend on the input, or None (then it is skipped). Opted in by
+    hand first, as a family is for its run, so that the refusal is the library's reason and not its opt-in."""
+    try:
+        model = build(model_type, torch.float32, "default")
+    except Exception:
+        return None
+    key = model.config.model_type
+    added = key not in patches.REGISTRY
+    if added:
+        patches.register(patches.FamilyPatch(key, "census"))
+    try:
+        hf_contextpar.apply_context_parallel(model, timeout=TIMEOUT_S)
+    except hf_contextpar.ContextParallelError as e:
+        rec = error_record(e, "apply")
+        del rec["traceback"]
+        return rec
+    finally:
+        try:
+            hf_contextpar.remove_context_parallel(model)
+        except Exception:
+            pass
+        if added:
+            patches.REGISTRY.pop(key, None)
+    return None
+
+
 def run_family(model_type: str, strategy: str) -> dict:
     """This rank's outcome for one family."""
     t0 = time.time()
@@ -179,7 +208,12 @@ def run_family(model_type: str, strategy: str) -> dict:
     more = torch.randint(3, 256, (1, SECOND_TURN), generator=g)
     ref = reference(model_type, ids, more)
     if "failure" in ref:
-        return dict(rec, outcome="skipped", error=ref["failure"], seconds=round(time.time() - t0, 2))
+        refusal = refused_at_apply(model_type)
+        outcome = "skipped" if refusal is None else "refused"
+        why = ref["failure"] if refusal is None else refusal
+        if refusal is not None:  # the census's input did not matter: apply refuses the family whatever it is fed
+            rec["note"] = f"the unpatched model fails on the census's input ({ref['failure']['last_line'][:200]})"
+        return dict(rec, outcome=outcome, error=why, seconds=round(time.time() - t0, 2))
     if not census_sweep.finite(ref["out"], None):
         why = dict(
             stage="reference", type="NonFinite", refusal=False, last_line="the unpatched model's logits are not finite"

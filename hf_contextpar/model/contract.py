@@ -27,7 +27,7 @@ from ..errors import (
     UnsupportedModelError,
 )
 from ..sparse import csa as sparse_csa
-from .families import NOT_CHAINED, REGISTRY, hooks_of
+from .families import NOT_CHAINED, REGISTRY, hooks_of, refuse_inexact
 from .families import resolve as resolve_family
 
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -76,6 +76,7 @@ def check_model(model, sparse: bool = False):
     """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
     _refuse_wrapper(model)
     config = model.config
+    refuse_inexact(config)  # the family's own reason first (a generic check below may trip on its structure)
     if sparse:
         sparse_csa.refuse_family(REGISTRY.get(config.model_type))
         sparse_csa.refuse_layers(config, sinks=has_sinks(model))

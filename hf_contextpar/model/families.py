@@ -114,14 +114,20 @@ def hooks_of(config) -> FamilyHooks:
     return patch.hooks if patch is not None else DEFAULT_HOOKS
 
 
+def refuse_inexact(config) -> None:
+    """A family the census found cannot run exact, refused with its own reason, registered or not: checked first at
+    apply, since its structure may also trip a generic check whose message would not say what blocks it."""
+    if config.model_type in INEXACT:
+        raise UnsupportedModelError(
+            f"model_type '{config.model_type}' cannot run under context parallelism with hf-contextpar, registered or "
+            f"not: {INEXACT[config.model_type]}."
+        )
+
+
 def resolve(config) -> FamilyPatch:
     """The registry entry for a config, after its family check; a clear error if there is none."""
     mt = config.model_type
-    if mt in INEXACT:
-        raise UnsupportedModelError(
-            f"model_type '{mt}' cannot run under context parallelism with hf-contextpar, registered or not: "
-            f"{INEXACT[mt]}."
-        )
+    refuse_inexact(config)
     patch = REGISTRY.get(mt)
     if patch is None:
         found = (CENSUS.get("not_verified", {}).get(mt) or "").rstrip(".")
