@@ -146,15 +146,15 @@ VERIFIED = {
     "zaya": (1e-10, "sdpa"),
 }
 NOT_VERIFIED = {
-    "blt": "skipped: the unpatched tiny model fails on one process (AttributeError: 'BltConfig' object has no attribut…",
+    "blt": "refused at apply: model_type 'blt' cannot run under context parallelism with hf-contextpar, registered or…",
     "cpmant": "refused at apply: model_type 'cpmant' cannot run under context parallelism with hf-contextpar, register…",
     "dory": "refused at apply: model_type 'dory' cannot run under context parallelism with hf-contextpar, registered o…",
-    "gemma4_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and shared_…",
-    "gemma4_unified_assistant": "skipped: the unpatched tiny model fails on one process (ValueError: inputs_embeds and…",
+    "gemma4_assistant": "refused at apply: model_type 'gemma4_assistant' cannot run under context parallelism with hf-…",
+    "gemma4_unified_assistant": "refused at apply: model_type 'gemma4_unified_assistant' cannot run under context para…",
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
     "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers (its attent…",
     "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers (its attentio…",
     "minimax_m3_vl_text": "refused at apply: this model (minimax_m3_vl_text) has ['minimax_m3_sparse'] layers (its min…",
     "rwkv": "refused at apply: RwkvForCausalLM's config declares no attention heads (num_attention_heads): its layers…",
-    "xlstm": "skipped: the unpatched tiny model fails on one process (ValueError: matC_old has wrong shape, got torch.…",
+    "xlstm": "refused at apply: model_type 'xlstm' cannot run under context parallelism with hf-contextpar, registered…",
 }
