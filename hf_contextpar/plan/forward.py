@@ -264,9 +264,7 @@ def _replicated_decode(policy: Policy, before: _Before, new_cols, batch: int):
     continuing = before.run[1:] if before.run is not None and before.run[0] == "replicated_decode" else None
     num_new = new_cols.numel()
     owned, run = decode_owners(num_new, rank_tokens(before.cols, batch), policy.interleave, continuing)
-    # each rank's new columns: all of them, or none (its empty indices, which _append skips), without an index op:
-    # tensor ops and len() of a tensor cost microseconds, and this runs before every decode step
-    stored = [new_cols if o.numel() == num_new else o if o.numel() == 0 else new_cols[o] for o in owned]
+    stored = [_owned_cols(new_cols, o, num_new) for o in owned]
     kv_cols = _append(before.cols, stored)
     shards = Shards(token_rows=None, seq_rows=None, q_cols=[new_cols] * policy.world, kv_cols=kv_cols)
     storage = dict(
@@ -316,13 +314,29 @@ def _prefill(policy: Policy, cols, num_new: int, past: int):
     return decision, head_tail_plan(num_new, policy.world, rank_counts(cols))
 
 
+def _owned_cols(new_cols, owned, num_new: int):
+    """A rank's new columns in replicated decode: all of them, none (its empty indices, which _append skips) or the
+    ones it owns; the first two without an index op (tensor ops cost microseconds, and this runs every step)."""
+    if owned.numel() == num_new:
+        return new_cols
+    if owned.numel() == 0:
+        return owned
+    return new_cols[owned]
+
+
 def _append(cols, new_cols):
     """Every sequence appends the same columns (new_cols[r] on rank r). A rank that stores none keeps its
     tensor (layouts are never written in place): in replicated decode all but one rank, every step."""
-    return [
-        c if n.numel() == 0 else torch.cat([c, n]) if c.dim() == 1 else torch.cat([c, n.expand(c.shape[0], -1)], dim=1)
-        for c, n in zip(cols, new_cols)
-    ]
+    return [_appended(c, n) for c, n in zip(cols, new_cols)]
+
+
+def _appended(cols, new):
+    """One rank's columns with `new` after them: a 1-D layout (every sequence alike) or one row per sequence."""
+    if new.numel() == 0:
+        return cols
+    if cols.dim() == 1:
+        return torch.cat([cols, new])
+    return torch.cat([cols, new.expand(cols.shape[0], -1)], dim=1)
 
 
 def _rotation(policy: Policy, cols, rotation: int, batch: int, open_run) -> tuple:
