@@ -131,9 +131,9 @@ def _by_name(name: str, n: int, period: int = 3) -> set[int]:
 
 
 def _period(p: dict) -> int:
-    """The exactness and hybrid matrices' split: a family runs at N = 3 and 4 one day in six each, at N = 2 one day
-    in three."""
-    return 6 if p["n"] > 2 else 3
+    """The exactness and hybrid matrices' split: a family runs at each N one day in six (every verified family's short
+    check runs at N = 2 every day: tests/test_families.py)."""
+    return 6
 
 
 def _by_n(p: dict, key: str = "n") -> set[int] | None:
@@ -153,7 +153,7 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
-    # N = 3 and 4 in sixths by family; N = 2 in thirds (tests/test_families.py checks every verified family at N = 2
+    # N = 2, 3 and 4 in sixths by family (tests/test_families.py checks every verified family at N = 2
     # every day), but for the fast subset's anchors, llama and qwen3_next, every day
     ("test_exactness.py", "test_exact"): lambda p: (
         None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p))

@@ -439,10 +439,9 @@ def csa_refuses(case: dict) -> bool:
     family = REGISTRY.get(model_type(case["family"]))
     if (family is not None and not family.csa) or case["family"] in SHARED_ATTENTION:
         return True
-    try:
-        refuse_csa_layers(
-            build_config(case["family"], case["rope"], case.get("window")), sinks=case["family"] == "gpt_oss"
-        )
+    config = build_config(case["family"], case["rope"], case.get("window"))
+    try:  # GPT-OSS's attention modules hold learned sinks (what apply finds on the model, model/contract.has_sinks)
+        refuse_csa_layers(config, sinks=config.model_type == "gpt_oss")
     except hf_contextpar.UnsupportedModelError:
         return True
     return False
