@@ -4,14 +4,15 @@ its own blocks, so the bias never travels.
 A family whose attention adds a bias a function of the query's and key's positions (ALiBi: a per-head slope times
 the key's position; a relative-position bias by distance) hands its attention a `fn` (the keyword `score_bias=`):
 `fn(bias, q_cols, k_cols) -> tensor` broadcastable to (B, H, Tq, Tk), `q_cols` (Tq,) and `k_cols` (Tk,) or (B, Tk)
-global columns (an empty slot of batched decode reads column 0: it is masked), `bias` the `ScoreBias` below with
-the forward's global facts (its length, its padding for the sequences being attended, a memo for what the forward
-computes once). A bias computed from the keys' values (`fn.reads_values`: Doge's per-key bias) gets the tile's values
-as a fourth argument: they travel with their keys, so the bias does too, as one more function of the block. The term is added to the scaled (and soft-capped) scores before the softmax, as the family's own
-attention adds it, so `fn` must compute exactly the family's formula: its values, not a shift of them, enter the
-LSE that merges the blocks. Ulysses attends a slice of the heads (`heads`), batched decode a subset of the
-sequences (`rows`): the bias is narrowed the same way. `fn` must be hashable (a frozen dataclass): one `ScoreBias`
-serves every layer of a forward that hands an equal `fn` (`for_forward`).
+global columns (an empty slot of batched decode reads column 0: it is masked), `bias` the `ScoreBias` below with the
+forward's global facts (its length, its padding for the sequences being attended, a memo for what the forward
+computes once). A bias computed from the keys' values (`fn.reads_values`: Doge's per-key bias) gets the tile's
+values as a fourth argument: they travel with their keys, so the bias does too, as one more function of the block.
+The term is added to the scaled (and soft-capped) scores before the softmax, as the family's own attention adds it,
+so `fn` must compute exactly the family's formula: its values, not a shift of them, enter the LSE that merges the
+blocks. Ulysses attends a slice of the heads (`heads`), batched decode a subset of the sequences (`rows`): the bias
+is narrowed the same way. `fn` must be hashable (a frozen dataclass): one `ScoreBias` serves every layer of a
+forward that hands an equal `fn` (`for_forward`).
 """
 
 from __future__ import annotations
