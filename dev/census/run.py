@@ -171,6 +171,17 @@ def reference(model_type: str, ids, more) -> dict:
     return dict(failure=failure)
 
 
+def _undo(model, key: str, added: bool) -> None:
+    """After a census run, finished or not: the model unpatched (what apply did, if it did) and the family the run
+    registered for it dropped again."""
+    try:
+        hf_contextpar.remove_context_parallel(model)
+    except Exception:
+        pass
+    if added:
+        patches.REGISTRY.pop(key, None)
+
+
 def refused_at_apply(model_type: str) -> dict | None:
     """Where the unpatched model fails on the census's input (a drafter that takes another model's states, say):
     apply's refusal of the family, which does not depend on the input, or None (then it is skipped). Opted in by
@@ -190,12 +201,7 @@ def refused_at_apply(model_type: str) -> dict | None:
         del rec["traceback"]
         return rec
     finally:
-        try:
-            hf_contextpar.remove_context_parallel(model)
-        except Exception:
-            pass
-        if added:
-            patches.REGISTRY.pop(key, None)
+        _undo(model, key, added)
     return None
 
 
@@ -267,12 +273,7 @@ def run_family(model_type: str, strategy: str) -> dict:
         if rec["outcome"] == "refused":  # its message says it all
             del rec["error"]["traceback"]
     finally:
-        try:
-            hf_contextpar.remove_context_parallel(model)
-        except Exception:
-            pass
-        if added:
-            patches.REGISTRY.pop(key, None)
+        _undo(model, key, added)
     rec["seconds"] = round(time.time() - t0, 2)
     return rec
 
