@@ -131,6 +131,8 @@ DSA_FAMILIES = [
     ),
 ]
 
+_ALIBI_PORT = dict(reference_attn="eager", fp64_tolerance=1e-4, csa=False)  # BLOOM's and MPT's entries alike
+
 for _patch in [
     FamilyPatch("llama", "Llama 2/3/3.x: GQA, RoPE", tiny={}),
     FamilyPatch("mistral", "Mistral: GQA, sliding window on every layer", tiny=dict(sliding_window=24)),
@@ -251,13 +253,9 @@ for _patch in [
     ),
     # ALiBi as a score bias from global columns (patches/alibi.py); their softmax runs in fp32 even in an fp64 model
     # (the census measures the bound); CSA prunes blocks by unbiased scores: refused
-    FamilyPatch(
-        "bloom",
-        "BLOOM: ALiBi, a hand-written attention ported",
-        apply=bloom.apply,
-        reference_attn="eager",
-        fp64_tolerance=1e-4,
-        csa=False,
+    *(
+        FamilyPatch(mt, f"{name}: ALiBi, a hand-written attention ported", apply=port, **_ALIBI_PORT)
+        for mt, name, port in (("bloom", "BLOOM", bloom.apply), ("mpt", "MPT", mpt.apply))
     ),
     # a per-key bias from each key's values (patches/doge.py), computed for every block as it arrives; its tiny census
     # model's A is zero (a constant bias softmax ignores): tests/test_score_bias.py runs it with A ~ N(0, 1)
@@ -268,14 +266,6 @@ for _patch in [
         "OpenAI GPT: no KV cache, a hand-written attention ported",
         apply=openai_gpt.apply,
         reference_attn="eager",
-        csa=False,
-    ),
-    FamilyPatch(
-        "mpt",
-        "MPT: ALiBi, a hand-written attention ported",
-        apply=mpt.apply,
-        reference_attn="eager",
-        fp64_tolerance=1e-4,
         csa=False,
     ),
     # Moshi's decoder masks full causal while DynamicCache(config) keeps sliding layers of config.sliding_window (3000)
