@@ -5,7 +5,7 @@
 The template's line `<!-- report -->` is replaced by the markdown report that `python -m hf_contextpar.bench
 --report docs/bench.json` prints, its title dropped and its sections one level down, so that it sits under one
 of the template's sections. Each line `<!-- table: PATH -->` becomes the table of the simulated-rank GPU run in
-PATH (dev/gpu/simulated_ranks.py). Figures are regenerated, never typed (tests/test_docs.py checks the page)."""
+PATH (dev/gpu/simulated_ranks.py). Figures are regenerated, never typed (tests/unit/test_docs.py checks the page)."""
 
 from __future__ import annotations
 

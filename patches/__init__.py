@@ -69,7 +69,7 @@ for _mt, (_tol, _attn) in VERIFIED.items():
 
 # what is particular to a family (a check, a tolerance, a patch, the exactness matrix's tiny config)
 # Gemma 3n / 4's layer pattern, shrunk: sliding and global layers alternate, the last 2 of 4 reuse the K/V of
-# the earlier layer of their kind, per-layer inputs (the tiny models and tests/geometries.py share it)
+# the earlier layer of their kind, per-layer inputs (the tiny models and tests/workers/geometries.py share it)
 SHARED_KV_GEMMA = dict(
     num_hidden_layers=4,
     num_kv_shared_layers=2,
@@ -258,7 +258,7 @@ for _patch in [
         for mt, name, port in (("bloom", "BLOOM", bloom.apply), ("mpt", "MPT", mpt.apply))
     ),
     # a per-key bias from each key's values (patches/doge.py), computed for every block as it arrives; its tiny census
-    # model's A is zero (a constant bias softmax ignores): tests/test_score_bias.py runs it with A ~ N(0, 1)
+    # model's A is zero (a constant bias softmax ignores): tests/*/test_score_bias.py runs it with A ~ N(0, 1)
     FamilyPatch("doge", "Doge: a dynamic per-key bias from the values", apply=doge.apply, csa=False),
     # no KV cache: every forward is a prefill; its -1e4 causal fill reads as -inf for every real token's row
     FamilyPatch(
@@ -301,10 +301,10 @@ for _patch in [
     _add(_patch)
 # Hybrids: recurrent layers (linear attention, state-space, short convolutions) beside attention. Their mixers read
 # and write their states only through transformers' cache API and continue a multi-token forward from a cached
-# state, so the states pass down the ranks in the cache (recurrent.py); tests/test_hybrid.py checks each against
+# state, so the states pass down the ranks in the cache (recurrent.py); tests/multi_process/test_hybrid.py checks each against
 # one process at N = 2, 3, 4 (fp64 with the models' fp32 internals in fp64). Not here: MiniMax keeps its
 # lightning attention's state in a cache class of its own
-# fp32: the unpatched fp32 model's own distance from fp64 (tests/hybrids.py's models, 200 tokens, one row padded),
+# fp32: the unpatched fp32 model's own distance from fp64 (tests/workers/hybrids.py's models, 200 tokens, one row padded),
 # doubled: Gated DeltaNet's chunked scan 1.8e-4 to 9.1e-4, KDA / OLMo-hybrid / Zamba2 4.7e-5 to 7.7e-5, the rest
 # below 2.3e-5 (the default bound holds). Splitting a scan at other points moves fp32 logits by as much
 for _mt, _what, _fp32 in [

@@ -10,7 +10,7 @@ the state-free part first, then takes the state (`deferred_state`) for the scan.
 A mixer's forward or kernel replaced after `apply` (a user's own) reads and gets the state as before.
 
 `prepare` and `scan` are transformers' kernel cut in two, the same operations in the same order, so a
-split run equals the original bit for bit (tests/test_recurrent.py checks it against each modeling
+split run equals the original bit for bit (tests/unit/test_recurrent.py checks it against each modeling
 module's own). Where the modeling module runs another implementation (flash-linear-attention, a hub
 kernel), the state is taken first and that implementation runs as it is.
 """

@@ -5,13 +5,14 @@
 
 An area is a marker (registered by tests/conftest.py from this table, so `pytest --markers` lists them), the
 source files it covers (paths from the repository root; a glob only where a whole folder is one area) and the
-tests aimed at them: a module (`test_x.py`), a test function (`test_x.py::test_y`), or a test function with a
+tests aimed at them: a module (`test_x.py`: its file in tests/unit and its file in tests/multi_process, where the
+feature has both), a test function (`test_x.py::test_y`, in whichever of the two defines it), or a test function with a
 predicate of its parameters (`("test_x.py::test_y", lambda p: ...)`, as in conftest's SLOW_TESTS). The end-to-end
 tests that run a whole model through every file (the exactness matrix, the fuzz, every family, the geometries)
 carry the marker `end_to_end`: `-m "ring_pass_kv or end_to_end"` adds them; the repository's rules (docs, lint,
 layout, this table) carry `house`. Every test file is named here.
 
-tests/test_areas.py keeps this table true: every module of the installed packages (hf_contextpar/, patches/, eval/)
+tests/unit/test_areas.py keeps this table true: every module of the installed packages (hf_contextpar/, patches/, eval/)
 is a source of some area, every source and test named here exists, and every area keeps a test that the day's
 rotation never drops (so `-m AREA` selects tests on any day). A new module without tests fails it.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("unit", "multi_process")  # tests/unit: in the pytest process; tests/multi_process: they start ranks or servers
 PACKAGES = ("hf_contextpar", "patches", "eval")  # what pyproject.toml installs (patches/, eval/ under hf_contextpar.)
 
 
@@ -421,6 +423,18 @@ def entries_of(module: str, function: str, params: dict) -> list[int]:
 def markers_of(module: str, function: str, params: dict) -> set[str]:
     """The area markers of one collected test."""
     return {ENTRIES[i][0] for i in entries_of(module, function, params)}
+
+
+def test_files(module: str | None = None) -> list[Path]:
+    """The test files named `module` (a file name: a feature's in-process half in tests/unit and its multi-process
+    half in tests/multi_process share it), or every test file."""
+    return sorted(p for kind in KINDS for p in (ROOT / "tests" / kind).glob(module or "test_*.py"))
+
+
+def defines(module: str, function: str | None) -> bool:
+    """A test file of that name exists and, if `function` is given, one of them defines it."""
+    files = test_files(module)
+    return bool(files) and (function is None or any(f"def {function}(" in p.read_text() for p in files))
 
 
 def source_files() -> list[str]:

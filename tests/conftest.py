@@ -7,7 +7,9 @@ simulated ranks, the kernels, the planner and predictions, one multi-process exa
 one multi-process scenario), the eval harness's data and metrics, the self-test's checker, the
 benchmark's bookkeeping, layout, docs and lint. What is slow is listed below, by module or by test
 (optionally narrowed to some parameters); a name here that matches no collected test is an error,
-so a renamed test cannot silently move into the fast subset. See docs/testing.md.
+so a renamed test cannot silently move into the fast subset. A module here is a test file's name: the file
+in tests/unit (in-process tests), in tests/multi_process (tests that launch ranks) or both, where a feature has
+both kinds; a (module, function) pair names the one that defines the function. See docs/testing.md.
 
 The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
 family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every third day (exactness;
@@ -15,7 +17,7 @@ every verified family's short check runs daily in test_families.py); N = 3 or 4,
 on alternate days, of the CSA matrix; DCP's matrix on odd days; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
 and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
-one of lm-eval's three context-parallel runs (3 processes, TP 2 x CP 2, two nodes); needlebench on
+one of lm-eval's six runs (3 processes, TP 2 x CP 2, two nodes, replicas two ways, the server); needlebench on
 3 processes) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
 HF_CONTEXTPAR_SLICE=k, run every slice with HF_CONTEXTPAR_SLICE=all. A run that names its tests (`-k`, a node
@@ -30,14 +32,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import zlib
-from pathlib import Path
 
+import areas  # the area markers: which tests cover which source file (tests/ is on the path: pyproject.toml)
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-import areas  # noqa: E402  (the area markers: which tests cover which source file)
 
 # whole modules: multi-process matrices, the fuzz, process-exit checks, lm-eval runs
 SLOW_MODULES = {
@@ -132,7 +130,7 @@ def _by_name(name: str, n: int, period: int = 3) -> set[int]:
 
 def _period(p: dict) -> int:
     """The exactness and hybrid matrices' split: a family runs at each N one day in six (every verified family's short
-    check runs at N = 2 every day: tests/test_families.py)."""
+    check runs at N = 2 every day: tests/*/test_families.py)."""
     return 6
 
 
@@ -153,7 +151,7 @@ def _alternate(parity: int) -> set[int]:
 
 # (module, test function) -> the slice a parameter set runs in, or None: every run
 ROTATING = {
-    # N = 2, 3 and 4 in sixths by family (tests/test_families.py checks every verified family at N = 2
+    # N = 2, 3 and 4 in sixths by family (tests/*/test_families.py checks every verified family at N = 2
     # every day), but for the fast subset's anchors, llama and qwen3_next, every day
     ("test_exactness.py", "test_exact"): lambda p: (
         None if (p["n"], p["family"]) == (2, "llama") else _by_name(p["family"], p["n"], _period(p))
@@ -173,7 +171,7 @@ ROTATING = {
     ("test_strategies.py", "test_forward_with_autograd_on"): lambda p: _one_n_a_day(p["n"]),
     ("test_census.py", "test_rotating_families_keep_their_classification"): lambda p: _one_n_a_day(p["world"]),
     ("test_geometries.py", "test_geometry_exact"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
-    # ALiBi at 2,048 tokens (tests/bias_worker.py): each case at each N one day in six
+    # ALiBi at 2,048 tokens (tests/workers/bias_worker.py): each case at each N one day in six
     ("test_score_bias.py", "test_alibi_exact_at_2k_tokens"): lambda p: _by_name(p["case"], p["n"], 6),
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
@@ -181,13 +179,13 @@ ROTATING = {
     ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {
         k for k in range(SLICES) if k % 3 == ("group", "model", "library").index(p["order"])
     },
-    # lm-eval's context-parallel runs, a third of them a day (each also needs the one-process reference run)
-    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: _one_n_a_day(0),
-    ("test_lmeval.py", "test_replicas_of_context_parallel_groups_through_accelerate"): lambda p: _one_n_a_day(0),
+    # lm-eval's six runs, one a day (each also needs the one-process reference run)
+    ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: {0},
+    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: {1},
+    ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: {2},
+    ("test_lmeval.py", "test_replicas_of_context_parallel_groups_through_accelerate"): lambda p: {3},
     ("test_lmeval.py", "test_replicas_of_tensor_and_context_parallel_groups"): lambda p: {4},  # 8 processes
-    ("test_lmeval.py", "test_tensor_parallel_inside_context_parallel"): lambda p: _one_n_a_day(1),
-    ("test_lmeval.py", "test_two_nodes_only_global_rank_zero_writes"): lambda p: _one_n_a_day(2),
-    ("test_lmeval.py", "test_local_completions_through_the_server"): lambda p: _one_n_a_day(2),  # the lightest day
+    ("test_lmeval.py", "test_local_completions_through_the_server"): lambda p: {5},
     ("test_eval.py", "test_needlebench_needle_lm_n3_real_scores"): lambda p: _alternate(1),
     # replicas x CP: the harness's and the library's (lm-eval's is with its other runs above), on alternate days
     ("test_eval.py", "test_needlebench_replicas_write_the_single_groups_report"): lambda p: _alternate(0),
@@ -216,8 +214,8 @@ def rotation_slice(config=None) -> int | None:
 
 
 def explicit_selection(config) -> bool:
-    """The run selects tests by name: `-k EXPR` or a node id (`tests/test_x.py::test_y[...]`). Not `-m`: a marker
-    names an area (tests/areas.py) or the fast subset, whose matrices rotate as in CI (tests/test_areas.py checks
+    """The run selects tests by name: `-k EXPR` or a node id (`tests/unit/test_x.py::test_y[...]`). Not `-m`: a marker
+    names an area (tests/areas.py) or the fast subset, whose matrices rotate as in CI (tests/unit/test_areas.py checks
     that every area marker selects tests on every day)."""
     return bool(config.option.keyword) or any("::" in str(arg) for arg in config.args)
 
@@ -265,11 +263,9 @@ def _is_slow(module: str, name: str, params: dict) -> bool:
 
 def _stale() -> list[str]:
     """Listed modules and tests that no longer exist (read from the test files, whatever is selected)."""
-    here = Path(__file__).parent
-    missing = [m for m in sorted(SLOW_MODULES | {e[1] for e in areas.ENTRIES}) if not (here / m).exists()]
+    missing = [m for m in sorted(SLOW_MODULES | {e[1] for e in areas.ENTRIES}) if not areas.defines(m, None)]
     for module, name in [*SLOW_TESTS, *ROTATING, *((e[1], e[2]) for e in areas.ENTRIES if e[2])]:
-        path = here / module
-        if not path.exists() or f"def {name}(" not in path.read_text():
+        if not areas.defines(module, name):
             missing.append(f"{module}::{name}")
     return missing
 

@@ -8,6 +8,16 @@ import socket
 import subprocess
 import sys
 
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
+
+
+def worker_path(name: str) -> str:
+    """The script a test launches: tests/workers/NAME (what ranks run lives there, with what they import)."""
+    path = os.path.join(WORKERS, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no worker script {path}")
+    return path
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -53,7 +63,7 @@ def python(args: list[str], *, env: dict | None = None, timeout: float = 600, cw
 def torchrun(n: int, args: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node n args...` as one result: the ranks' stdout and stderr joined in rank
     order, the first non-zero exit status (else 0). For tests of what the ranks do, not of torchrun's
-    own start and teardown (tests/test_cli.py and tests/test_exit.py launch the real torchrun)."""
+    own start and teardown (tests/*/test_cli.py and tests/multi_process/test_exit.py launch the real torchrun)."""
     results = launch(n, args, timeout=timeout, env=env)
     rc = next((r for r, _, _ in results if r != 0), 0)
     return subprocess.CompletedProcess(args, rc, "".join(o for _, o, _ in results), "".join(e for _, _, e in results))
@@ -212,21 +222,12 @@ def _fork_launch(args, envs, timeout, cwd):
 _matrices: dict = {}
 
 
-def tolerance(model_type: str, dtype: str, kernel_swap: float | None = None) -> float:
-    """Max |logit diff| against the unpatched single process: the exactness oracle's for the family's
-    model type and the dtype's name (bf16/fp16: the kernel-swap bound, from the measured kernel swap)."""
-    from hf_contextpar.eval.oracle import logit_tolerance
-
-    return logit_tolerance(model_type, dtype, kernel_swap)
-
-
 def matrix(worker: str, n: int, tmp_path_factory, args: tuple[str, ...] = ()) -> list[list[dict]]:
-    """Every rank's records from `tests/<worker> OUT *args` on n ranks, launched once per session and
+    """Every rank's records from `tests/workers/<worker> OUT *args` on n ranks, launched once per session and
     (worker, n, args)."""
     key = (worker, n, tuple(args))
     if key not in _matrices:
-        path = os.path.join(os.path.dirname(__file__), worker)
-        _matrices[key] = run_matrix(n, path, tmp_path_factory.mktemp(f"{worker[:-3]}{n}"), args)
+        _matrices[key] = run_matrix(n, worker_path(worker), tmp_path_factory.mktemp(f"{worker[:-3]}{n}"), args)
     return _matrices[key]
 
 
@@ -242,65 +243,6 @@ def selected(request, key: str, everything) -> tuple:
     }
     subset = [v for v in everything if v in wanted]
     return () if len(subset) == len(everything) else (",".join(subset),)
-
-
-def record_each(out_dir, names, key: str, check):
-    """A matrix worker's loop over families or geometries: `check(name, rec)` for every name, recording any
-    number of cases per name (`run_cases` takes one per case), each failure as a case "error" so one broken
-    entry does not hide the others; then OUT/rank{r}.json."""
-    import traceback
-
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    records = []
-    for name in names:
-        try:
-            check(name, lambda case, name=name, **kw: records.append({key: name, "n": n, "case": case, **kw}))
-        except Exception as e:
-            records.append({key: name, "n": n, "case": "error", "error": f"{e}\n{traceback.format_exc()}"})
-    write_records(out_dir, records)
-
-
-def write_records(out_dir, records: list[dict]):
-    """A matrix worker's last step: OUT/rank{r}.json, then the process group is taken down together."""
-    import json
-
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    with open(os.path.join(str(out_dir), f"rank{rank}.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def run_cases(cases):
-    """A case-matrix worker's main: every (name, check) of cases(N) in order on every rank, then write_records.
-
-    A check that raises is recorded, not fatal: the other ranks raise the same way (same plan, same inputs).
-    """
-    import sys
-    import traceback
-
-    import torch
-    import torch.distributed as dist
-
-    import hf_contextpar
-    from hf_contextpar.models import tiny_model
-
-    torch.set_num_threads(1)
-    hf_contextpar.apply_context_parallel(tiny_model("llama"))  # initialises the process group from the env
-    records = []
-    for name, check in cases(dist.get_world_size()):
-        try:
-            records.append(dict(case=name, **check()))
-        except Exception as e:
-            records.append(
-                dict(case=name, ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
-            )
-    write_records(sys.argv[1], records)
 
 
 def run_matrix(n: int, worker: str, out_dir, args: tuple[str, ...] = ()) -> list[list[dict]]:

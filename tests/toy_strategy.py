@@ -1,5 +1,5 @@
 """A toy strategy that ships nowhere: ring pass-KV without overlap (each hop's block is waited for
-before it is attended). tests/test_algorithms.py::test_a_new_strategy_is_one_file_and_one_record
+before it is attended). tests/unit/test_algorithms.py::test_a_new_strategy_is_one_file_and_one_record
 registers it with one `Strategy` record and runs it through the library's plan, simulated ranks,
 traffic formulas and cost model, to show that a strategy needs this file and its record alone."""
 

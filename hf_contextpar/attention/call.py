@@ -3,7 +3,7 @@
 An algorithm is `fn(step: LayerCall, q, kv_local, *, scale, window, softcap) -> (out, LSE)`. `LayerStep`
 (step.py, one per layer, made by `Step.at`) is the one implementation; it reaches more (the forward's `Step`:
 the plan, the cache, the forward's context), which an algorithm does not touch: it returns (out, LSE) and hands
-received blocks to `received`, and the cache and the runtime do their own bookkeeping. tests/test_layout.py checks that
+received blocks to `received`, and the cache and the runtime do their own bookkeeping. tests/unit/test_layout.py checks that
 every algorithm file reads only these names of its step.
 """
 

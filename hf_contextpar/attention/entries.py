@@ -95,7 +95,7 @@ def attend_entries(q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | Non
     """(out, lse) of queries q (B, H, Tq, D) over the entries `keys` (B, 1, C, D), K=V, under `bias` (B, 1, Tq, C) or
     None, in the accumulation dtype: in blocks of query rows whose (B, H, rows, C) scores fit `budget` bytes, never
     the whole (B, H, Tq, C) at once (H times the model's own bias, twice over with their exponentials). `budget`:
-    SCORES_BYTES, read at the call (tests/v4_worker.py lowers it to run the blocks across ranks)."""
+    SCORES_BYTES, read at the call (tests/workers/v4_worker.py lowers it to run the blocks across ranks)."""
     budget = SCORES_BYTES if budget is None else budget
     dtype = acc_dtype(q.dtype)
     k = keys.to(dtype)

@@ -1,4 +1,4 @@
-"""A local lm-eval task for tests/test_lmeval.py (no hub): NeedleBench-style questions about a fact
+"""A local lm-eval task for tests/*/test_lmeval.py (no hub): NeedleBench-style questions about a fact
 hidden in held-out English text (the built-in needles; text needle-lm never saw in training), asked
 three ways: by loglikelihood over four answers (cp_needle_mc), by greedy generation (cp_needle_gen),
 and rolling loglikelihood over four documents (cp_rolling). Built here, deterministically, from

@@ -15,7 +15,7 @@ is an error; the k-th collective must be the same operation, with agreeing shape
 rank; a send buffer must be contiguous and must not change before the sender's `wait()`; a
 message nobody received is an error when the run ends. Every wait has a timeout (a deadlock is
 reported, naming the rank and the wait), and a rank that fails stops the others, so a broken
-algorithm fails fast with the failing rank's error. tests/test_algorithms.py checks that the
+algorithm fails fast with the failing rank's error. tests/*/test_algorithms.py checks that the
 real `Comm` over gloo gives bit-identical results and the same byte and call counts.
 
 `run_algorithm` runs one plan's algorithm on every rank (each with its own `step.Step`);

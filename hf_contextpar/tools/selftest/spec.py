@@ -5,10 +5,10 @@ that went through the forwards before it), the plan's algorithm runs unmodified 
 ranks (`hf_contextpar.tools.selftest.simulated`, one thread per rank), and every rank's (out, LSE) for its own
 query rows must equal plain whole-sequence attention written out here (`reference`), and its
 traffic must equal the analytical bytes (`expected_traffic`: the formulas of
-tests/strategy_worker.py, which the multi-process tests check against the real `Comm`,
+tests/workers/strategy_worker.py, which the multi-process tests check against the real `Comm`,
 generalised to batch, partial prefill and decode).
 
-One copy for tests/test_algorithms.py (the CPU matrix) and `python -m hf_contextpar selftest
+One copy for tests/*/test_algorithms.py (the CPU matrix) and `python -m hf_contextpar selftest
 --simulated` (the same cases on whatever device is present, one GPU included).
 """
 

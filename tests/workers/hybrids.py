@@ -1,0 +1,126 @@
+"""Tiny hybrid models (recurrent layers beside attention) for the chain's tests: per family, a random
+model with its realistic layer mix (3 recurrent layers to 1 attention layer where the config takes a
+pattern), small states, and scans chunked inside every partition. fp64 runs use the census's
+`Fp64Internals`, so the models' deliberate fp32 internals (chunked scans, gates) run in fp64 too."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the census (dev/) is a checkout's, not installed
+from dev.census.configs import _known, tiny_config  # noqa: E402
+
+GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
+SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a forward), chunks of 16
+    "qwen3_next": GDN,
+    "qwen3_5_text": GDN,
+    "qwen3_5_moe_text": GDN,
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16),
+    "mamba2": dict(num_heads=8, head_dim=16, state_size=16, chunk_size=16),
+    "zamba2": dict(mamba_d_state=16, chunk_size=16),
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "falcon_h1": dict(mamba_d_state=16, mamba_chunk_size=16),
+    "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
+    "minimax": dict(block_size=4),  # lightning attention's blocks cut inside every partition
+}
+MIX = ["linear_attention"] * 3 + ["full_attention"]
+LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
+    "qwen3_next": dict(layer_types=MIX),
+    "qwen3_5_text": dict(layer_types=MIX),
+    "qwen3_5_moe_text": dict(layer_types=MIX),
+    "lara_mini": dict(layer_types=MIX[:3] + ["sliding_attention"], sliding_window=8),  # a window inside partitions
+    "granitemoehybrid": dict(layer_types=MIX),
+    "nemotron_h": dict(layer_types=MIX),
+    "kimi_linear": dict(layer_types=MIX),
+    "olmo_hybrid": dict(layer_types=MIX),
+    "lfm2": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "lfm3": dict(layer_types=["conv"] * 3 + ["full_attention"]),
+    "bamba": dict(attn_layer_indices=[3]),
+    "falcon_h1": None,  # every layer runs attention and Mamba2 side by side
+    # Mamba2 layers and shared attention blocks (layer_idx -1): two hybrid layers, so a block's second call is met
+    "zamba2": dict(layer_types=["linear_attention", "hybrid"] * 2, hybrid_layer_ids=[1, 3]),
+    "mamba2": None,  # recurrent layers alone
+    "jamba": None,  # Mamba1 layers beside attention, MoE (patches/mamba1.py: its scan continued from the state)
+    # lightning attention (patches/minimax.py: its own cache class's state); attention first: one process reads the
+    # cache's length from layer 0, which MiniMaxCache leaves empty when it is a lightning layer (a later turn fails)
+    "minimax": dict(layer_types=MIX[::-1]),
+    # RG-LRU and short-convolution blocks beside local attention (patches/recurrent_gemma.py: the states through the
+    # cache); its conv keeps 3 inputs, more than the second turn's partitions at N = 4 hold (9 tokens over 4 ranks)
+    "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
+    "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
+    "falcon_mamba": None,
+}
+FAMILIES = list(LAYOUT)
+GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
+# one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
+BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
+
+
+BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
+# registered families with no tiny config of their registry entry, verified by the census: exact through a family
+# patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi, doge.py's per-key
+# bias; Moshi's
+# cache_window), DSA-indexed (axk2, hy_v4,
+# qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
+# tiny configs.
+CENSUS_CONFIGS = [
+    "axk2",
+    "bailing_hybrid",
+    "bloom",
+    "deepseek_v4",
+    "diffllama",
+    "doge",
+    "dots3_note_text",
+    "hrm_text",
+    "hy_v4",
+    "jetmoe",
+    "moshi",
+    "mpt",
+    "qwen4_exp_text",
+    "zamba",
+    "zaya",
+]
+CENSUS_CHAINED = ["bailing_hybrid", "deepseek_v4", "qwen4_exp_text", "zamba", "zaya"]  # of those, the chained ones
+# (recurrent layers; DeepSeek-V4's compressors' unfinished groups)
+
+
+def census_family_config(family: str):
+    """The census's tiny config of `family` (the one it verified) with the byte tokenizer's ids."""
+    config = tiny_config(family)
+    text = config.get_text_config(decoder=True)
+    for key, value in BYTE_IDS.items():
+        setattr(text, key, value)
+    return config
+
+
+def hybrid_config(family: str):
+    config = tiny_config(family)
+    kw = {**_known(config), **SIZES.get(family, {})}
+    kw.update(BYTE_IDS)
+    layout = LAYOUT[family]
+    if layout is None:
+        keys = ("hybrid_layer_ids", "layers_block_type", "attn_layer_period", "attn_layer_offset")
+        pattern = {
+            k: v for k, v in config.to_dict().items() if k in keys + ("expert_layer_period", "expert_layer_offset")
+        }
+        kw.update(pattern)
+    else:
+        n = len(layout.get("layer_types", [])) or 4
+        kw.update(layout, num_hidden_layers=n)
+    return AutoConfig.for_model(family, **kw)
+
+
+def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
+    config = hybrid_config(family)
+    torch.manual_seed(seed)
+    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": "sdpa"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager", **attn).eval()
