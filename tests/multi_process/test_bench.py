@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from areas import ROOT  # the repository root
-from launch import launch, python, worker_path  # noqa: E402
+from launch import launch, python, worker_path
 
 ROW_FIELDS = [
     "kind",

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from areas import ROOT  # the repository root
-from launch import free_port, python  # noqa: E402
+from launch import free_port, python
 
 
 def test_cli_generate_under_torchrun():

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from launch import free_port  # noqa: E402
+from launch import free_port
 
 GPUS = torch.cuda.device_count()
 ENV = dict(os.environ, OMP_NUM_THREADS="4", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

@@ -9,7 +9,7 @@ This file holds the checks that launch ranks (tests/launch.py); the in-process o
 from __future__ import annotations
 
 import pytest
-from launch import matrix  # noqa: E402
+from launch import matrix
 
 
 @pytest.mark.parametrize("n", [2, 3])

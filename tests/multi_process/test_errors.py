@@ -6,7 +6,7 @@ This file holds the checks that launch ranks (tests/launch.py); the in-process o
 from __future__ import annotations
 
 import pytest
-from launch import launch, worker_path  # noqa: E402
+from launch import launch, worker_path
 
 import hf_contextpar
 

@@ -11,8 +11,8 @@ import json
 import os
 
 import pytest
-from hf_contextpar.eval import needlebench as nb  # noqa: E402
-from launch import launch, worker_path  # noqa: E402
+from hf_contextpar.eval import needlebench as nb
+from launch import launch, worker_path
 
 WORKER = worker_path("eval_worker.py")
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from areas import ROOT  # the repository root
-from launch import free_port, launch, worker_path  # noqa: E402
+from launch import free_port, launch, worker_path
 
 
 def test_user_script_without_cleanup_exits_cleanly():

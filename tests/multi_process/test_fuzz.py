@@ -18,7 +18,7 @@ import json
 import os
 
 import pytest
-from launch import launch, worker_path  # noqa: E402
+from launch import launch, worker_path
 
 DEFAULT_SECONDS = 16.0
 MIN_CASES = 4  # passing cases: the default budget runs 6 to 45 here (2 shared cores); fewer means the loop broke

@@ -6,7 +6,7 @@ single process."""
 from __future__ import annotations
 
 import pytest
-from geometries import GEOMETRIES, geometry_model_type  # noqa: E402
+from geometries import GEOMETRIES, geometry_model_type
 from launch import matrix, selected
 from records import tolerance
 

@@ -9,8 +9,8 @@ families at N = 2."""
 from __future__ import annotations
 
 import pytest
-from hybrids import BEAMS_REFUSED, FAMILIES  # noqa: E402
-from launch import matrix, selected  # noqa: E402
+from hybrids import BEAMS_REFUSED, FAMILIES
+from launch import matrix, selected
 
 EXACT = 1e-10
 CASES = {"prefill", "second_turn", "short_turn", "no_cache", "greedy", "short_prompt", "beams", "sample", "greedy_fp32"}

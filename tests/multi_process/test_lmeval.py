@@ -20,9 +20,9 @@ import sys
 
 import pytest
 from areas import ROOT  # the repository root
-from hf_contextpar.eval.oracle import logit_tolerance  # noqa: E402
-from launch import free_port, torchrun  # noqa: E402
-from serving import Server  # noqa: E402
+from hf_contextpar.eval.oracle import logit_tolerance
+from launch import free_port, torchrun
+from serving import Server
 from transformers import AutoTokenizer
 
 TASK_DIR = os.path.join(ROOT, "tests", "lmeval_task")

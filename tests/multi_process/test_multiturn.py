@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from launch import matrix
-from multiturn_worker import FAMILIES  # noqa: E402
+from multiturn_worker import FAMILIES
 from records import tolerance
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from launch import launch  # noqa: E402
+from launch import launch
 
 
 def test_calibrate_and_sweep_commands(tmp_path):

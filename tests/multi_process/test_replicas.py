@@ -11,23 +11,7 @@ from __future__ import annotations
 
 import os
 
-import pytest
-from launch import torchrun, worker_path  # noqa: E402
-
-ENV_KEYS = ("DP_REPLICATE", "DP_SHARD", "CP", "SP", "TP")
-
-
-@pytest.fixture
-def env(monkeypatch):
-    for key in ENV_KEYS:
-        monkeypatch.delenv(f"PARALLELISM_CONFIG_{key}_SIZE", raising=False)
-    monkeypatch.delenv("PARALLELISM_CONFIG_CP_BACKEND", raising=False)
-
-    def set_sizes(**sizes):
-        for key, value in sizes.items():
-            monkeypatch.setenv(f"PARALLELISM_CONFIG_{key.upper()}_SIZE", str(value))
-
-    return set_sizes
+from launch import torchrun, worker_path
 
 
 def test_apply_makes_a_cp_group_per_replica():

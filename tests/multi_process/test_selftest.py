@@ -9,12 +9,12 @@ import re
 import subprocess
 import sys
 
-import launch  # noqa: E402
+import launch
 import pytest
 
-from hf_contextpar.api import DECODES, STRATEGIES  # noqa: E402
-from hf_contextpar.tools.cli import main  # noqa: E402
-from hf_contextpar.tools.selftest import spec  # noqa: E402
+from hf_contextpar.api import DECODES, STRATEGIES
+from hf_contextpar.tools.cli import main
+from hf_contextpar.tools.selftest import spec
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from serving import Server  # noqa: E402
+from serving import Server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_contextpar.models import builtin_model_path

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from launch import launch, worker_path  # noqa: E402
+from launch import launch, worker_path
 
 from hf_contextpar.models import tiny_model
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from launch import matrix
 from records import tolerance
-from strategy_worker import FAMILIES, STRATEGIES  # noqa: E402
+from strategy_worker import FAMILIES, STRATEGIES
 
 from hf_contextpar.plan.partitions import even
 

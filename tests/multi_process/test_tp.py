@@ -14,9 +14,9 @@ import re
 import pytest
 from launch import launch, matrix, torchrun
 from records import tolerance
-from tp_worker import DCP, FAMILIES  # noqa: E402
+from tp_worker import DCP, FAMILIES
 
-from hf_contextpar.models import builtin_model_path  # noqa: E402
+from hf_contextpar.models import builtin_model_path
 
 # (query, KV) heads each rank's attention receives: qwen2's plan shards them, phi3's gathers its
 # fused QKV back (every rank attends with all heads)

@@ -9,8 +9,8 @@ This file holds the checks that launch ranks (tests/launch.py); the in-process o
 from __future__ import annotations
 
 import pytest
-from launch import matrix, selected  # noqa: E402
-from user_code_worker import cases  # noqa: E402
+from launch import matrix, selected
+from user_code_worker import cases
 
 NAMES = [name for name, _ in cases(2)]
 

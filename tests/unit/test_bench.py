@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from hf_contextpar.plan import costmodel  # noqa: E402
-from hf_contextpar.plan.machine import Machine  # noqa: E402
+from hf_contextpar.plan import costmodel
+from hf_contextpar.plan.machine import Machine
 
 
 @pytest.mark.parametrize("broken", ["symbol", "module"])

@@ -11,9 +11,9 @@ import json
 import re
 
 import pytest
-from hf_contextpar.eval import needlebench as nb  # noqa: E402
+from hf_contextpar.eval import needlebench as nb
 
-from hf_contextpar.models import byte_tokenizer  # noqa: E402
+from hf_contextpar.models import byte_tokenizer
 
 SENTENCE_END = re.compile(r"[.!?](?=\s)|\n\n")
 

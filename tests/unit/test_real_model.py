@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 import torch
-from hf_contextpar.eval import needlebench as nb  # noqa: E402
+from hf_contextpar.eval import needlebench as nb
 
-from hf_contextpar.models import builtin_model_path, heldout_text  # noqa: E402
+from hf_contextpar.models import builtin_model_path, heldout_text
 
 PATH = builtin_model_path("needle-lm")
 

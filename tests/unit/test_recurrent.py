@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hf_contextpar.eval.oracle import Fp64Internals
-from hybrids import SIZES  # noqa: E402
+from hybrids import SIZES
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from dev.census.configs import _known, tiny_config

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_contextpar.comm.replicas import Replicas, accelerate_layout  # noqa: E402
-from hf_contextpar.errors import ContextParallelError  # noqa: E402
+from hf_contextpar.comm.replicas import Replicas, accelerate_layout
+from hf_contextpar.errors import ContextParallelError
 
 ENV_KEYS = ("DP_REPLICATE", "DP_SHARD", "CP", "SP", "TP")
 

@@ -8,13 +8,13 @@ This file holds the checks that run in the pytest process; the ones that launch 
 from __future__ import annotations
 
 import pytest
-import torch  # noqa: E402
+import torch
 
-from hf_contextpar.attention.ulysses import check_ulysses  # noqa: E402
-from hf_contextpar.cache.sharded import ShardLayout  # noqa: E402
-from hf_contextpar.errors import HeadsNotDivisibleError  # noqa: E402
-from hf_contextpar.mesh import check_tp_heads  # noqa: E402
-from hf_contextpar.models import tiny_config  # noqa: E402
+from hf_contextpar.attention.ulysses import check_ulysses
+from hf_contextpar.cache.sharded import ShardLayout
+from hf_contextpar.errors import HeadsNotDivisibleError
+from hf_contextpar.mesh import check_tp_heads
+from hf_contextpar.models import tiny_config
 
 
 def test_tp_head_checks():
