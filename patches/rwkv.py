@@ -5,18 +5,20 @@ transformers' RWKV keeps its states in a list of five (batch, hidden, layers) te
 API, and it has no attention at all. Each block's output over a span depends only on its inputs there and on that
 block's states before the span: the shifts are the previous token's (normed) hidden state, a convolution of width 1,
 and the WKV scan continues from its three sums. So under a context-parallel cache this patch runs every block from
-states held in a transformers `LinearAttentionLayer` of its index (`layer_types`: one per block, two states each:
-conv 0 the time-mix shift and recurrent 0 the numerator and denominator with recurrent 1 the maximum, conv 1 the
-channel-mix shift), and the state chain (hf_contextpar/cache/recurrent.py) passes them down the ranks in a prefill:
-a chained rank continues from what rank - 1 left, a partition of one token too. The block itself runs transformers'
-code unchanged, given a state list of its own for the span (`_span`), in the dtypes its scan computes in, so a state
-crosses a rank boundary unrounded (one process keeps it in its scan's variables there); the caller's list is written
-once the final states are on every rank (`Hooks.finish`), as one process writes it: in place when the caller passed
-one (`state=`, which its own tests pass back for a second turn), else into the list the model made (use_cache).
+states held in a transformers `LinearAttentionLayer` of its index, one per block with two states (`Hooks.cache`, the
+cache the sharded one mirrors: conv 0 the time-mix shift, recurrent 0 the numerator and denominator, recurrent 1 the
+maximum, conv 1 the channel-mix shift), and the state chain (hf_contextpar/cache/recurrent.py) passes them down the
+ranks in a prefill: a chained rank continues from what rank - 1 left (its partitions hold 2 tokens or more, wider than
+the shift). The block runs transformers' code unchanged, given a state list of its own for the span (`_span`), in the
+dtypes its scan computes in, so a state crosses a rank unrounded (one process keeps it in its scan's variables there);
+the caller's list is written once the final states are on every rank (`Hooks.finish`), as one process writes it: in
+place when the caller passed one (`state=`, which its own tests pass back for a second turn), else into the list the
+model made (use_cache).
 
-Decode runs every block on every rank from the caller's list, as one process does. A mask with padding is refused
-(transformers' RWKV ignores attention_mask: padded tokens enter the state; its own tests skip padding), beam search
-is refused (transformers does not reorder the state list with the beams).
+Decode runs every block on every rank from the caller's list, as one process does. Refused: a mask with padding
+(transformers' RWKV ignores attention_mask: padded tokens enter the state; its own tests skip padding), a one-token
+forward of several rows with a state (one process mixes the rows there), beam search (transformers does not reorder
+the state list with the beams).
 """
 
 from __future__ import annotations
@@ -100,9 +102,8 @@ def _start(block, hidden, layer, state, received: bool):
 def _span(block, hidden, start):
     """A state list for the block's span: its column holds `start`; the shifts in the hidden states' dtype, the WKV
     sums in the dtypes the scan computes them in (the maximum's from the decay's), so nothing the scan leaves rounds."""
-    att = block.attention
-    sums = torch.promote_types(torch.float32, hidden.dtype)
-    top = torch.promote_types(torch.float32, att.time_decay.dtype)
+    top = torch.promote_types(torch.float32, block.attention.time_decay.dtype)  # max(max + decay, key in fp32)
+    sums = torch.promote_types(top, hidden.dtype)  # exp(of maxima) * sums + exp(...) * values
     dtypes = (hidden.dtype, hidden.dtype, sums, sums, top)
     shape = (hidden.shape[0], hidden.shape[-1], block.layer_id + 1)
     span = [hidden.new_zeros(shape, dtype=d) for d in dtypes]

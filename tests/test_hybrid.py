@@ -58,7 +58,7 @@ STATE_CASES |= {"generate_turn", "padding_refused", "batched_step_refused", "bea
 
 
 @pytest.mark.parametrize("family", list(STATE_LIST))
-@pytest.mark.parametrize("n,strategy", [(2, "auto"), (3, "auto"), (4, "auto"), (2, "ring_pass_kv"), (3, "uneven")])
+@pytest.mark.parametrize("n,strategy", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "ring_pass_kv")])
 def test_state_list_exact(n, strategy, family, tmp_path_factory):
     """RWKV (its states a list of its own, `state=`; patches/rwkv.py) against one process: exact, or refused where one
     process is not each sequence's own (tests/hybrid_worker.py `check_state_list`)."""
