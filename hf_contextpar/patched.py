@@ -64,7 +64,8 @@ class PatchedModel:
         capabilities = check_capabilities(Facts(model, settings, world, tp, dcp, shape, recurrent))
         chain, indexed, sparse = capabilities["chain"], capabilities["indexed"], capabilities["csa"]
         check_entries(settings, model.config.model_type, contract.recurrence)  # compressed entries (V4's)
-        layers = attention_layers(model.config)
+        # a model whose cache holds states alone (RWKV, whose config lists no layer kinds) attends in no layer
+        layers = attention_layers(model.config) if contract.attention_name is not None else 0
         # the ranks measure their busy times for balanced partitions except under TP, whose peers of one CP rank
         # must cut the same partitions; uneven partitions commit an even share of the K/V except under DCP
         measured, rebalance = tp == 1, dcp is None

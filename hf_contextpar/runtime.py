@@ -21,6 +21,7 @@ import torch
 
 from .attention import current_step
 from .attention.coverage import bypass_error, check_attended
+from .cache.sharded import returned_cache
 from .cache.states import share_final_states
 from .comm.agreement import RankCheck
 from .comm.collectives import Comm
@@ -152,9 +153,12 @@ class ContextParallelRuntime:
                     self.settings, plan, started, self.comm, next(self.model.parameters()).device
                 )
             if ok and scratch:
-                output[self.patched.contract.cache_arg] = None  # what the caller gets without use_cache
+                if returned_cache(output) is not None:  # what the caller gets without use_cache
+                    output[self.patched.contract.cache_arg] = None
             elif ok and plan.chained:  # decode runs every recurrent layer on every rank, from the last states
                 share_final_states(step.cache, self.comm, root=self.world - 1)
+            if ok and step.cache is not None and not scratch:  # the states a family returns outside its cache
+                self.patched.contract.hooks.finish(output, step.cache)
             if ok:
                 self.comm.run_check()  # a forward with no attention collective (none ran) still checks
             self.log.end(self.comm.tagged["attention"])

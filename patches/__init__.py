@@ -48,6 +48,7 @@ from . import (
     opt,
     qwen4_exp,
     recurrent_gemma,
+    rwkv,
     shared_kv,
     xglm,
 )
@@ -381,6 +382,18 @@ _add(
         "RecurrentGemma (Griffin): RG-LRU and short-convolution blocks beside local (sliding-window) attention",
         apply=recurrent_gemma.apply,
         recurrent=True,
+    )
+)
+# RWKV keeps its states in a list of its own (`state=`) and has no attention: patches/rwkv.py runs its blocks through
+# a cache of one two-state layer each (its hooks' `cache`), so the chain passes them, and returns them in `state`
+_add(
+    FamilyPatch(
+        "rwkv",
+        "RWKV (v4): time-mix (WKV) and channel-mix recurrences, no attention",
+        apply=rwkv.apply,
+        recurrent=True,
+        hooks=rwkv.HOOKS,
+        csa=False,
     )
 )
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)

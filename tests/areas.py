@@ -210,6 +210,7 @@ AREAS: dict[str, Area] = {
             "patches/gated_delta.py",
             "patches/mamba1.py",
             "patches/recurrent_gemma.py",
+            "patches/rwkv.py",
         ),
         (
             "test_recurrent.py",

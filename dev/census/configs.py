@@ -141,6 +141,8 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp": dict(text_config=QSA),
     "qwen4_exp_text": QSA,
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    # its hidden states halved after every block, as the checkpoints' every 6th (rescale_every=6 over 12 to 32 layers)
+    "rwkv": dict(rescale_every=1),
     "vaultgemma": {"_reference": "eager", "_fp64_tolerance": 1e-5},
     # its own tests' sizes and native kernels (the default Triton kernels need a GPU)
     "xlstm": dict(

@@ -52,6 +52,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from hf_contextpar.eval.oracle import FLOAT_TOL, first_divergence, logits_diff, near_tie, top2_margin
+from transformers.cache_utils import Cache
 
 import hf_contextpar
 from dev.census import report as census_report
@@ -78,12 +79,16 @@ def conversation(model, ids, more, steps: list, mask=None):
     out["tokens1"], out["logits1"] = first.sequences, torch.stack(first.logits, 1)
     if more is not None:
         steps.append("second turn")
-        turn2 = torch.cat([first.sequences, more], 1)
+        past = first.past_key_values
+        if past is not None and not isinstance(past, Cache):  # a state of its own (RWKV's list): as its own tests pass
+            # it back, `state=`, with the tokens it has not seen (the last generated one, then the new ones)
+            turn2, carried = torch.cat([first.sequences[:, -1:], more], 1), dict(state=past)
+        else:
+            turn2, carried = torch.cat([first.sequences, more], 1), dict(past_key_values=past)
         if mask is not None:
-            extra = dict(
-                attention_mask=torch.cat([mask, mask.new_ones(turn2.shape[0], turn2.shape[1] - mask.shape[1])], 1)
-            )
-        second = model.generate(turn2, past_key_values=first.past_key_values, **gen, **extra)
+            grown = first.sequences.shape[1] + more.shape[1] - mask.shape[1]
+            extra = dict(attention_mask=torch.cat([mask, mask.new_ones(mask.shape[0], grown)], 1)[:, -turn2.shape[1] :])
+        second = model.generate(turn2, **carried, **gen, **extra)
         out["tokens2"], out["logits2"] = second.sequences, torch.stack(second.logits, 1)
     return out
 

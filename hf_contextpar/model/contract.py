@@ -106,7 +106,7 @@ def check_model(model, sparse: bool = False):
             f"this model ({config.model_type}) has {sorted(kinds)} layers{blocks}; hf-contextpar supports softmax attention "
             f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}".rstrip()
         )
-    if getattr(text, "num_attention_heads", None) is None and not chained:
+    if getattr(text, "num_attention_heads", None) is None and not chained and not _states_alone(family, text):
         raise UnsupportedModelError(
             f"{type(model).__name__}'s config declares no attention heads (num_attention_heads): its layers are "
             "not softmax attention (a recurrence such as RWKV's), which hf-contextpar does not shard."
@@ -131,6 +131,14 @@ def check_model(model, sparse: bool = False):
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
         )
     return resolve_family(config)
+
+
+def _states_alone(family, config) -> bool:
+    """A family verified to pass its states down the ranks whose cache (its hooks' `cache`) holds states alone: a
+    recurrent model whose config lists no layer kinds (RWKV's, run through the cache by its patch)."""
+    if family is None or not family.recurrent:
+        return False
+    return all(r.states and not r.kv for r in cache_recurrence(family.hooks.cache(config)))
 
 
 def _refuse_wrapper(model):
@@ -177,8 +185,9 @@ class InputContract:
         self.model, self.rank, self.world = model, rank, world
         self.attention_name = attention_name
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        # the sliding layers of the cache the unpatched model makes when given none
-        template = DynamicCache(config=model.config)
+        self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
+        # the sliding layers of the cache the unpatched model makes when given none (or the family keeps its states in)
+        template = self.hooks.cache(model.config)
         self.windows = cache_windows(template)
         self.recurrence = cache_recurrence(template)  # per layer: the LayerMaker of its cache layer (K/V, states)
         self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
@@ -186,7 +195,6 @@ class InputContract:
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-        self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
         # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
         self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)

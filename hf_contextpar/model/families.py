@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from transformers.cache_utils import DynamicCache
+
 from ..errors import RegistrationError, UnsupportedModelError
 
 
@@ -50,6 +52,17 @@ class FamilyHooks:
         selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else
         None (the attention_mask is then checked as any layer's)."""
         return None
+
+    def cache(self, config):
+        """The transformers cache whose layers the model keeps its K/V and states in, which the sharded cache mirrors:
+        the one it makes when given none. A family that keeps its states outside the Cache API (RWKV's `state` list)
+        names the layers its patch runs them through under context parallelism."""
+        return DynamicCache(config=config)
+
+    def finish(self, output, cache) -> None:
+        """After a forward with a cache, once that cache holds the same final states on every rank (a chained
+        prefill's after their broadcast): what the family's output carries of them outside the cache (RWKV returns its
+        states in `state`). The output is this rank's, before its logits are gathered."""
 
 
 DEFAULT_HOOKS = FamilyHooks()

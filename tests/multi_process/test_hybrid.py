@@ -9,7 +9,7 @@ families at N = 2."""
 from __future__ import annotations
 
 import pytest
-from hybrids import BEAMS_REFUSED, FAMILIES
+from hybrids import BEAMS_REFUSED, FAMILIES, STATE_LIST
 from launch import matrix, selected
 
 EXACT = 1e-10
@@ -46,3 +46,27 @@ def test_hybrid_exact(n, family, request, tmp_path_factory):
 def test_hybrid_strategies(strategy, family, tmp_path_factory):
     for records in matrix("hybrid_worker.py", 2, tmp_path_factory, ("qwen3_next,falcon_h1", strategy)):
         _check(records, family)
+
+
+STATE_CASES = {"prefill", "second_turn", "short_then_step", "pairs", "no_cache", "greedy", "greedy_tokens"}
+STATE_CASES |= {"generate_turn", "padding_refused", "batched_step_refused", "beams_refused", "sample", "greedy_fp32"}
+
+
+@pytest.mark.parametrize("family", list(STATE_LIST))
+@pytest.mark.parametrize("n,strategy", [(2, "auto"), (3, "auto"), (4, "auto"), (3, "ring_pass_kv")])
+def test_state_list_exact(n, strategy, family, tmp_path_factory):
+    """RWKV (its states a list of its own, `state=`; patches/rwkv.py) against one process: exact, or refused where one
+    process is not each sequence's own (tests/workers/hybrid_worker.py `check_state_list`)."""
+    for records in matrix("hybrid_worker.py", n, tmp_path_factory, (",".join(STATE_LIST), strategy)):
+        mine = [r for r in records if r["family"] == family]
+        errors = [r["error"] for r in mine if r["case"] == "error"]
+        assert not errors, errors[0]
+        assert {r["case"] for r in mine} == STATE_CASES
+        for r in mine:
+            if "refused" in r:
+                assert r["refused"], r
+            elif "max_diff" in r:
+                assert r["max_diff"] < EXACT, r
+            else:
+                assert r["tokens_equal"] and r["ranks_agree"], r
+            assert r.get("in_place", True) and r.get("cache_none", True), r

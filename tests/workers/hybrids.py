@@ -58,6 +58,9 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
+# recurrent models whose states are a list of their own (`state=`), outside the Cache API, and no attention
+# (patches/rwkv.py), with their config's overrides: their own cases (tests/workers/hybrid_worker.py `check_state_list`)
+STATE_LIST = {"rwkv": dict(rescale_every=1)}  # hidden states halved after every block (checkpoints: every 6th)
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
@@ -104,7 +107,7 @@ def hybrid_config(family: str):
     config = tiny_config(family)
     kw = {**_known(config), **SIZES.get(family, {})}
     kw.update(BYTE_IDS)
-    layout = LAYOUT[family]
+    layout = LAYOUT[family] if family in LAYOUT else STATE_LIST[family]
     if layout is None:
         keys = ("hybrid_layer_ids", "layers_block_type", "attn_layer_period", "attn_layer_offset")
         pattern = {
