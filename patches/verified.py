@@ -131,6 +131,7 @@ VERIFIED = {
     "qwen3_next": (0.0001, "sdpa"),
     "qwen4_exp_text": (1e-05, "sdpa"),
     "recurrent_gemma": (1e-10, "sdpa"),
+    "rwkv": (1e-10, "eager"),
     "sarvam_mla": (1e-05, "sdpa"),
     "sarvam_moe": (1e-05, "sdpa"),
     "seed_oss": (1e-10, "sdpa"),
@@ -155,6 +156,5 @@ NOT_VERIFIED = {
     "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers (its attent…",
     "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers (its attentio…",
     "minimax_m3_vl_text": "refused at apply: this model (minimax_m3_vl_text) has ['minimax_m3_sparse'] layers (its min…",
-    "rwkv": "refused at apply: RwkvForCausalLM's config declares no attention heads (num_attention_heads): its layers…",
     "xlstm": "refused at apply: model_type 'xlstm' cannot run under context parallelism with hf-contextpar, registered…",
 }

@@ -87,6 +87,7 @@ SLOW_TESTS = {
     ("test_families.py", "test_the_check_fails_a_broken_family"): None,
     ("test_hybrid.py", "test_hybrid_exact"): lambda p: p["n"] == 2 and p["family"] == "qwen3_next",
     ("test_hybrid.py", "test_hybrid_strategies"): None,
+    ("test_hybrid.py", "test_state_list_exact"): None,
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): lambda p: (
         p["n"] == 2 and p["case"] == "llama"
     ),
@@ -163,6 +164,8 @@ ROTATING = {
     ("test_hybrid.py", "test_hybrid_strategies"): lambda p: _alternate(
         1 if p["strategy"] in ("ring_pass_q", "ulysses") else 0
     ),
+    # RWKV's state list (its generate and second turn at N = 2 run every day in test_families.py): one setting a day
+    ("test_hybrid.py", "test_state_list_exact"): lambda p: _one_n_a_day(p["n"] + (p["strategy"] != "auto")),
     ("test_multiturn.py", "test_multiturn_exact_and_balanced"): lambda p: _one_n_a_day(p["n"]),
     ("test_strategies.py", "test_strategy_exact"): lambda p: _one_n_a_day(p["n"]),
     ("test_csa.py", "test_csa_matches_its_reference_and_keep_all_is_exact"): _by_n,
