@@ -132,7 +132,8 @@ def _refuse_own_mask(module, attention_mask, kwargs):
 def _score_bias(step, module, fn) -> dict:
     """A family's score bias from global columns (attention/bias.py: ALiBi, a relative-position bias), handed as
     `score_bias=fn`: {"bias": the forward's ScoreBias}, or {} without one. DCP gathers its TP peers' query heads
-    and CSA prunes blocks by scores without it: both refused with one."""
+    and CSA prunes blocks by scores without it: both refused with one; a bias held per query row (`fn.per_query`)
+    is refused where the algorithm moves queries."""
     if fn is None:
         return {}
     if step.dcp is not None or step.sparse is not None:
@@ -142,6 +143,12 @@ def _score_bias(step, module, fn) -> dict:
             f"{what} does not apply: run it without {what}."
         )
     ulysses.check_bias(step.algorithm, module, fn)  # a bias over a key's every KV head
+    if getattr(fn, "per_query", False) and STRATEGIES[step.algorithm].moves_queries:  # rows of this rank's queries
+        raise UnsupportedModelError(
+            f"{type(module).__name__}'s score bias is computed from each query token's hidden state (a relative bias "
+            f"per query), which stays on the query's rank; the {step.algorithm!r} algorithm moves queries between "
+            "ranks: use ring pass-KV, all-gather KV or KV-Runahead, and replicated decode (decode='replicated')."
+        )
     return {"bias": bias.for_forward(step, fn)}
 
 
