@@ -340,13 +340,19 @@ NOT_CHAINED |= {
         "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
         "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
     ),
+    # its relative bias and short convolutions would run as Inkling's (patches/inkling.py); these two do not
     "inkling2_text": (
-        "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "
-        "per-token attention sinks, which hf-contextpar's attention does not take (registered as chained, the bias "
-        "is refused at the first forward)"
+        "its attention adds per-token sinks (sink_proj of each query token's hidden state: a logit per query and head, "
+        "passed as `sinks`), which hf-contextpar's attention does not take (it merges learned per-head sinks, "
+        "gpt-oss's `s_aux`), and its attention residuals over depth (Inkling2BlockAttentionResidual: each token "
+        "attending over its own layers' block states) call the config's attention interface, under context "
+        "parallelism hf-contextpar's sequence attention"
     ),
 }
-NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
+NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"] + (
+    "; and its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
+    "(cache.layers += copy.deepcopy(...)), outside the sharded cache's layers and their shared layout"
+)
 # Inkling: short convolutions on K, V and around attention and MLP (chained), and a relative bias per query token
 # (patches/inkling.py: a score bias from global columns that stays with the queries; pass-Q and Ulysses refused)
 _add(

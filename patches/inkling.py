@@ -52,7 +52,7 @@ def _forward(self, hidden_states, attention_mask, conv_mask=None, cache=None, **
     """transformers' InklingAttention.forward (5.x) with its relative bias from global columns (hf-contextpar's
     attention only)."""
     kwargs.pop("past_key_values", None)
-    if not ported.takes_score_bias(self.config):
+    if not ported.switched(self.config):
         return type(self).forward(self, hidden_states, attention_mask, conv_mask=conv_mask, cache=cache, **kwargs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)

@@ -54,6 +54,11 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     # RG-LRU and short-convolution blocks beside local attention (patches/recurrent_gemma.py: the states through the
     # cache); its conv keeps 3 inputs, more than the second turn's partitions at N = 4 hold (9 tokens over 4 ranks)
     "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
+    # short convolutions on K, V, the attention output and the MLP (conv states 2, 3 written after the attention), a
+    # relative bias per query (patches/inkling.py); its convs keep 3 inputs, more than N = 4's second-turn partitions
+    "inkling_text": dict(
+        layer_types=["hybrid_sliding"] * 3 + ["hybrid"], mlp_layer_types=["dense", "sparse"] * 2, sliding_window=8
+    ),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
 }
@@ -114,7 +119,10 @@ def hybrid_config(family: str):
     else:
         n = len(layout.get("layer_types", [])) or 4
         kw.update(layout, num_hidden_layers=n)
-    return AutoConfig.for_model(family, **kw)
+    config = AutoConfig.for_model(family, **kw)
+    if not hasattr(config, "use_cache"):  # Inkling's has none: a forward keeps no cache unless asked (generate asks)
+        config.use_cache = True
+    return config
 
 
 def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
