@@ -38,6 +38,7 @@ from . import (
     gpt_neox_japanese,
     hrm_text,
     inkling,
+    inkling2,
     jetmoe,
     llama4_text,
     mamba1,
@@ -340,18 +341,12 @@ NOT_CHAINED |= {
         "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
         "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
     ),
-    # its relative bias and short convolutions would run as Inkling's (patches/inkling.py); these two do not
-    "inkling2_text": (
-        "its attention adds per-token sinks (sink_proj of each query token's hidden state: a logit per query and head, "
-        "passed as `sinks`), which hf-contextpar's attention does not take (it merges learned per-head sinks, "
-        "gpt-oss's `s_aux`), and its attention residuals over depth (Inkling2BlockAttentionResidual: each token "
-        "attending over its own layers' block states) call the config's attention interface, under context "
-        "parallelism hf-contextpar's sequence attention"
-    ),
 }
-NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"] + (
-    "; and its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
-    "(cache.layers += copy.deepcopy(...)), outside the sharded cache's layers and their shared layout"
+# Inkling 2's loop passes run the loop layers again on deep copies of their cache layers, appended inside the forward
+NOT_CHAINED["inkling2_loop_text"] = (
+    "its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
+    "(cache.layers += copy.deepcopy(...)), outside the sharded cache's layers and their shared layout; its relative "
+    "bias, per-token sinks and short convolutions would run as Inkling 2's (patches/inkling2.py)"
 )
 # Inkling: short convolutions on K, V and around attention and MLP (chained), and a relative bias per query token
 # (patches/inkling.py: a score bias from global columns that stays with the queries; pass-Q and Ulysses refused)
@@ -360,6 +355,16 @@ _add(
         "inkling_text",
         "Inkling (text): short convolutions, a relative-position bias per query token, sliding layers",
         apply=inkling.apply,
+        recurrent=True,
+        csa=False,
+    )
+)
+# Inkling 2: Inkling's, with per-token sinks and attention residuals over depth (patches/inkling2.py)
+_add(
+    FamilyPatch(
+        "inkling2_text",
+        "Inkling 2 (text): short convolutions, a relative bias and sinks per query token, residuals over depth",
+        apply=inkling2.apply,
         recurrent=True,
         csa=False,
     )

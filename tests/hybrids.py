@@ -59,10 +59,18 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "inkling_text": dict(
         layer_types=["hybrid_sliding"] * 3 + ["hybrid"], mlp_layer_types=["dense", "sparse"] * 2, sliding_window=8
     ),
+    # Inkling's, with sinks per query token and attention residuals over depth (patches/inkling2.py), blocks of 2
+    "inkling2_text": dict(
+        layer_types=["hybrid_sliding"] * 3 + ["hybrid"],
+        sliding_window=8,
+        n_layers_per_attn_res_block=2,
+        unpadded_vocab_size=384,  # its embedding's rows: the byte tokenizer's vocabulary (BYTE_IDS)
+    ),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
+EAGER = {"inkling2_text"}  # no SDPA for its per-token sinks: its eager attention is the reference
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
@@ -128,7 +136,8 @@ def hybrid_config(family: str):
 def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
     config = hybrid_config(family)
     torch.manual_seed(seed)
-    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": "sdpa"}
+    impl = "eager" if family in EAGER else "sdpa"
+    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": impl}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager", **attn).eval()

@@ -118,7 +118,16 @@ OVERRIDES: dict[str, dict] = {
         log_scaling_n_floor=8,
     ),
     "inkling2_loop_text": dict(unpadded_vocab_size=256),
-    "inkling2_text": dict(unpadded_vocab_size=256),
+    # Inkling's geometry (above), with its per-token sinks; attention residual blocks of one layer (every layer a block boundary)
+    "inkling2_text": dict(
+        unpadded_vocab_size=256,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        rel_extent=20,
+        log_scaling_n_floor=8,
+        n_layers_per_attn_res_block=1,
+    ),
     "jamba": dict(**PERIOD_2, mamba_dt_rank=8),
     # its three layer kinds (the default 34 layers hold all three), a window shorter than the 61-token prompt
     "lara_mini": dict(
