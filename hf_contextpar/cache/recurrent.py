@@ -107,7 +107,7 @@ class StateChain:
         self.shipped: dict[int, set] = {}  # per layer, the (kind, state index) posted to the next rank
         self.loaded: dict[int, set] = {}  # per layer, the (kind, state index) received from the previous rank
         self.current: int | None = None  # the recurrent layer the forward is in
-        self.pending: int | None = None  # the layer whose second message (after its conv state) is still to come
+        self.pending: int | None = None  # the layer whose later messages (an attended layer's too) are to come
         self.deferred = False  # the pending layer's recurrent state was read as None, for its kernel to `take`
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
         self.token = None  # the ContextVar token of `_running` while this chain runs (`start_chain`)
