@@ -367,6 +367,7 @@ _add(
         apply=inkling2.apply,
         recurrent=True,
         csa=False,
+        reference_attn="eager",  # its per-token sinks: no SDPA
     )
 )
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share

@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the census (dev/) is a checkout's, not installed
+from hf_contextpar.patches import REGISTRY  # noqa: E402
+
 from dev.census.configs import _known, tiny_config  # noqa: E402
 
 GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
@@ -70,7 +72,9 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "falcon_mamba": None,
 }
 FAMILIES = list(LAYOUT)
-EAGER = {"inkling2_text"}  # no SDPA for its per-token sinks: its eager attention is the reference
+# the families whose bias or sinks are computed per query token (held with the queries): strategies that move
+# queries (pass-Q, Ulysses) are refused with an UnsupportedModelError at the first forward
+PER_QUERY = {"inkling_text", "inkling2_text"}
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
@@ -136,7 +140,7 @@ def hybrid_config(family: str):
 def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
     config = hybrid_config(family)
     torch.manual_seed(seed)
-    impl = "eager" if family in EAGER else "sdpa"
+    impl = REGISTRY[family].reference_attn if family in REGISTRY else "sdpa"  # Inkling 2's sinks: eager alone
     attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": impl}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
