@@ -8,8 +8,9 @@ parallelism are neither a rank's queries' positions nor its keys'; the bias is p
 queries: under hf-contextpar's attention the patched forward hands a `RelativeBias` holding this rank's rows of R
 (scaled as the model scales them) and reads each block's bias at its global columns, distance q - k. Strategies that
 move queries to other ranks (pass-Q, Ulysses) would need R to travel with them and are refused. Its short
-convolutions pass their states down the ranks (registered as chained). Under transformers' own attention the
-model's forward runs unchanged.
+convolutions pass their states down the ranks (registered as chained): those on K and V are written before the
+layer's attention, those on its output and the MLP after it, so the chain serves each layer as an attended one
+(hf_contextpar/cache/recurrent.py). Under transformers' own attention the model's forward runs unchanged.
 """
 
 from __future__ import annotations
