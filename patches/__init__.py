@@ -37,6 +37,8 @@ from . import (
     gpt_neo,
     gpt_neox_japanese,
     hrm_text,
+    inkling,
+    inkling2,
     jetmoe,
     llama4_text,
     mamba1,
@@ -340,21 +342,35 @@ NOT_CHAINED |= {
         "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
         "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
     ),
-    "inkling_text": (
-        "its attention adds a relative-position score bias computed from each query token's hidden state "
-        "(position_bias: per query and head, by distance up to rel_extent), which hf-contextpar's attention does not "
-        "take; and its layers write the short convolutions on the attention output and the MLP after the layer's "
-        "attention, while the state chain passes a layer's states down the ranks when the forward reaches the layer's "
-        "attention (registered as chained with that bias given to the attention, layer 0's third convolution is "
-        "refused as a recurrent layer used again)"
-    ),
-    "inkling2_text": (
-        "its attention adds a relative-position score bias computed from the hidden states (position_bias) and "
-        "per-token attention sinks, which hf-contextpar's attention does not take (registered as chained, the bias "
-        "is refused at the first forward)"
-    ),
 }
-NOT_CHAINED["inkling2_loop_text"] = NOT_CHAINED["inkling2_text"]
+# Inkling 2's loop passes run the loop layers again on deep copies of their cache layers, appended inside the forward
+NOT_CHAINED["inkling2_loop_text"] = (
+    "its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
+    "(cache.layers += copy.deepcopy(...)), outside the sharded cache's layers and their shared layout; its relative "
+    "bias, per-token sinks and short convolutions would run as Inkling 2's (patches/inkling2.py)"
+)
+# Inkling: short convolutions on K, V and around attention and MLP (chained), and a relative bias per query token
+# (patches/inkling.py: a score bias from global columns that stays with the queries; pass-Q and Ulysses refused)
+_add(
+    FamilyPatch(
+        "inkling_text",
+        "Inkling (text): short convolutions, a relative-position bias per query token, sliding layers",
+        apply=inkling.apply,
+        recurrent=True,
+        csa=False,
+    )
+)
+# Inkling 2: Inkling's, with per-token sinks and attention residuals over depth (patches/inkling2.py)
+_add(
+    FamilyPatch(
+        "inkling2_text",
+        "Inkling 2 (text): short convolutions, a relative bias and sinks per query token, residuals over depth",
+        apply=inkling2.apply,
+        recurrent=True,
+        csa=False,
+        reference_attn="eager",  # its per-token sinks: no SDPA
+    )
+)
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share
 _add(FamilyPatch("jamba", "Jamba: Mamba1 layers beside attention, MoE", apply=mamba1.apply, recurrent=True))
 # Zamba scans its Mamba1 channels per head, from one (batch, heads, head_dim, state) state (patches/mamba1.py)

@@ -19,8 +19,11 @@ _MISSING = object()
 
 def port(model, class_name: str, forward, attributes) -> callable:
     """Give every `class_name` module of `model` the ported `forward` and `attributes(module) -> dict` (what the
-    attention functions read: num_key_value_groups, is_causal, config, layer_idx); returns undo()."""
-    modules = [m for m in model.modules() if type(m).__name__ == class_name]
+    attention functions read: num_key_value_groups, is_causal, config, layer_idx); returns undo(). A module whose
+    forward was replaced on the instance already (a user's patch that calls SDPA itself, a hook) keeps it: replaced
+    again, the user's code would be dropped unseen; kept, a forward that bypasses the library's attention is refused
+    at the first forward, naming its layer (the coverage check)."""
+    modules = [m for m in model.modules() if type(m).__name__ == class_name and "forward" not in m.__dict__]
     saved = []
     for module in modules:
         values = attributes(module)

@@ -106,8 +106,28 @@ OVERRIDES: dict[str, dict] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=24),
     "gptj": dict(rotary_dim=8),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], **MAMBA),
+    # its two layer kinds (the config's every sixth layer full, the rest sliding), a dense and a sparse MLP; the relative
+    # bias's extent and the log scaling's floor within the 61-token prompt, so both bite inside the partitions
+    "inkling_text": dict(
+        layer_types=["hybrid_sliding", "hybrid"],
+        mlp_layer_types=["dense", "sparse"],
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        rel_extent=20,
+        log_scaling_n_floor=8,
+    ),
     "inkling2_loop_text": dict(unpadded_vocab_size=256),
-    "inkling2_text": dict(unpadded_vocab_size=256),
+    # Inkling's geometry (above), with its per-token sinks; attention residual blocks of one layer (every layer a block boundary)
+    "inkling2_text": dict(
+        unpadded_vocab_size=256,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        rel_extent=20,
+        log_scaling_n_floor=8,
+        n_layers_per_attn_res_block=1,
+    ),
     "jamba": dict(**PERIOD_2, mamba_dt_rank=8),
     # its three layer kinds (the default 34 layers hold all three), a window shorter than the 61-token prompt
     "lara_mini": dict(

@@ -68,7 +68,7 @@ def context_parallel_attention(
         width=width if key.shape[-1] != value.shape[-1] else None,
         out_dim=value.shape[-1] if value.shape[-1] < width else None,
     )
-    call = step.at(idx, source, sinks=kwargs.get("s_aux"), kv=kv)  # this layer's call, handed to the algorithm
+    call = step.at(idx, source, sinks=_sinks(step, module, kwargs.get("s_aux")), kv=kv)  # handed to the algorithm
     q = kv.pad(query)
     attn = dict(
         scale=scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
@@ -129,10 +129,23 @@ def _refuse_own_mask(module, attention_mask, kwargs):
         )
 
 
+def _sinks(step, module, sinks):
+    """The layer's sink logits: per head (H,), or per query token and head (B, H, Tq: Inkling 2's, from each query's
+    hidden state), which stay with this rank's queries: refused where the algorithm moves queries."""
+    if sinks is not None and sinks.dim() > 1 and STRATEGIES[step.algorithm].moves_queries:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}'s attention sinks are computed from each query token's hidden state, which "
+            f"stay on the query's rank; the {step.algorithm!r} algorithm moves queries between ranks: use ring "
+            "pass-KV, all-gather KV or KV-Runahead, and replicated decode (decode='replicated')."
+        )
+    return sinks
+
+
 def _score_bias(step, module, fn) -> dict:
     """A family's score bias from global columns (attention/bias.py: ALiBi, a relative-position bias), handed as
     `score_bias=fn`: {"bias": the forward's ScoreBias}, or {} without one. DCP gathers its TP peers' query heads
-    and CSA prunes blocks by scores without it: both refused with one."""
+    and CSA prunes blocks by scores without it: both refused with one; a bias held per query row (`fn.per_query`)
+    is refused where the algorithm moves queries."""
     if fn is None:
         return {}
     if step.dcp is not None or step.sparse is not None:
@@ -142,6 +155,12 @@ def _score_bias(step, module, fn) -> dict:
             f"{what} does not apply: run it without {what}."
         )
     ulysses.check_bias(step.algorithm, module, fn)  # a bias over a key's every KV head
+    if getattr(fn, "per_query", False) and STRATEGIES[step.algorithm].moves_queries:  # rows of this rank's queries
+        raise UnsupportedModelError(
+            f"{type(module).__name__}'s score bias is computed from each query token's hidden state (a relative bias "
+            f"per query), which stays on the query's rank; the {step.algorithm!r} algorithm moves queries between "
+            "ranks: use ring pass-KV, all-gather KV or KV-Runahead, and replicated decode (decode='replicated')."
+        )
     return {"bias": bias.for_forward(step, fn)}
 
 

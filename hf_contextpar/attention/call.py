@@ -20,7 +20,7 @@ from ..comm.collectives import Comm
 class LayerCall(Protocol):
     comm: Comm  # this rank's communicator: rank, world, the sends and receives (byte-counted)
     layer: int  # the attention layer running now
-    sinks: torch.Tensor | None  # its attention sinks (H,), for the algorithms that merge them themselves
+    sinks: torch.Tensor | None  # its attention sinks (H,) or (B, H, Tq), for the algorithms that merge them themselves
     state: dict  # what an algorithm carries from one layer to the next within a forward
     kv_shapes: dict  # per layer, its K/V block geometry seen in earlier forwards (read only: to post receives ahead)
     dcp: Comm | None  # DCP's peers sharing this KV head (decode keeps its LSE for their merge)

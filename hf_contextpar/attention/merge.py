@@ -166,10 +166,11 @@ def merge_packed_out(stacked, sink=None):
     are a softmax over dim 0, one op, so a layer's merge is four ops instead of `merge_stacked`'s
     dozen (each op's overhead is the cost for one token). A row no partial saw (every L_s = -inf)
     gets NaN weights from the softmax: they become 0, so the row stays 0, as in `merge_stacked`.
-    `sink` (H,): attention sinks enter as one more partial, (0, sink), in the same softmax."""
+    `sink` (H,) or (B, H, T) (`sink_logits`): attention sinks enter as one more partial, (0, sink), in the same
+    softmax."""
     lses = stacked[..., -1:]  # (S, B, H, T, 1): the weights broadcast over the output columns as they are
     if sink is not None:
-        lses = torch.cat([lses, sink.to(lses.dtype).view(1, 1, -1, 1, 1).expand(1, *lses.shape[1:])])
+        lses = torch.cat([lses, sink_logits(sink, lses[0, ..., 0])[None, ..., None]])
     weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)
     if sink is not None:  # the sink's weight has no output
         weights = weights[: stacked.shape[0]]
@@ -180,6 +181,13 @@ def with_sink(out, lse, sink):
     """Attention with sinks (gpt-oss: a learned per-head logit in the softmax denominator, with no
     value) from the merged attention over every key: the sink is one more partial, (0, s), merged
     once, so O * exp(L - logaddexp(L, s)) = O * sigmoid(L - s). out (B, H, T, D), lse (B, H, T),
-    sink (H,). A row that saw no key (L = -inf, O = 0) stays 0, as with the sink alone."""
-    weight = torch.sigmoid(lse - sink.to(lse.dtype).view(1, -1, 1))
+    sink (H,) or (B, H, T) (`sink_logits`). A row that saw no key (L = -inf, O = 0) stays 0, as with the sink alone."""
+    weight = torch.sigmoid(lse - sink_logits(sink, lse))
     return out * weight.unsqueeze(-1).to(out.dtype)
+
+
+def sink_logits(sink, lse):
+    """The sink logits beside an LSE (B, H, T): learned per head (H,), GPT-OSS's, or computed per query token and
+    head (B, H, T), Inkling 2's (from each query's hidden state: they belong to this rank's query rows)."""
+    sink = sink.to(lse.dtype)
+    return (sink.view(1, -1, 1) if sink.dim() == 1 else sink).expand_as(lse)

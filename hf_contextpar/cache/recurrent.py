@@ -19,6 +19,13 @@ of a one-state layer (every mixer we run writes its conv state before it, and on
 forward moves to another layer or ends (a conv-only layer sends its conv state alone). So the next
 rank's wait ends before this rank's output projection, norms and MLP of that layer, not after them.
 
+A hybrid layer (K/V and states in one cache layer) whose own states are written on both sides of its attention
+(Inkling's short convolutions on K and V before it, on the attention output and the MLP after it) is "attended":
+at its K/V update the states it wrote so far go (before any attention message, which may wait for every rank), and
+each state it writes after its attention goes at that write; the message at its leaving closes it (what is left,
+often nothing). The next rank reads each state where it first needs it (`needs`), so its wait for a state written
+after the attention ends at this rank's write of it, not at the end of this rank's layer.
+
 A one-state layer's conv state goes ahead of its recurrent state, at its write: the next rank's
 convolution needs nothing else, so its wait at the layer's start ends after this rank's input
 projection alone. The recurrent state follows in a second message, which the next rank receives where
@@ -95,8 +102,12 @@ class StateChain:
         self.sent: set[int] = set()  # layers whose outgoing state is posted
         self.final: set[int] = set()  # layers whose states were final before the forward left them (sent early)
         self.ahead: set[int] = set()  # one-state layers whose conv state went ahead of the rest (every rank's books)
+        self.attended: set[int] = set()  # hybrid layers whose states were written before their attention (and after)
+        self.written: dict[int, set] = {}  # per layer, the (kind, state index) this forward wrote
+        self.shipped: dict[int, set] = {}  # per layer, the (kind, state index) posted to the next rank
+        self.loaded: dict[int, set] = {}  # per layer, the (kind, state index) received from the previous rank
         self.current: int | None = None  # the recurrent layer the forward is in
-        self.pending: int | None = None  # the layer whose second message (after its conv state) is still to come
+        self.pending: int | None = None  # the layer whose later messages (an attended layer's too) are to come
         self.deferred = False  # the pending layer's recurrent state was read as None, for its kernel to `take`
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (layer, state index) -> recurrent state received
         self.token = None  # the ContextVar token of `_running` while this chain runs (`start_chain`)
@@ -122,6 +133,7 @@ class StateChain:
         header = self.comm.recv_prev((HEADER,), torch.long, _device(self.cache, layer_idx), op="state_recv").wait()
         states = self._payload(header)
         load_states(self.cache.layers[layer_idx], states)
+        self.loaded.setdefault(layer_idx, set()).update(states)
         self.received.update({(layer_idx, i): t for (kind, i), t in states.items() if kind == 1})
         self.pending = layer_idx if int(header[2]) else None
 
@@ -146,9 +158,27 @@ class StateChain:
             self._sends.append(self.comm.send_next(payload, op="state_send"))
 
     def complete(self) -> None:
-        """Receive the pending layer's second message (its recurrent state) now."""
-        if self.pending is not None:
+        """Receive the pending layer's other messages (its recurrent state, an attended layer's later states) now."""
+        while self.pending is not None:
             self._load(self.pending)
+
+    def needs(self, layer_idx: int, key: tuple) -> None:
+        """A read of state `key` (kind, index) of `layer_idx`: if rank - 1 has not sent it yet (an attended layer's
+        state written after its attention), receive its messages until it is there or the layer's last is in."""
+        while self.pending == layer_idx and key not in self.loaded.get(layer_idx, ()):
+            self._load(layer_idx)
+
+    def attend(self, layer_idx: int) -> None:
+        """The forward reaches the K/V update of `layer_idx`. Another recurrent layer before it is done (sent, as
+        `leave_layer`); a hybrid layer that wrote its own states before its attention and has not finished them (no
+        final recurrent state) becomes attended: what it wrote goes now, before any attention message, and the rest
+        as it is written (`wrote`), with more to follow until the forward leaves it."""
+        if self.current != layer_idx or layer_idx in self.final:
+            self.leave_layer()
+            return
+        self.attended.add(layer_idx)
+        written = self.written.get(layer_idx, set())
+        self._post(layer_idx, {k: t for k, t in layer_states(self.cache.layers[layer_idx]).items() if k in written})
 
     def arrived(self, layer_idx: int) -> None:
         """Something other than a late kernel reads `layer_idx`'s state: receive it now, unless handed out late."""
@@ -170,12 +200,16 @@ class StateChain:
         self.complete()
         return self.received.get((layer_idx, 0))
 
-    def wrote(self, layer_idx: int, recurrent: bool) -> None:
-        """The mixer wrote a state of `layer_idx`. A one-state layer's conv state (its first write) goes ahead, and
-        its recurrent state (its last write) is final: send now, ahead of the layer's scan, output projection and
-        MLP. Every rank keeps the same books (a write out of that order raises alike on every rank, before the next
-        rank could use a stale state)."""
-        layer = self.cache.layers[layer_idx]
+    def wrote(self, layer_idx: int, recurrent: bool, state_idx: int = 0) -> None:
+        """The mixer wrote a state of `layer_idx`. An attended layer's goes now. A one-state layer's conv state (its
+        first write) goes ahead, and its recurrent state (its last write) is final: send now, ahead of the layer's
+        scan, output projection and MLP. Every rank keeps the same books (a write out of that order raises alike on
+        every rank, before the next rank could use a stale state)."""
+        layer, key = self.cache.layers[layer_idx], (int(recurrent), state_idx)
+        self.written.setdefault(layer_idx, set()).add(key)
+        if layer_idx in self.attended:
+            self._post(layer_idx, {key: layer_states(layer)[key]})
+            return
         if layer_idx in self.final or (not recurrent and layer_idx in self.ahead):
             raise UnsupportedModelError(
                 f"recurrent layer {layer_idx} wrote a state after its recurrent state, or its conv state twice, in "
@@ -192,12 +226,13 @@ class StateChain:
             self._flush()
         else:
             self.ahead.add(layer_idx)
-            if self.send:
-                self.send_states(
-                    {k: t for k, t in layer_states(layer).items() if k[0] == 0},
-                    _device(self.cache, layer_idx),
-                    more=True,
-                )
+            self._post(layer_idx, {k: t for k, t in layer_states(layer).items() if k[0] == 0})
+
+    def _post(self, layer_idx: int, states: dict, more: bool = True) -> None:
+        """Some of `layer_idx`'s states to the next rank (more follow unless `more` is False), in the books."""
+        self.shipped.setdefault(layer_idx, set()).update(states)
+        if self.send:
+            self.send_states(states, _device(self.cache, layer_idx), more=more)
 
     def leave_layer(self) -> None:
         """The forward moved on to an attention layer: the recurrent layer before it is done, send its state
@@ -249,10 +284,9 @@ class StateChain:
         layer_idx = self.current
         if layer_idx is None or not self.send or layer_idx in self.sent:
             return
-        states = layer_states(self.cache.layers[layer_idx])
-        if layer_idx in self.ahead:
-            states = {k: t for k, t in states.items() if k[0] != 0}
-        self.send_states(states, _device(self.cache, layer_idx))
+        shipped = self.shipped.get(layer_idx, ())
+        states = {k: t for k, t in layer_states(self.cache.layers[layer_idx]).items() if k not in shipped}
+        self._post(layer_idx, states, more=False)
         self.sent.add(layer_idx)
 
 
@@ -311,12 +345,13 @@ class ChainedStates:
             self.chain.enter(layer_idx)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.chain is not None:  # K/V of an attention layer: the recurrent layer before it is done
-            self.chain.leave_layer()
+        if self.chain is not None:  # K/V of an attention layer: the recurrent layer before it is done (or attended)
+            self.chain.attend(layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         self._enter(layer_idx)
+        self._needs(layer_idx, (0, state_idx))
         return super().get_conv_state(layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
@@ -327,19 +362,24 @@ class ChainedStates:
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, **kwargs):
         self._enter(layer_idx)
+        self._needs(layer_idx, (0, state_idx))
         out = super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
-        self._wrote(layer_idx, recurrent=False)
+        self._wrote(layer_idx, False, state_idx)
         return out
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         self._enter(layer_idx)
         out = super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
-        self._wrote(layer_idx, recurrent=True)
+        self._wrote(layer_idx, True, state_idx)
         return out
 
-    def _wrote(self, layer_idx, recurrent: bool):
+    def _wrote(self, layer_idx, recurrent: bool, state_idx: int):
         if self.chain is not None and is_recurrent(self.layers[layer_idx]):
-            self.chain.wrote(layer_idx, recurrent)
+            self.chain.wrote(layer_idx, recurrent, state_idx)
+
+    def _needs(self, layer_idx, key):
+        if self.chain is not None and is_recurrent(self.layers[layer_idx]):
+            self.chain.needs(layer_idx, key)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         self._enter(layer_idx)

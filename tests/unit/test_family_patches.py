@@ -186,3 +186,19 @@ def test_mllama_runs_text_only_and_refuses_vision_inputs():
     with torch.no_grad(), pytest.raises(UnsupportedInputError, match="cross_attention_states given"):
         model(ids, cross_attention_states=torch.zeros(1, 4, 64, dtype=torch.float64))
     undo()
+
+
+def test_a_port_keeps_a_forward_replaced_on_the_instance():
+    """A module whose forward a user (or a hook) replaced on the instance keeps it: the port would drop that code
+    unseen (the fuzz drew Inkling 2 with its last layer calling SDPA itself: ported over, the patch was gone and the
+    model ran unrefused); kept, the coverage check refuses the forward, naming the layer. The other modules are
+    ported, and undo restores all."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("bloom", vocab_size=256, n_layer=2, hidden_size=64, n_head=4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    first, last = [m for m in model.modules() if type(m).__name__ == "BloomAttention"]
+    users = last.forward = lambda *args, **kwargs: None  # a user's own forward
+    undo = bloom.apply(model)
+    assert last.forward is users and first.forward.__func__ is bloom._forward
+    undo()
+    assert last.forward is users and "forward" not in first.__dict__

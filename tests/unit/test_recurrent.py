@@ -429,3 +429,50 @@ def test_mamba1_per_head_scans_continue_from_their_heads_state():
         recurrent._running.reset(token)
     for (tail, tail_last), (out, last) in zip(tails, whole):
         assert (tail - out[..., cut:]).abs().max() < 1e-12 and (tail_last - last).abs().max() < 1e-12
+
+
+def _inkling_cache():
+    """A cache of Inkling's hybrid layers (K/V and 4 conv states each: on K and V before the attention, on its output
+    and the MLP's after it)."""
+    config = AutoConfig.for_model("inkling_text", **_known(tiny_config("inkling_text")))
+    return ChainCache(config=config)
+
+
+def _inkling_layer(cache, layer_idx):
+    """One Inkling layer's cache calls in its order: the K/V convs, the K/V update, the attention-output and MLP
+    convs (each conv reads its state first, as InklingShortConvolution does)."""
+    for idx in (0, 1, "kv", 2, 3):
+        if idx == "kv":
+            cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), layer_idx)
+        else:
+            cache.get_conv_state(layer_idx, idx)
+            cache.update_conv_state(torch.full((1, 8, 3), float(idx)), layer_idx, idx, conv_kernel_size=4)
+
+
+def test_an_attended_layers_later_states_go_at_their_writes():
+    """A hybrid layer that writes states before and after its attention (Inkling's) is not left at its K/V update:
+    what it wrote goes then (more to follow), each later state at its write, and an empty message closes it when the
+    forward leaves it. The next rank takes each message where it first reads that state, so none waits on a state
+    written after rank - 1's attention before its own attention runs."""
+    comm = _Sends()
+    cache = _inkling_cache()
+    begin_chain(cache, comm, receive=False, send=True)
+    _inkling_layer(cache, 0)
+    assert [more for _, more in comm.headers()] == [True, True, True]
+    sent = {k: t for states in comm.states() for k, t in states.items()}
+    assert [set(s) for s in comm.states()] == [{(0, 0), (0, 1)}, {(0, 2)}, {(0, 3)}]
+    cache.get_conv_state(1, 0)  # the next layer: layer 0's closing message, empty
+    assert comm.headers()[-1] == (1, False)
+    cache.context.chain.abandon()
+    receiver = _Receives()
+    receiver.queue = [t for _, t in comm.posted]  # as posted (the empty message: a header alone)
+    cache = _inkling_cache()
+    begin_chain(cache, receiver, receive=True, send=False)
+    for idx in (0, 1):
+        assert torch.equal(cache.get_conv_state(0, idx), sent[0, idx])
+    cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
+    assert len(receiver.queue) == 5  # the attention runs before anything sent after rank - 1's
+    assert torch.equal(cache.get_conv_state(0, 2), sent[0, 2]) and len(receiver.queue) == 3
+    cache.context.chain.leave_layer()
+    assert receiver.queue == []
+    cache.context.chain.abandon()

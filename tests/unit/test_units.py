@@ -162,19 +162,25 @@ def test_decode_merge_equals_the_full_merge(dtype):
 
 
 def _softmax_with_sink(q, k, v, scale, sink):
-    """gpt-oss's eager attention: the sink is one more logit per head, dropped after the softmax."""
+    """gpt-oss's eager attention: the sink is one more logit per head (Inkling 2's: per query token and head),
+    dropped after the softmax."""
     logits = q @ k.transpose(-1, -2) * scale
-    logits = torch.cat([logits, sink.view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)], -1)
+    sink = sink.view(1, -1, 1, 1) if sink.dim() == 1 else sink[..., None]
+    logits = torch.cat([logits, sink.expand(*logits.shape[:-1], 1)], -1)
     return torch.softmax(logits, -1)[..., :-1] @ v
 
 
-def test_sinks_enter_the_merge_once():
+@pytest.mark.parametrize("per_query", [False, True])
+def test_sinks_enter_the_merge_once(per_query):
     """Attention with sinks = the merged attention over key splits, then `with_sink`; and decode's
-    merge with the sink as one more partial. A row no split saw stays 0 (the sink takes it all)."""
+    merge with the sink as one more partial. A row no split saw stays 0 (the sink takes it all). Sinks per head
+    (gpt-oss) or per query token and head (Inkling 2's, (B, H, Tq))."""
     torch.manual_seed(1)
     q = torch.randn(2, 3, 5, 8, dtype=torch.float64)
     k, v = torch.randn(2, 3, 24, 8, dtype=torch.float64), torch.randn(2, 3, 24, 8, dtype=torch.float64)
     sink = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
+    if per_query:
+        sink = 2 * torch.randn(2, 3, 5, dtype=torch.float64)
     want = _softmax_with_sink(q, k, v, 0.5, sink)
     parts = [_math(q, k[..., a:b, :], v[..., a:b, :], None, 0.5, None) for a, b in [(0, 5), (5, 17), (17, 24)]]
     out, lse = merge_stacked(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))

@@ -104,6 +104,7 @@ from hybrids import (
     CENSUS_CHAINED,  # noqa: E402
     CENSUS_CONFIGS,  # noqa: E402
     GIVEN_CACHE,  # noqa: E402
+    PER_QUERY,  # noqa: E402
     census_family_config,  # noqa: E402
     hybrid_config,  # noqa: E402
 )
@@ -868,7 +869,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
     if isinstance(exc, hf_contextpar.UnsupportedModelError) and (hybrid or indexed(case)):
         # at apply: batched pass-Q decode would move states; a query would leave the rank its top-k was chosen on
         moves_queries = case["strategy"] in ("ring_pass_q", "ulysses")
-        return case["decode"] == "ring_pass_q" or ((indexed(case) or compressed(case)) and moves_queries)
+        held = indexed(case) or compressed(case) or model_type(case["family"]) in PER_QUERY  # queries stay home
+        return case["decode"] == "ring_pass_q" or (held and moves_queries)
     if (
         type(exc) is hf_contextpar.UnsupportedInputError
         and hybrid

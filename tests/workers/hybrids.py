@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the census (dev/) is a checkout's, not installed
+from hf_contextpar.patches import REGISTRY  # noqa: E402
+
 from dev.census.configs import _known, tiny_config  # noqa: E402
 
 GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_value_head_dim=16, linear_key_head_dim=16)
@@ -54,6 +56,18 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     # RG-LRU and short-convolution blocks beside local attention (patches/recurrent_gemma.py: the states through the
     # cache); its conv keeps 3 inputs, more than the second turn's partitions at N = 4 hold (9 tokens over 4 ranks)
     "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
+    # short convolutions on K, V, the attention output and the MLP (conv states 2, 3 written after the attention), a
+    # relative bias per query (patches/inkling.py); its convs keep 3 inputs, more than N = 4's second-turn partitions
+    "inkling_text": dict(
+        layer_types=["hybrid_sliding"] * 3 + ["hybrid"], mlp_layer_types=["dense", "sparse"] * 2, sliding_window=8
+    ),
+    # Inkling's, with sinks per query token and attention residuals over depth (patches/inkling2.py), blocks of 2
+    "inkling2_text": dict(
+        layer_types=["hybrid_sliding"] * 3 + ["hybrid"],
+        sliding_window=8,
+        n_layers_per_attn_res_block=2,
+        unpadded_vocab_size=384,  # its embedding's rows: the byte tokenizer's vocabulary (BYTE_IDS)
+    ),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
 }
@@ -61,6 +75,9 @@ FAMILIES = list(LAYOUT)
 # recurrent models whose states are a list of their own (`state=`), outside the Cache API, and no attention
 # (patches/rwkv.py), with their config's overrides: their own cases (tests/workers/hybrid_worker.py `check_state_list`)
 STATE_LIST = {"rwkv": dict(rescale_every=1)}  # hidden states halved after every block (checkpoints: every 6th)
+# the families whose bias or sinks are computed per query token (held with the queries): strategies that move
+# queries (pass-Q, Ulysses) are refused with an UnsupportedModelError at the first forward
+PER_QUERY = {"inkling_text", "inkling2_text"}
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
@@ -117,13 +134,17 @@ def hybrid_config(family: str):
     else:
         n = len(layout.get("layer_types", [])) or 4
         kw.update(layout, num_hidden_layers=n)
-    return AutoConfig.for_model(family, **kw)
+    config = AutoConfig.for_model(family, **kw)
+    if not hasattr(config, "use_cache"):  # Inkling's has none: a forward keeps no cache unless asked (generate asks)
+        config.use_cache = True
+    return config
 
 
 def hybrid_model(family: str, dtype=torch.float64, seed: int = 0):
     config = hybrid_config(family)
     torch.manual_seed(seed)
-    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": "sdpa"}
+    impl = REGISTRY[family].reference_attn if family in REGISTRY else "sdpa"  # Inkling 2's sinks: eager alone
+    attn = {} if getattr(config, "num_attention_heads", None) is None else {"attn_implementation": impl}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager", **attn).eval()
