@@ -78,6 +78,8 @@ VERIFIED = {
     "hy_v3": (1e-05, "sdpa"),
     "hy_v4": (1e-05, "eager"),
     "hyperclovax": (1e-10, "sdpa"),
+    "inkling2_text": (100.0, "eager"),
+    "inkling_text": (1e-06, "sdpa"),
     "internlm3": (1e-10, "sdpa"),
     "iquestcoder": (1e-10, "sdpa"),
     "jais2": (1e-10, "sdpa"),
@@ -153,8 +155,6 @@ NOT_VERIFIED = {
     "gemma4_assistant": "refused at apply: model_type 'gemma4_assistant' cannot run under context parallelism with hf-…",
     "gemma4_unified_assistant": "refused at apply: model_type 'gemma4_unified_assistant' cannot run under context para…",
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
-    "inkling2_text": "refused at apply: this model (inkling2_text) has ['hybrid', 'hybrid_sliding'] layers (its attent…",
-    "inkling_text": "refused at apply: this model (inkling_text) has ['hybrid', 'hybrid_sliding'] layers (its attentio…",
     "minimax_m3_vl_text": "refused at apply: this model (minimax_m3_vl_text) has ['minimax_m3_sparse'] layers (its min…",
     "xlstm": "refused at apply: model_type 'xlstm' cannot run under context parallelism with hf-contextpar, registered…",
 }
