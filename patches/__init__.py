@@ -41,6 +41,7 @@ from . import (
     llama4_text,
     mamba1,
     minimax,
+    minimax_m3,
     mllama,
     moshi,
     mpt,
@@ -128,6 +129,15 @@ DSA_FAMILIES = [
         apply=gated_delta.apply,
         hooks=qwen4_exp.HOOKS,
         fp32_tolerance=2e-3,
+    ),
+    # MiniMax-M3's block indexer: its top key blocks per KV head as block_indices (patches/minimax_m3.py); its MoE
+    # router's fp32 (the census's bound: ours 1e-14 with the model's internals in fp64, N = 2, 3, 4)
+    FamilyPatch(
+        "minimax_m3_vl_text",
+        "MiniMax-M3 (text): block-sparse attention layers (a lightning indexer's top key blocks), MoE",
+        indexed=True,
+        hooks=minimax_m3.HOOKS,
+        fp64_tolerance=1e-5,
     ),
 ]
 
@@ -330,15 +340,6 @@ for _mt, _what, _fp32 in [
 # why a family's layers of a kind the contract does not run are refused (the kind named by the refusal, this after it)
 NOT_CHAINED = families.NOT_CHAINED
 NOT_CHAINED |= {
-    # found by the census on a config with its sparse layer (MiniMax-M3's checkpoints interleave them)
-    "minimax_m3_vl_text": (
-        "its minimax_m3_sparse layers' lightning indexer scores every earlier key slot (index keys kept in its own "
-        "cache layer by update_index), max-pools the scores over blocks of index_block_size key slots counted from the "
-        "cache's first slot, and hands each query's top index_topk_blocks blocks to attention as block_indices; "
-        "hf-contextpar's sharded cache holds a rank's own index keys only and its attention takes per-token indices "
-        "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
-        "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
-    ),
     "inkling_text": (
         "its attention adds a relative-position score bias computed from each query token's hidden state "
         "(position_bias: per query and head, by distance up to rel_extent), which hf-contextpar's attention does not "

@@ -155,12 +155,14 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "indexed": Area(
-        "indexed attention (DeepSeek Sparse Attention: the indexer's top-k)",
-        (A + "indexed.py",),
+        "indexed attention (DeepSeek Sparse Attention: the indexer's top-k; MiniMax-M3's top key blocks)",
+        (A + "indexed.py", "patches/minimax_m3.py"),
         (
             "test_errors.py::test_indexed_attention_refuses_what_moves_a_query_from_its_top_k",
             "test_cache.py::test_index_keys_follow_the_cache_through_beams_crop_and_failure",
             "test_cache.py::test_a_narrowed_indexer_mask_is_the_layers_selection",
+            "test_cache.py::test_update_index_hands_every_column_of_one_head_in_order",
+            "test_cache.py::test_a_block_indexers_top_blocks_are_its_layers_selection_per_kv_head",
             "test_units.py::test_attend_with_a_selection_over_key_blocks_is_the_masked_whole",
             ("test_exactness.py::test_exact", lambda p: p["family"].startswith(("deepseek_v32", "glm_moe_dsa"))),
             "test_geometries.py",

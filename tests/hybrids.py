@@ -68,7 +68,7 @@ BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id
 # patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi, doge.py's per-key
 # bias; Moshi's
 # cache_window), DSA-indexed (axk2, hy_v4,
-# qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
+# qwen4_exp_text; minimax_m3_vl_text's block indexer), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
 # tiny configs.
 CENSUS_CONFIGS = [
     "axk2",
@@ -81,6 +81,7 @@ CENSUS_CONFIGS = [
     "hrm_text",
     "hy_v4",
     "jetmoe",
+    "minimax_m3_vl_text",
     "moshi",
     "mpt",
     "qwen4_exp_text",

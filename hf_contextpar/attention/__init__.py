@@ -48,7 +48,7 @@ def context_parallel_attention(
     step = current_step.get()
     key, value, extra = entries.split(step, module, key, value)  # a layer's own entries beside its K/V (V4's)
     _refuse(step, module, dropout)
-    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"))
+    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"), kwargs)
     _refuse_own_mask(module, own_mask, kwargs)
     expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)

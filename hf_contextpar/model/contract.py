@@ -57,7 +57,14 @@ def attention_layers(config) -> int:
     if not types:
         cross = set(getattr(text, "cross_attention_layers", None) or ())
         return text.num_hidden_layers - len(cross & set(range(text.num_hidden_layers)))
-    return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED for t in types)
+    indexed = hooks_of(config).indexed_layer_type()  # a family's own name for its indexed layers (MiniMax-M3's)
+    return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED or t == indexed for t in types)
+
+
+def _indexes(layer) -> bool:
+    """Does a transformers cache layer keep an indexer's keys (DSA's `update_indexer`, MiniMax-M3's per-layer
+    `update_index`)? A cache without the model's such layers fails inside the model on one process."""
+    return hasattr(layer, "update_indexer") or hasattr(layer, "update_index")
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -93,7 +100,7 @@ def check_model(model, sparse: bool = False):
     if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
         kinds -= chained
     if family is not None and family.indexed:  # its indexer scores every rank's index keys (attention/indexed.py)
-        kinds -= {"indexed_attention"}
+        kinds -= {family.hooks.indexed_layer_type()}
     if family is not None and family.compressed:  # its compressors' state and entries pass between ranks (V4's)
         kinds -= set(_COMPRESSED)
     if kinds:
@@ -181,7 +188,7 @@ class InputContract:
         template = DynamicCache(config=model.config)
         self.windows = cache_windows(template)
         self.recurrence = cache_recurrence(template)  # per layer: the LayerMaker of its cache layer (K/V, states)
-        self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
+        self.indexers = [_indexes(layer) for layer in template.layers]  # DSA's index keys
         if all(r.states and not r.kv for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
@@ -303,7 +310,7 @@ class InputContract:
                     "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
                     "Drop cache_implementation."
                 )
-            indexers = [hasattr(layer, "update_indexer") for layer in cache.layers]
+            indexers = [_indexes(layer) for layer in cache.layers]
             if (any(r.states for r in self.recurrence) and cache_recurrence(cache) != self.recurrence) or (
                 any(self.indexers) and indexers != self.indexers
             ):  # one process fails inside the model (no layer to hold the states, or the index keys)

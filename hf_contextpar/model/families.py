@@ -45,6 +45,18 @@ class FamilyHooks:
         adapter checks that those are exactly the K/V that layer's update returned in the forward."""
         return None
 
+    def indexed_layer_type(self) -> str:
+        """The `layer_types` name of an indexed-attention family's layers with an indexer (attention/indexed.py):
+        transformers' own ("indexed_attention") unless the family names its kind otherwise."""
+        return "indexed_attention"
+
+    def selected_blocks(self, module, kwargs: dict):
+        """An indexed-attention layer that hands its top-k as blocks of key columns (a block indexer's selection,
+        counted from column 0) rather than as `indices=`: (its (B, H, Tq, k) block numbers, -1 for an unused slot, one
+        selection per KV head or one for all; the blocks' width in columns), read from the keyword arguments of its
+        attention call; None: it hands none."""
+        return None
+
     def selection(self, module, attention_mask, indexer_mask):
         """An indexed-attention layer that hands its top-k otherwise than as `indices=`: its (B, Tq, T) bool
         selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else
