@@ -32,6 +32,7 @@ from . import (
     deepseek_v4,
     diffllama,
     doge,
+    dory,
     falcon,
     gated_delta,
     gpt_neo,
@@ -138,6 +139,7 @@ DSA_FAMILIES = [
         indexed=True,
         hooks=minimax_m3.HOOKS,
         fp64_tolerance=1e-5,
+        csa=False,  # its sparse layers keep the indexer's blocks, not CSA's pruning (check_indexed refuses it too)
     ),
 ]
 
@@ -384,6 +386,15 @@ _add(
         recurrent=True,
     )
 )
+# Dory's recurrent loops each write a copy of the section's cache layers, made up front (patches/dory.py)
+_add(
+    FamilyPatch(
+        "dory",
+        "Dory: a recurrent section of layers looped n_recurrent_loops times, one cache copy per loop",
+        check=dory.check,
+        hooks=dory.HOOKS,
+    )
+)
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 _add(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
@@ -393,16 +404,6 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 # user's register() replaces an entry, so a check in one would not hold)
 INEXACT = families.INEXACT
 INEXACT |= {
-    # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
-    # cache modes at the first recurrent layer's second loop (attending with K/V no update of its layer returned)
-    "dory": (
-        "its recurrent layers run n_recurrent_loops times in one forward, and a loop after the first attends with "
-        "K/V no cache layer of the model's config returned: recurrent_kv_cache_mode='per_loop' appends copies of "
-        "the recurrent cache layers to the cache during the forward and writes each loop to its copy, 'last_loop' "
-        "has the earlier loops attend over the cache's stored keys read directly plus their own tokens, never "
-        "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
-        "shard layers added inside one, nor attend with K/V it did not store"
-    ),
     # CpmAntModel._prepare_attention_mask: `context` is all ones, so its mask is `context[:, None, :] | ...`, True
     # everywhere but the left padding (token id 0): in a prefill every token attends to the later ones too
     "cpmant": (

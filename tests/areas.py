@@ -110,6 +110,7 @@ AREAS: dict[str, Area] = {
             "test_strategies.py::test_partition_table_interpolates_and_clamps",
             "test_strategies.py::test_partition_sizes_are_exact",
             "test_units.py::test_balanced_partitions_equalise_predicted_work",
+            "test_units.py::test_kv_runahead_posts_receives_for_the_layer_attended_next",
             "test_units.py::test_measured_work_fits_the_ranks_busy_times",
         ),
     ),
@@ -311,6 +312,7 @@ AREAS: dict[str, Area] = {
             "test_user_code.py",
             "test_units.py::test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache",
             "test_tp.py::test_tp_head_checks",
+            "test_cache.py::test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it",
         ),
     ),
     "runtime": Area(

@@ -570,3 +570,26 @@ def test_a_block_indexers_top_blocks_are_its_layers_selection_per_kv_head():
         layer_selection(no_hook, layer, ours, None, dict(block_indices=blocks))
     with pytest.raises(hf_contextpar.errors.PatchStateError, match="over 4 blocks of 8 keys"):
         layer_selection(step, layer, ours, None, dict(block_indices=blocks + 4))
+
+
+# -- Dory's loops: a copy of the looped section's cache layers per loop after the first, made up front --------------
+def test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it():
+    """Dory (patches/dory.py) appends, in its first forward, a copy of its recurrent section's cache layers per loop
+    after the first and writes each loop to its copy: the sharded cache makes those copies with itself (from no
+    cache, and bound to generate()'s DynamicCache(config=...)), each with its layer's window, as one process's cache
+    holds them after that forward; the model then finds them and appends none."""
+    from dev.census.configs import build
+    from hf_contextpar.model.contract import InputContract, attention_layers
+
+    model = build("dory", torch.float64, "sdpa")
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    one = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=one)
+    contract = InputContract(model, 0, 2, "hf_contextpar")
+    assert contract.copies == (1, 2) and contract.num_layers == len(one.layers) == 6
+    assert attention_layers(model.config) == 6  # each loop's calls counted, for the coverage check
+    made = contract.new_cache()
+    bound = ShardedCache.bind(DynamicCache(config=model.config), 6, 0, 2, contract.recurrence, contract.copies)
+    windows = tuple(getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in one.layers)
+    assert made.windows == bound.windows == windows == (24, 24, None, 24, 24, None)

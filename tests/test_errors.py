@@ -168,6 +168,13 @@ def _from_config(model_type, **kw):
             lambda: AutoModelForCausalLM.from_config(tiny_config("gemma4_unified_assistant")),
             "'gemma4_unified_assistant' cannot run .*draft model for assisted decoding",
         ),
+        # Dory's loops before the last attending the cache's stored K/V read directly (its per-loop mode runs)
+        (
+            lambda: AutoModelForCausalLM.from_config(
+                type(tiny_config("dory"))(**{**tiny_config("dory").to_dict(), "recurrent_kv_cache_mode": "last_loop"})
+            ),
+            "recurrent_kv_cache_mode='last_loop'",
+        ),
         # no attention heads at all (RWKV's recurrence): refused at apply, not a crash in the cost model
         (
             lambda: _from_config(

@@ -371,3 +371,21 @@ def test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache()
     refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3, "cache": None, "past_key_values": filled})
     refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3})
     refuse_candidate_decoding(model, (), embeds)
+
+
+def test_kv_runahead_posts_receives_for_the_layer_attended_next():
+    """KV-Runahead posts its next layer's receives as soon as a layer is done: the layer an earlier forward attended
+    after it (`Step.kv_shapes` keeps their first order), not l + 1. A looped section's copies (Dory's: cache layers
+    0, 1, 2, then the copies 4, 5, then 3) would else post receives the next layer's messages do not fit. None before
+    a forward has shown it; a layer counted without a cache (negative) never receives."""
+    import types
+
+    from hf_contextpar.attention.kv_runahead import _following
+
+    def step(layer, order):
+        return types.SimpleNamespace(layer=layer, kv_shapes=dict.fromkeys(order, (2, 2, 16)))
+
+    looped = [0, 1, 2, 4, 5, 3]
+    assert [_following(step(layer, looped)) for layer in looped] == [1, 2, 4, 5, 3, None]
+    assert _following(step(1, [0, 1])) is None  # the first forward: layer 2 not shown yet
+    assert _following(step(0, [-1, 0, -2, 1])) == 1

@@ -139,7 +139,7 @@ def layer_selection(step, module, attention_mask, indices, handed: dict | None =
     narrowed, left = _narrowed(step, module, attention_mask, indices)
     if left is not None and left.dim() != 2:
         return None, left
-    if narrowed is None and indices is None and step is not None:
+    if narrowed is None and indices is None and step is not None and step.family is not None:
         blocks = step.family.selected_blocks(module, handed or {})
         narrowed = block_selection(step, *blocks) if blocks is not None else None
     return _selection(step, module, indices, narrowed), left
