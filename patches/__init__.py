@@ -393,6 +393,7 @@ _add(
         "Dory: a recurrent section of layers looped n_recurrent_loops times, one cache copy per loop",
         check=dory.check,
         hooks=dory.HOOKS,
+        csa=False,  # its looped layers attend through cache copies, which CSA's pruning and reference do not define
     )
 )
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
