@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .attention import indexed, ulysses
 from .cache import recurrent
+from .model.families import hooks_of
 from .sparse import csa
 
 
@@ -37,6 +38,11 @@ class Facts:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def hooks(self):
+        """What the model's family needs of the engine beyond its config (`FamilyHooks`, model/families.py)."""
+        return hooks_of(self.model.config)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ class PatchedModel:
         where they run): the caller's, or a scratch one (`scratch`) where none was asked for but the states, or the
         index keys every rank's indexer scores, still need one to pass."""
         plan = context.plan
-        scratch = cache is None and (plan.chained or (self.indexed and plan.storage is not None))
+        # (or the copies of its layers a forward adds, which each loop attends through: Dory's)
+        stores = plan.storage is not None and bool(self.indexed or self.contract.copies)
+        scratch = cache is None and (plan.chained or stores)
         if scratch:
             cache = self.contract.new_cache()
         if cache is None:

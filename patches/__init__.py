@@ -32,6 +32,7 @@ from . import (
     deepseek_v4,
     diffllama,
     doge,
+    dory,
     falcon,
     gated_delta,
     gpt_neo,
@@ -43,6 +44,7 @@ from . import (
     llama4_text,
     mamba1,
     minimax,
+    minimax_m3,
     mllama,
     moshi,
     mpt,
@@ -131,6 +133,16 @@ DSA_FAMILIES = [
         apply=gated_delta.apply,
         hooks=qwen4_exp.HOOKS,
         fp32_tolerance=2e-3,
+    ),
+    # MiniMax-M3's block indexer: its top key blocks per KV head as block_indices (patches/minimax_m3.py); its MoE
+    # router's fp32 (the census's bound: ours 1e-14 with the model's internals in fp64, N = 2, 3, 4)
+    FamilyPatch(
+        "minimax_m3_vl_text",
+        "MiniMax-M3 (text): block-sparse attention layers (a lightning indexer's top key blocks), MoE",
+        indexed=True,
+        hooks=minimax_m3.HOOKS,
+        fp64_tolerance=1e-5,
+        csa=False,  # its sparse layers keep the indexer's blocks, not CSA's pruning (check_indexed refuses it too)
     ),
 ]
 
@@ -332,17 +344,6 @@ for _mt, _what, _fp32 in [
     _add(FamilyPatch(_mt, _what, recurrent=True, apply=gated_delta.apply, fp32_tolerance=_fp32))
 # why a family's layers of a kind the contract does not run are refused (the kind named by the refusal, this after it)
 NOT_CHAINED = families.NOT_CHAINED
-NOT_CHAINED |= {
-    # found by the census on a config with its sparse layer (MiniMax-M3's checkpoints interleave them)
-    "minimax_m3_vl_text": (
-        "its minimax_m3_sparse layers' lightning indexer scores every earlier key slot (index keys kept in its own "
-        "cache layer by update_index), max-pools the scores over blocks of index_block_size key slots counted from the "
-        "cache's first slot, and hands each query's top index_topk_blocks blocks to attention as block_indices; "
-        "hf-contextpar's sharded cache holds a rank's own index keys only and its attention takes per-token indices "
-        "(DSA) or a verified family's block mask (QSA), not this indexer's blocks, so a rank would select from its "
-        "shard alone. Use a config whose layer_types are full_attention only, or run it on one process"
-    ),
-}
 # Inkling 2's loop passes run the loop layers again on deep copies of their cache layers, appended inside the forward
 NOT_CHAINED["inkling2_loop_text"] = (
     "its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
@@ -412,6 +413,16 @@ _add(
         csa=False,
     )
 )
+# Dory's recurrent loops each write a copy of the section's cache layers, made up front (patches/dory.py)
+_add(
+    FamilyPatch(
+        "dory",
+        "Dory: a recurrent section of layers looped n_recurrent_loops times, one cache copy per loop",
+        check=dory.check,
+        hooks=dory.HOOKS,
+        csa=False,  # its looped layers attend through cache copies, which CSA's pruning and reference do not define
+    )
+)
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 _add(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
@@ -421,16 +432,6 @@ _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)"
 # user's register() replaces an entry, so a check in one would not hold)
 INEXACT = families.INEXACT
 INEXACT |= {
-    # found by the census on a config whose recurrent section loops: the adapter's structural guard refused both
-    # cache modes at the first recurrent layer's second loop (attending with K/V no update of its layer returned)
-    "dory": (
-        "its recurrent layers run n_recurrent_loops times in one forward, and a loop after the first attends with "
-        "K/V no cache layer of the model's config returned: recurrent_kv_cache_mode='per_loop' appends copies of "
-        "the recurrent cache layers to the cache during the forward and writes each loop to its copy, 'last_loop' "
-        "has the earlier loops attend over the cache's stored keys read directly plus their own tokens, never "
-        "stored; hf-contextpar's sharded cache plans each of the config's layers' K/V once per forward and cannot "
-        "shard layers added inside one, nor attend with K/V it did not store"
-    ),
     # CpmAntModel._prepare_attention_mask: `context` is all ones, so its mask is `context[:, None, :] | ...`, True
     # everywhere but the left padding (token id 0): in a prefill every token attends to the later ones too
     "cpmant": (

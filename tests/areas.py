@@ -112,6 +112,7 @@ AREAS: dict[str, Area] = {
             "test_strategies.py::test_partition_table_interpolates_and_clamps",
             "test_strategies.py::test_partition_sizes_are_exact",
             "test_units.py::test_balanced_partitions_equalise_predicted_work",
+            "test_units.py::test_kv_runahead_posts_receives_for_the_layer_attended_next",
             "test_units.py::test_measured_work_fits_the_ranks_busy_times",
         ),
     ),
@@ -157,12 +158,14 @@ AREAS: dict[str, Area] = {
         ),
     ),
     "indexed": Area(
-        "indexed attention (DeepSeek Sparse Attention: the indexer's top-k)",
-        (A + "indexed.py",),
+        "indexed attention (DeepSeek Sparse Attention: the indexer's top-k; MiniMax-M3's top key blocks)",
+        (A + "indexed.py", "patches/minimax_m3.py"),
         (
             "test_errors.py::test_indexed_attention_refuses_what_moves_a_query_from_its_top_k",
             "test_cache.py::test_index_keys_follow_the_cache_through_beams_crop_and_failure",
             "test_cache.py::test_a_narrowed_indexer_mask_is_the_layers_selection",
+            "test_cache.py::test_update_index_hands_every_column_of_one_head_in_order",
+            "test_cache.py::test_a_block_indexers_top_blocks_are_its_layers_selection_per_kv_head",
             "test_units.py::test_attend_with_a_selection_over_key_blocks_is_the_masked_whole",
             ("test_exactness.py::test_exact", lambda p: p["family"].startswith(("deepseek_v32", "glm_moe_dsa"))),
             "test_geometries.py",
@@ -312,6 +315,7 @@ AREAS: dict[str, Area] = {
             "test_user_code.py",
             "test_units.py::test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache",
             "test_tp.py::test_tp_head_checks",
+            "test_cache.py::test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it",
         ),
     ),
     "runtime": Area(

@@ -66,9 +66,17 @@ OVERRIDES: dict[str, dict] = {
     "codegen": dict(rotary_dim=8),
     "cohere_compass_text": dict(rope_parameters=dict(full_attention=ROPE, sliding_attention=ROPE)),
     "dbrx": dict(d_model=64, attn_config=dict(rope_theta=1e4, clip_qkv=8.0), ffn_config=DBRX_FFN),
-    # one input, two recurrent (looped twice) and one output layer: the generic 2 layers with its default 8 + 8
-    # input and output layers ran both layers twice, updating each cache layer twice (an artefact of the config)
-    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1),
+    # one input, two recurrent (looped twice: its default, each loop after the first through a cache copy) and one
+    # output layer: the generic 2 layers with its default 8 + 8 input and output layers ran both layers twice,
+    # updating each cache layer twice (an artefact of the config). Its checkpoints' loop holds sliding and full layers
+    # (every fourth full): the loop here one of each
+    "dory": dict(
+        num_hidden_layers=4,
+        n_input_layers=1,
+        n_recurrent_layers=2,
+        n_output_layers=1,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # its attention sizes are per layer (per_layer_config: the DSA layer's and the sliding MLA layer's), which the
     # generic keys do not reach (49M parameters): MLA_SIZES on both layers, a window shorter than the prompt
     "dots3_note_text": dict(

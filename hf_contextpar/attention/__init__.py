@@ -48,13 +48,13 @@ def context_parallel_attention(
     step = current_step.get()
     key, value, extra = entries.split(step, module, key, value)  # a layer's own entries beside its K/V (V4's)
     _refuse(step, module, dropout)
-    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"))
+    select, own_mask = indexed.layer_selection(step, module, attention_mask, kwargs.get("indices"), kwargs)
     _refuse_own_mask(module, own_mask, kwargs)
     expanded = _expansion(step, module, key, value)
     cached_k, cached_v = (expanded.cached_k, expanded.cached_v) if expanded is not None else (key, value)
     source = _source_layer(step, module, cached_k, cached_v)
-    idx = own_index(module)
-    idx = idx if idx is not None else source  # Zamba's and Zamba2's shared block: the layer it updated
+    idx = _layer_index(step, module)
+    idx = idx if idx is not None else source  # Zamba's and Zamba2's shared block, Dory's loops: the layer it updated
     step.attended.add(idx)
     step.sources.add(source % len(step.cache.layers) if step.cache is not None else source)  # Zamba2's: -1
     chunk = chunk_size(module)
@@ -256,13 +256,14 @@ def _chunk_size(module) -> int | None:
 def _source_layer(step, module, key, value) -> int:
     """The cache layer whose K/V these are, by an explicit mapping: the module's own layer; where a family shares KV
     across layers (Gemma 3n, Gemma 4), the layer its family hook names (`FamilyHooks.kv_source`); for a module
-    shared by several layers, with no layer index of its own (Zamba's None, Zamba2's -1), the cache layer the forward
-    stored last (the one it just updated: the forward's stores are in order in its context). Then checked
+    shared by several layers, with no layer index of its own (Zamba's None, Zamba2's -1), or run again through a copy
+    of its cache layer (Dory's loops), the cache layer the forward stored last (the one it just updated: the
+    forward's stores are in order in its context). Then checked
     structurally: the K/V that layer's update returned in this forward, each layer attending once. Anything else is
     refused. Without a cache, a forward every rank runs whole ("local": fewer tokens than ranks) attends this
     forward's whole K/V, whichever layer calls: a shared module's call then counts as a layer of its own (-1, -2,
     ...), for `check_attended`'s count."""
-    idx = own_index(module)
+    idx = _layer_index(step, module)
     stored = step.context.stored if step.cache is not None else None  # cache layer -> the K/V its update returned
     if idx is None and stored is None and step.algorithm == "local":
         return -1 - len(step.attended)
@@ -282,6 +283,12 @@ def _source_layer(step, module, key, value) -> int:
             "hf_contextpar.patches.register() entry."
         )
     return source
+
+
+def _layer_index(step, module) -> int | None:
+    """The layer a call counts as: the module's own, or None for one that attends through the cache layer its forward
+    stored last (`_source_layer`; Dory's loops: `FamilyHooks.looped`)."""
+    return None if step.family is not None and step.family.looped(module) else own_index(module)
 
 
 def own_index(module) -> int | None:

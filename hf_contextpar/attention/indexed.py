@@ -44,15 +44,16 @@ MASK = "indexer_mask"  # the key of the forward's indexer mask among its Step's 
 
 def check(facts) -> frozenset:
     """At apply (capabilities.py): the model's indexed-attention layers, after `check_indexed`'s refusals."""
-    return check_indexed(facts.config, facts.settings, facts.dcp is not None)
+    return check_indexed(facts.config, facts.settings, facts.dcp is not None, facts.hooks.indexed_layer_type())
 
 
-def check_indexed(config, settings, dcp: bool) -> frozenset:
+def check_indexed(config, settings, dcp: bool, kind: str = "indexed_attention") -> frozenset:
     """The model's indexed-attention layers (DSA, attention/indexed.py; empty: none), after refusing what would move
     a query away from the rank whose indexer chose its keys: pass-Q and Ulysses, batched pass-Q decode, DCP, CSA.
-    Its other layers (dots3's sliding MLA layers) attend to every visible key, as on one process."""
+    Its other layers (dots3's sliding MLA layers) attend to every visible key, as on one process. kind: the
+    `layer_types` name of its layers with an indexer (`FamilyHooks.indexed_layer_type`)."""
     text = config.get_text_config(decoder=True)
-    layers = frozenset(i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "indexed_attention")
+    layers = frozenset(i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == kind)
     if not layers:
         return layers
     what = None
@@ -100,6 +101,26 @@ def selection(step, indices: torch.Tensor) -> torch.Tensor:
     return keep.scatter_(-1, indices.long(), True)
 
 
+def block_selection(step, blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, Tq, T) bool from a block indexer's (B, H, Tq, k) block numbers (-1: an unused slot), each block `width`
+    global columns counted from column 0 (MiniMax-M3's, whose blocks are its cache's slots): True where the query,
+    for selection head h (a KV head's group), keeps the key. One process's blocks, since slot = global column."""
+    plan = step.plan
+    total = plan.past + plan.num_new
+    count = -(-total // width)
+    rows = step.q_cols.numel()
+    top = int(blocks.max()) if blocks.numel() else -1
+    if blocks.dim() != 4 or blocks.shape[0] != plan.batch or blocks.shape[2] != rows or top >= count:
+        raise PatchStateError(
+            f"the indexer chose blocks of shape {tuple(blocks.shape)} (max {top}) for {rows} query "
+            f"rows over {count} blocks of {width} keys: it did not score this rank's queries against every column. "
+            "Please report this model."
+        )
+    safe = blocks.long().masked_fill(blocks < 0, count)  # an unused slot lands in a column dropped below
+    keep = torch.zeros((*blocks.shape[:3], count + 1), dtype=torch.bool, device=blocks.device).scatter_(-1, safe, True)
+    return keep[..., :count].repeat_interleave(width, dim=-1)[..., :total]
+
+
 def forward_mask(step, device=None) -> torch.Tensor:
     """The mask function's answer on a model with indexed attention: the indexer's mask, one per forward (every
     layer kind gets it: dots3's sliding layers too), which its attention hands back untouched."""
@@ -108,14 +129,19 @@ def forward_mask(step, device=None) -> torch.Tensor:
     return step.state[MASK]
 
 
-def layer_selection(step, module, attention_mask, indices):
+def layer_selection(step, module, attention_mask, indices, handed: dict | None = None):
     """Indexed attention's part of one layer's call, in one: (the (B, Tq, T) keys the layer's indexer kept for this
-    rank's queries, None for a layer without an indexer; the attention mask left for the adapter's own check, None
-    where it was the indexer's). A mask of the layer's own is left to the adapter, which refuses it first; anything
-    else the algorithms cannot run exactly is refused here (`_selection`), never approximated."""
+    rank's queries, (B, H, Tq, T) per KV head for a block indexer's, None for a layer without an indexer; the
+    attention mask left for the adapter's own check, None where it was the indexer's). `handed`: the call's other
+    keyword arguments, where a family hands its blocks (`FamilyHooks.selected_blocks`). A mask of the layer's own is
+    left to the adapter, which refuses it first; anything else the algorithms cannot run exactly is refused here
+    (`_selection`), never approximated."""
     narrowed, left = _narrowed(step, module, attention_mask, indices)
     if left is not None and left.dim() != 2:
         return None, left
+    if narrowed is None and indices is None and step is not None and step.family is not None:
+        blocks = step.family.selected_blocks(module, handed or {})
+        narrowed = block_selection(step, *blocks) if blocks is not None else None
     return _selection(step, module, indices, narrowed), left
 
 
@@ -138,10 +164,10 @@ def _selection(step, module, indices, narrowed=None):
     """The (B, Tq, T) keys the layer's indexer kept for this rank's queries (as indices=, or as its mask narrowed:
     `_narrowed`), None for a layer without an indexer; refused where the algorithms cannot run it exactly."""
     if not step.indexed or getattr(module, "layer_idx", None) not in step.indexed:
-        if indices is not None:
+        if indices is not None or narrowed is not None:
             raise UnsupportedModelError(
-                f"{type(module).__name__} hands its attention a top-k selection (indices=) but its config declares "
-                "this layer no indexed_attention layer: this model cannot run exactly under context parallelism."
+                f"{type(module).__name__} hands its attention a top-k selection (indices= or key blocks) but its config "
+                "declares this layer no indexed-attention layer: this model cannot run exactly under context parallelism."
             )
         return None
     if indices is None and narrowed is None:

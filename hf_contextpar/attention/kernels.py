@@ -329,7 +329,8 @@ def attend(
     key_valid: optional (B, Tk) bool, False for padding keys. k_cols is 1D when every sequence
     holds the same columns (the usual case), or (B, Tk) with -1 for empty slots after batched
     pass-Q decode. select: optional (B, Tq, T) bool over global key columns, True where a query keeps the
-    key (indexed attention's top-k, attention/indexed.py): intersected with the visibility. bias: a score bias from
+    key (indexed attention's top-k, attention/indexed.py), or (B, Hkv, Tq, T), one per KV head's group of query
+    heads (a block indexer's): intersected with the visibility. bias: a score bias from
     global columns (`bias.ScoreBias`), evaluated tile by tile. Returns (out, lse)
     with out (B, H, Tq, D) and lse (B, H, Tq) in the accumulation dtype, or None if no key is visible. With `into` (a `merge.Accumulator` over q's
     rows) the partials are merged into it instead, only into the rows that see a key, and
@@ -351,16 +352,22 @@ def _attend_selected(acc, q, q_cols, keys: Keys, rule: Rule, select):
     row tiles, each under its explicit (rows, keys) mask: visibility, padding and the selection's columns."""
     if keys.cols.dim() != 1:
         raise ValueError("indexed attention takes one column order for every sequence (no batched pass-Q decode)")
+    heads = select.shape[1] if select.dim() == 4 else None  # a selection per KV head (a block indexer's), or one
+    if heads is not None and heads not in (1, keys.k.shape[1]):
+        raise ValueError(f"a selection for {heads} heads over {keys.k.shape[1]} KV heads: one per KV head, or one")
     rows = _rows_per_tile(q, keys.cols.numel(), None, rule)
     cols = keys.cols.to(select.device)
     for r0 in range(0, q.shape[2], rows):
         r1 = min(r0 + rows, q.shape[2])
-        vis = visible(q_cols[r0:r1], keys.cols, rule.window, q.device) & select[:, r0:r1][:, :, cols].to(q.device)
+        vis = visible(q_cols[r0:r1], keys.cols, rule.window, q.device)  # (1, rows, Tk)
         if keys.valid is not None:
             vis = vis & keys.valid[:, None, :]
+        kept = select[..., r0:r1, :][..., cols].to(q.device)
+        vis = vis[:, None] & (kept if heads is not None else kept[:, None])  # (B, heads or 1, rows, Tk)
         if bool(vis.any()):
             qt = q[:, :, r0:r1]
-            acc.add(*_masked(qt, keys.k, keys.v, vis[:, None], rule, rule.extra(qt, q_cols[r0:r1], keys)), r0)
+            vis = vis.repeat_interleave(q.shape[1] // vis.shape[1], dim=1) if vis.shape[1] > 1 else vis  # query heads
+            acc.add(*_masked(qt, keys.k, keys.v, vis, rule, rule.extra(qt, q_cols[r0:r1], keys)), r0)
 
 
 def _attend(acc, q, q_cols, keys: Keys, rule: Rule, kind=None):

@@ -8,11 +8,11 @@ block it receives to rank i+1. Only point-to-point messages, no collective; tota
 (N-1)/2 C rows for even partitions, half an all-gather's (KVR Eqs. 4-7).
 
 Rank i receives from rank i-1, in this order: i-1's own block, then what i-1 received
-(blocks i-2, ..., 0). The receives of layer l+1 are posted as soon as layer l's attention is
-done, so they are in flight while this rank runs layer l's MLP and layer l+1's QKV projection:
-once an earlier forward has shown layer l+1's block geometry (`Step.kv_shapes`, which the attention
-adapter records for every layer; layers may differ in head size, as Gemma 4's do, and a receive of the
-wrong size would abort the group), and unless
+(blocks i-2, ..., 0). The receives of the next layer (l+1, or the one an earlier forward attended after l, as a
+looped section's copies come: `_following`) are posted as soon as layer l's attention is done, so they are in
+flight while this rank runs layer l's MLP and layer l+1's QKV projection: once an earlier forward has shown layer
+l+1's block geometry (`Step.kv_shapes`, which the attention adapter records for every layer; layers may differ in
+head size, as Gemma 4's do, and a receive of the wrong size would abort the group), and unless
 layer l+1 also passes a recurrent state down the same ring (a hybrid layer's: messages between two
 ranks match in posting order, and its state may go first).
 Partial prefill over a non-empty cache runs ring pass-KV instead (see plan/forward.py). Uneven partitions
@@ -38,6 +38,16 @@ def _post_receives(step, layer, like, geometry):
     ]
 
 
+def _following(step) -> int | None:
+    """The cache layer the forward attends after this one, as an earlier forward showed: `Step.kv_shapes` holds the
+    layers in the order they first attended (l + 1 in most models; a looped section's copies come between its layers
+    and the ones after it: Dory's). None before a forward has shown it (a layer counted without a cache is negative,
+    never a layer that receives)."""
+    order = [layer for layer in step.kv_shapes if layer >= 0]
+    at = order.index(step.layer) if step.layer in order else len(order)
+    return order[at + 1] if at + 1 < len(order) else None
+
+
 def kv_runahead(step, q, kv_local, **attn):
     comm, rank, world = step.comm, step.comm.rank, step.comm.world
     last = rank == world - 1
@@ -57,8 +67,9 @@ def kv_runahead(step, q, kv_local, **attn):
             step.received(block, src)  # the cache keeps what this rank commits of it (rebalancing)
         k, v = step.unpack(block, src)
         attend(q, k, v, step.q_cols, step.kv_cols[src], key_valid=step.key_valid(src), **attn, into=acc)
-    if step.layer + 1 in step.kv_shapes and not step.chained_at(step.layer + 1):
-        _post_receives(step, step.layer + 1, kv_local, step.kv_shapes[step.layer + 1])
+    following = _following(step)
+    if following is not None and not step.chained_at(following):
+        _post_receives(step, following, kv_local, step.kv_shapes[following])
     for s in sends:  # the blocks must stay untouched until they are out
         s.wait()
     return acc.result() or (None, None)

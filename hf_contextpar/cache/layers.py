@@ -54,6 +54,20 @@ class ShardedLayer(CacheLayerMixin):
             )
         indexer.history.check(value)
 
+    def update_index(self, keys: torch.Tensor) -> torch.Tensor:
+        """transformers' per-layer form of the cache's `update_indexer` (MiniMax-M3's sparse layers call it on their
+        cache layer): one head of index keys (B, 1, T_new, D) in, every column's (B, 1, T, D) out in global order,
+        through the running forward's indexer (attention/indexed.py), so the model's own block top-k is one
+        process's. Only inside a patched forward."""
+        indexer = self.context.indexer if self.context is not None else None
+        if indexer is None or keys.dim() != 4 or keys.shape[1] != 1:
+            raise PatchStateError(
+                f"update_index of index keys {tuple(keys.shape)} on a context-parallel cache: it takes one head "
+                "(B, 1, T, D), inside the patched model's forward (after remove_context_parallel, start again "
+                "without this cache)."
+            )
+        return indexer.cache.update_indexer(keys[:, 0], self.cache_index).unsqueeze(1)
+
     # transformers' generate() switches past recording on and off on the layers that have it
     @property
     def record_past(self) -> bool:

@@ -97,6 +97,12 @@ def cache_windows(cache: Cache) -> list:
     ]
 
 
+def with_copies(per_layer: list, copies) -> list:
+    """A per-layer list of a config's layers, then the same for the copies of its layers a forward adds (by index,
+    `FamilyHooks.cache_copies`): each copy is made, sized and sharded as its layer."""
+    return [*per_layer, *(per_layer[i] for i in copies)]
+
+
 # a family's own chained cache layer (patches/: DeepSeek-V4's compressors), by the transformers class it stands for:
 # a function of that layer to its ChainedLayerFactory
 FAMILY_LAYERS: dict = {}
@@ -158,12 +164,14 @@ class ShardedCache(ChainedStates, Cache):
         return self._windows
 
     @classmethod
-    def bind(cls, cache: Cache, num_layers: int, rank: int, world: int, recurrence=None) -> ShardedCache:
+    def bind(cls, cache: Cache, num_layers: int, rank: int, world: int, recurrence=None, copies=()) -> ShardedCache:
         """Turn the caller's empty cache object into this rank's ShardedCache, in place, with the
         sliding layers it was made with (DynamicCache(config=...) has them, DynamicCache() none) and
-        the model's recurrent layers."""
+        the model's recurrent layers; `copies`: the layers its forward adds as copies of these
+        (`FamilyHooks.cache_copies`), made now, each as its layer."""
         user_defined = getattr(cache, "_is_user_defined", None)
-        windows = cache_windows(cache) if len(cache.layers) == num_layers else None
+        windows = cache_windows(cache) if len(cache.layers) == num_layers - len(copies) else None
+        windows = with_copies(windows, copies) if windows is not None else None
         recording = any(getattr(layer, "record_past", False) for layer in cache.layers)  # assisted decoding's
         cache.__dict__.clear()
         cache.__class__ = cls

@@ -18,7 +18,15 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..attention import own_index
 from ..attention.masks import ones_only
-from ..cache.sharded import ShardedCache, cache_aliases, cache_argument, cache_recurrence, cache_windows, is_empty_cache
+from ..cache.sharded import (
+    ShardedCache,
+    cache_aliases,
+    cache_argument,
+    cache_recurrence,
+    cache_windows,
+    is_empty_cache,
+    with_copies,
+)
 from ..errors import (
     CacheMismatchError,
     PackedSequenceError,
@@ -51,13 +59,23 @@ _COUNTED = ("hybrid", "hybrid_sliding", "indexed_attention", *_COMPRESSED)  # at
 def attention_layers(config) -> int:
     """Layers that attend over the sequence (a hybrid block's included); without `layer_types`, every layer but those
     a config lists as `cross_attention_layers`: they attend to another input's states, not over the sequence, and a
-    text-only forward skips them (Mllama's; its family patch refuses cross-attention inputs)."""
+    text-only forward skips them (Mllama's; its family patch refuses cross-attention inputs). A layer the forward
+    runs again through a copy of its cache layer (Dory's loops, `FamilyHooks.cache_copies`) counts once per run."""
     text = config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None)
+    hooks = hooks_of(config)
+    again = len(hooks.cache_copies(text))
     if not types:
         cross = set(getattr(text, "cross_attention_layers", None) or ())
-        return text.num_hidden_layers - len(cross & set(range(text.num_hidden_layers)))
-    return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED for t in types)
+        return text.num_hidden_layers - len(cross & set(range(text.num_hidden_layers))) + again
+    indexed = hooks.indexed_layer_type()  # a family's own name for its indexed layers (MiniMax-M3's)
+    return sum(t in _ATTENTION_LAYER_TYPES or t in _COUNTED or t == indexed for t in types) + again
+
+
+def _indexes(layer) -> bool:
+    """Does a transformers cache layer keep an indexer's keys (DSA's `update_indexer`, MiniMax-M3's per-layer
+    `update_index`)? A cache without the model's such layers fails inside the model on one process."""
+    return hasattr(layer, "update_indexer") or hasattr(layer, "update_index")
 
 
 # -- the model, at apply ---------------------------------------------------------------------
@@ -93,7 +111,7 @@ def check_model(model, sparse: bool = False):
     if chained and family is not None and family.recurrent:  # its mixers continue from a passed state (verified)
         kinds -= chained
     if family is not None and family.indexed:  # its indexer scores every rank's index keys (attention/indexed.py)
-        kinds -= {"indexed_attention"}
+        kinds -= {family.hooks.indexed_layer_type()}
     if family is not None and family.compressed:  # its compressors' state and entries pass between ranks (V4's)
         kinds -= set(_COMPRESSED)
     if kinds:
@@ -184,13 +202,16 @@ class InputContract:
     def __init__(self, model, rank: int, world: int, attention_name: str):
         self.model, self.rank, self.world = model, rank, world
         self.attention_name = attention_name
-        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
+        # the layers its forward adds to the cache as copies of its own (Dory's loops), made up front
+        self.copies = tuple(self.hooks.cache_copies(model.config.get_text_config(decoder=True)))
+        self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers + len(self.copies)
         # the sliding layers of the cache the unpatched model makes when given none (or the family keeps its states in)
         template = self.hooks.cache(model.config)
-        self.windows = cache_windows(template)
-        self.recurrence = cache_recurrence(template)  # per layer: the LayerMaker of its cache layer (K/V, states)
-        self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
+        self.windows = with_copies(cache_windows(template), self.copies)
+        # per layer: the LayerMaker of its cache layer (K/V, states)
+        self.recurrence = with_copies(cache_recurrence(template), self.copies)
+        self.indexers = [_indexes(layer) for layer in template.layers]  # DSA's index keys
         if all(r.states and not r.kv for r in self.recurrence):  # recurrent layers alone (Mamba2): no attention
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
@@ -311,8 +332,11 @@ class InputContract:
                     "parallelism: each rank keeps its 1/N of the KV cache in a ShardedCache on its device. "
                     "Drop cache_implementation."
                 )
-            indexers = [hasattr(layer, "update_indexer") for layer in cache.layers]
-            if (any(r.states for r in self.recurrence) and cache_recurrence(cache) != self.recurrence) or (
+            indexers = [_indexes(layer) for layer in cache.layers]
+            recurrence = cache_recurrence(cache)
+            if len(recurrence) + len(self.copies) == self.num_layers:
+                recurrence = with_copies(recurrence, self.copies)
+            if (any(r.states for r in self.recurrence) and recurrence != self.recurrence) or (
                 any(self.indexers) and indexers != self.indexers
             ):  # one process fails inside the model (no layer to hold the states, or the index keys)
                 raise CacheMismatchError(
@@ -321,7 +345,7 @@ class InputContract:
                 )
             # generate()'s fresh default cache, or an empty one the caller keeps and passes again:
             # the object itself becomes the sharded cache, so the caller's reference carries the state
-            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world, self.recurrence)
+            return ShardedCache.bind(cache, self.num_layers, self.rank, self.world, self.recurrence, self.copies)
         if isinstance(cache, Cache):
             raise CacheMismatchError(
                 f"a {type(cache).__name__} cannot be used under context parallelism: each rank keeps its own "

@@ -47,6 +47,29 @@ class FamilyHooks:
         adapter checks that those are exactly the K/V that layer's update returned in the forward."""
         return None
 
+    def cache_copies(self, config) -> tuple:
+        """The cache layers a forward of this config adds after the config's own, as copies of these layers (by index,
+        in order): Dory's recurrent loops after the first each write their K/V to a copy of the loop's layers. The
+        sharded cache makes them up front, each sharded like its layer, so the model finds them and adds none."""
+        return ()
+
+    def looped(self, module) -> bool:
+        """Does attention module `module` run more than once per forward, each run attending the cache layer its
+        update just wrote (its own, then a copy: `cache_copies`)? Then each call is counted as that cache layer's."""
+        return False
+
+    def indexed_layer_type(self) -> str:
+        """The `layer_types` name of an indexed-attention family's layers with an indexer (attention/indexed.py):
+        transformers' own ("indexed_attention") unless the family names its kind otherwise."""
+        return "indexed_attention"
+
+    def selected_blocks(self, module, kwargs: dict):
+        """An indexed-attention layer that hands its top-k as blocks of key columns (a block indexer's selection,
+        counted from column 0) rather than as `indices=`: (its (B, H, Tq, k) block numbers, -1 for an unused slot, one
+        selection per KV head or one for all; the blocks' width in columns), read from the keyword arguments of its
+        attention call; None: it hands none."""
+        return None
+
     def selection(self, module, attention_mask, indexer_mask):
         """An indexed-attention layer that hands its top-k otherwise than as `indices=`: its (B, Tq, T) bool
         selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else

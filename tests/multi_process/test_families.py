@@ -22,9 +22,9 @@ import os
 
 import pytest
 from family_worker import BREAK, families
-from launch import launch, matrix
+from launch import launch, matrix, worker_path
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "family_worker.py")
+WORKER = worker_path("family_worker.py")
 CHOSEN = os.environ.get("HF_CONTEXTPAR_FAMILIES")  # a re-run of some families (the failure message says which)
 ALL = [f["family"] for f in families()]
 FAMILIES = CHOSEN.split(",") if CHOSEN else ALL  # a name that is not a verified family fails its test

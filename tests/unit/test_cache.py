@@ -6,6 +6,7 @@ selection, reset, early initialisation, the length and mask-size queries) its ke
 must equal DynamicCache's exactly. Multi-rank behaviour of the same methods is covered by the
 multi-process tests (assisted decoding, prompt lookup, beams, the caller-kept cache)."""
 
+import itertools
 import types
 
 import pytest
@@ -477,3 +478,118 @@ def test_a_narrowed_indexer_mask_is_the_layers_selection():
     assert layer_selection(no_hook, layer, kept, None) == (None, kept)
     with pytest.raises(hf_contextpar.UnsupportedModelError, match="no top-k selection"):
         layer_selection(step, layer, ours, None)  # the indexer's mask itself, no indices: no selection at all
+
+
+# -- MiniMax-M3's block indexer: index keys through its cache layer's update_index, its top blocks per KV head -------
+class _KeyRanks:
+    """The Comm of rank `rank` of a simulated world: every other rank's index keys are cut from the global truth."""
+
+    def __init__(self, rank, truth, cols):
+        self.rank, self.world, self.truth, self.cols = rank, len(cols), truth, cols
+
+    def broadcast_blocks(self, mine, shapes, op="broadcast"):
+        assert op == "index_keys" and [tuple(s) for s in shapes] == [(B, c.numel(), 8) for c in self.cols]
+        blocks = [mine if r == self.rank else self.truth[:, c] for r, c in enumerate(self.cols)]
+        return [types.SimpleNamespace(wait=lambda b=b: b) for b in blocks]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_update_index_hands_every_column_of_one_head_in_order(world):
+    """MiniMax-M3's indexer calls `update_index` (B, 1, T_new, D) on its layer's cache layer: the sharded layer answers
+    with every column's index keys (B, 1, T, D) in global order, whatever this rank's (head-tail) columns, and each
+    rank stores only its own share; outside a forward, or with more than one head, it is refused."""
+    caches = [ShardedCache(LAYERS, r, world) for r in range(world)]
+    truth = torch.empty(B, 0, 8, dtype=torch.float64)
+    for num_new in (11, 5, 1):
+        past = caches[0].layout.seq_length
+        new_truth = torch.cat([truth, torch.randn(B, num_new, 8, dtype=torch.float64)], 1)
+        for cache in caches:
+            rank = cache.layout.rank
+            pos = torch.arange(past, past + num_new)
+            plan = build_plan(Policy(world), cache.layout, batch=B, num_new=num_new, position_ids=pos, padding=None)
+            q = plan.shards.q_cols[rank]
+            cols = [torch.cat([c, n]) for c, n in zip(cache.layout.cols, plan.shards.q_cols)]
+            begin_indexed(cache, plan, rank, _KeyRanks(rank, new_truth, cols), pos[q - past])
+            with pytest.raises(hf_contextpar.errors.PatchStateError, match="takes one head"):
+                cache.layers[1].update_index(new_truth[:, q].unsqueeze(1).expand(-1, 2, -1, -1))
+            seen = cache.layers[1].update_index(new_truth[:, q].unsqueeze(1))
+            assert torch.equal(seen, new_truth.unsqueeze(1))
+            for i in range(LAYERS):
+                cache.update(*torch.randn(2, B, H, q.numel(), D, dtype=torch.float64), i)
+        for cache in caches:
+            cache.end(True)
+        truth = new_truth
+        for cache in caches:  # 1/N of the index keys per rank, its K/V's columns
+            assert torch.equal(cache.index_keys[1], truth[:, cache.layout.cols[cache.layout.rank]])
+    with pytest.raises(hf_contextpar.errors.PatchStateError, match="inside the patched model's forward"):
+        caches[0].layers[1].update_index(truth[:, :1].unsqueeze(1))
+
+
+def test_a_block_indexers_top_blocks_are_its_layers_selection_per_kv_head():
+    """MiniMax-M3's sparse layer hands its top key blocks per KV head as block_indices (its family hook,
+    patches/minimax_m3.py): expanded to global columns, they are exactly the keys the model's own block mask keeps
+    (MiniMaxM3VLIndexer.build_block_mask, causal); a layer the config does not declare indexed that hands blocks,
+    an indexed layer of a family without the hook, and blocks past the row are refused."""
+    from hf_contextpar.patches import minimax_m3
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
+
+    from dev.census.configs import tiny_config
+    from hf_contextpar.attention.indexed import MASK, layer_selection
+    from hf_contextpar.model.families import DEFAULT_HOOKS
+
+    config = tiny_config("minimax_m3_vl_text")
+    indexer = MiniMaxM3VLIndexer(config, 1)
+    total, q_cols = 29, torch.cat([torch.arange(3, 8), torch.arange(22, 29)])  # a head-tail shard's queries
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.full((2, 2, len(q_cols), 3), -1)  # (B, H_kv, Tq, k): up to 3 earlier blocks, -1 the unused slots
+    for b, h, i in itertools.product(range(2), range(2), range(len(q_cols))):
+        kept = torch.randperm(int(q_cols[i]) // 8 + 1, generator=g)[:3]
+        blocks[b, h, i, : len(kept)] = kept
+    plan = types.SimpleNamespace(batch=2, past=0, num_new=total)
+    ours = torch.ones(2, 1, len(q_cols), total, dtype=torch.bool)
+    step = types.SimpleNamespace(
+        plan=plan,
+        q_cols=q_cols,
+        indexed=frozenset({1}),
+        state={MASK: ours},
+        family=minimax_m3.HOOKS,
+        algorithm="ring_pass_kv",
+    )
+    layer = types.SimpleNamespace(layer_idx=1, indexer=indexer)
+    select, left = layer_selection(step, layer, ours, None, dict(block_indices=blocks))
+    assert left is None and select.shape == (2, 2, len(q_cols), total)
+    model = indexer.build_block_mask(blocks, None, total, torch.float64, "cpu", q_cols.expand(2, -1)) == 0
+    causal = torch.arange(total) <= q_cols[:, None]
+    assert torch.equal(select.repeat_interleave(config.num_attention_heads // 2, dim=1) & causal, model)
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="declares this layer no indexed-attention layer"):
+        layer_selection(
+            step, types.SimpleNamespace(layer_idx=0, indexer=indexer), ours, None, dict(block_indices=blocks)
+        )
+    no_hook = types.SimpleNamespace(**{**vars(step), "family": DEFAULT_HOOKS})
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match="no top-k selection"):
+        layer_selection(no_hook, layer, ours, None, dict(block_indices=blocks))
+    with pytest.raises(hf_contextpar.errors.PatchStateError, match="over 4 blocks of 8 keys"):
+        layer_selection(step, layer, ours, None, dict(block_indices=blocks + 4))
+
+
+# -- Dory's loops: a copy of the looped section's cache layers per loop after the first, made up front --------------
+def test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it():
+    """Dory (patches/dory.py) appends, in its first forward, a copy of its recurrent section's cache layers per loop
+    after the first and writes each loop to its copy: the sharded cache makes those copies with itself (from no
+    cache, and bound to generate()'s DynamicCache(config=...)), each with its layer's window, as one process's cache
+    holds them after that forward; the model then finds them and appends none."""
+    from dev.census.configs import build
+    from hf_contextpar.model.contract import InputContract, attention_layers
+
+    model = build("dory", torch.float64, "sdpa")
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    one = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=one)
+    contract = InputContract(model, 0, 2, "hf_contextpar")
+    assert contract.copies == (1, 2) and contract.num_layers == len(one.layers) == 6
+    assert attention_layers(model.config) == 6  # each loop's calls counted, for the coverage check
+    made = contract.new_cache()
+    bound = ShardedCache.bind(DynamicCache(config=model.config), 6, 0, 2, contract.recurrence, contract.copies)
+    windows = tuple(getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in one.layers)
+    assert made.windows == bound.windows == windows == (24, 24, None, 24, 24, None)

@@ -51,11 +51,6 @@ def _unverified_rwkv():
             ),
             "registered or not: CpmAntModel.forward masks its prefill bidirectionally",
         ),
-        # a layer kind the contract does not run, with the family's own reason (MiniMax-M3's block-sparse indexer)
-        (
-            lambda: AutoModelForCausalLM.from_config(tiny_config("minimax_m3_vl_text")),
-            r"\['minimax_m3_sparse'\] layers \(its minimax_m3_sparse layers' lightning indexer",
-        ),
         # a text model of Gemma 4 Unified whose every token attends to later ones (its default, "vision", is causal)
         (
             lambda: AutoModelForCausalLM.from_config(
@@ -83,6 +78,13 @@ def _unverified_rwkv():
         (
             lambda: AutoModelForCausalLM.from_config(tiny_config("gemma4_unified_assistant")),
             "'gemma4_unified_assistant' cannot run .*draft model for assisted decoding",
+        ),
+        # Dory's loops before the last attending the cache's stored K/V read directly (its per-loop mode runs)
+        (
+            lambda: AutoModelForCausalLM.from_config(
+                type(tiny_config("dory"))(**{**tiny_config("dory").to_dict(), "recurrent_kv_cache_mode": "last_loop"})
+            ),
+            "recurrent_kv_cache_mode='last_loop'",
         ),
         # no attention heads at all, a recurrence of a family not verified (RWKV's blocks under another model_type,
         # as a remote-code variant would be; RWKV's own runs through patches/rwkv.py): refused at apply, not a crash
@@ -163,13 +165,15 @@ def test_indexed_attention_refuses_what_moves_a_query_from_its_top_k(strategy, d
     from types import SimpleNamespace
 
     from hf_contextpar.attention.indexed import check_indexed
+    from hf_contextpar.model.families import hooks_of
     from hf_contextpar.models import tiny_config as tiny
 
-    config = tiny("deepseek_v32")
-    with pytest.raises(hf_contextpar.UnsupportedModelError, match=needle.replace("(", r"\(")):
-        check_indexed(config, SimpleNamespace(strategy=strategy, decode=decode, sparse=sparse), dcp)
-    for ok in ("auto", "ring_pass_kv", "allgather_kv", "kv_runahead"):
-        assert check_indexed(config, SimpleNamespace(strategy=ok, decode="replicated", sparse=None), False)
+    for config in (tiny("deepseek_v32"), tiny_config("minimax_m3_vl_text")):  # MiniMax-M3's block indexer too
+        kind = hooks_of(config).indexed_layer_type()
+        with pytest.raises(hf_contextpar.UnsupportedModelError, match=needle.replace("(", r"\(")):
+            check_indexed(config, SimpleNamespace(strategy=strategy, decode=decode, sparse=sparse), dcp, kind)
+        for ok in ("auto", "ring_pass_kv", "allgather_kv", "kv_runahead"):
+            assert check_indexed(config, SimpleNamespace(strategy=ok, decode="replicated", sparse=None), False, kind)
     assert not check_indexed(
         tiny("deepseek_v3"), SimpleNamespace(strategy="ring_pass_q", decode="auto", sparse=None), False
     )

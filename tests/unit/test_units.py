@@ -249,23 +249,24 @@ def test_measured_work_fits_the_ranks_busy_times():
     assert work.scales() == (2.0, 2.0)
 
 
-@pytest.mark.parametrize("window,padded", [(None, False), (None, True), (4, True)])
-def test_attend_with_a_selection_over_key_blocks_is_the_masked_whole(window, padded):
+@pytest.mark.parametrize("window,padded,per_head", [(None, False, 0), (None, True, 0), (4, True, 0), (None, True, 2)])
+def test_attend_with_a_selection_over_key_blocks_is_the_masked_whole(window, padded, per_head):
     """Indexed attention (DSA): each query's kept keys, as global columns, restrict every block it attends; the
-    blocks' partials merge into the attention of the whole row under visibility & selection."""
+    blocks' partials merge into the attention of the whole row under visibility & selection. per_head: one
+    selection per KV head (a block indexer's, MiniMax-M3's), each for its group of query heads."""
     torch.manual_seed(1)
     b, total = 2, 20
     qc = torch.cat([torch.arange(3, 6), torch.arange(14, 20)])  # a head-tail shard's queries
     q = torch.randn(b, 4, len(qc), 8, dtype=torch.float64)
     k, v = torch.randn(b, 2, total, 8, dtype=torch.float64), torch.randn(b, 2, total, 8, dtype=torch.float64)
     valid = torch.rand(b, total) > 0.2 if padded else None
-    select = torch.rand(b, len(qc), total) > 0.5
+    select = torch.rand(b, per_head, len(qc), total) > 0.5 if per_head else torch.rand(b, len(qc), total) > 0.5
     blocks = [torch.arange(0, 7), torch.arange(7, 13), torch.arange(13, 20)]
     acc = Accumulator(len(qc))
     for kc in blocks:
         part = valid[:, kc] if valid is not None else None
         attend(q, k[:, :, kc], v[:, :, kc], qc, kc, scale=0.3, key_valid=part, window=window, select=select, into=acc)
-    vis = select[:, None] & (torch.arange(total) <= qc[:, None])
+    vis = (select.repeat_interleave(2, dim=1) if per_head else select[:, None]) & (torch.arange(total) <= qc[:, None])
     if window is not None:
         vis &= torch.arange(total) > qc[:, None] - window
     if valid is not None:
@@ -376,3 +377,21 @@ def test_candidate_decoding_is_refused_from_embeddings_and_over_a_filled_cache()
     refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3, "cache": None, "past_key_values": filled})
     refuse_candidate_decoding(model, (), {"prompt_lookup_num_tokens": 3})
     refuse_candidate_decoding(model, (), embeds)
+
+
+def test_kv_runahead_posts_receives_for_the_layer_attended_next():
+    """KV-Runahead posts its next layer's receives as soon as a layer is done: the layer an earlier forward attended
+    after it (`Step.kv_shapes` keeps their first order), not l + 1. A looped section's copies (Dory's: cache layers
+    0, 1, 2, then the copies 4, 5, then 3) would else post receives the next layer's messages do not fit. None before
+    a forward has shown it; a layer counted without a cache (negative) never receives."""
+    import types
+
+    from hf_contextpar.attention.kv_runahead import _following
+
+    def step(layer, order):
+        return types.SimpleNamespace(layer=layer, kv_shapes=dict.fromkeys(order, (2, 2, 16)))
+
+    looped = [0, 1, 2, 4, 5, 3]
+    assert [_following(step(layer, looped)) for layer in looped] == [1, 2, 4, 5, 3, None]
+    assert _following(step(1, [0, 1])) is None  # the first forward: layer 2 not shown yet
+    assert _following(step(0, [-1, 0, -2, 1])) == 1

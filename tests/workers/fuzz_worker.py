@@ -881,6 +881,8 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         )
     ):  # a cache recording its past: the conv states would grow per rank
         return True
+    if type(exc) is hf_contextpar.UnsupportedInputError and case["family"] == "minimax_m3_vl_text":
+        return case["padding"] != "none"  # a token whose own key block is padding (patches/minimax_m3.py check_mask)
     beam = case["turns"][turn]["mode"] == "beam"
     if type(exc) is hf_contextpar.UnsupportedInputError and case["family"] in BEAMS_REFUSED and beam:
         return True  # one process does not reorder MiniMax's states with the beams

@@ -86,10 +86,9 @@ BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
 # registered families with no tiny config of their registry entry, verified by the census: exact through a family
 # patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi, doge.py's per-key
-# bias; Moshi's
-# cache_window), DSA-indexed (axk2, hy_v4,
-# qwen4_exp_text), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them with the census's
-# tiny configs.
+# bias; Dory's per-loop cache copies, dory.py; Moshi's cache_window), DSA-indexed (axk2, hy_v4, qwen4_exp_text;
+# minimax_m3_vl_text's block indexer), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them
+# with the census's tiny configs.
 CENSUS_CONFIGS = [
     "axk2",
     "bailing_hybrid",
@@ -97,10 +96,12 @@ CENSUS_CONFIGS = [
     "deepseek_v4",
     "diffllama",
     "doge",
+    "dory",
     "dots3_note_text",
     "hrm_text",
     "hy_v4",
     "jetmoe",
+    "minimax_m3_vl_text",
     "moshi",
     "mpt",
     "qwen4_exp_text",
