@@ -34,6 +34,7 @@ VERIFIED = {
     "deepseek_v4": (1e-05, "eager"),
     "diffllama": (1e-10, "sdpa"),
     "doge": (1e-10, "sdpa"),
+    "dory": (1e-10, "sdpa"),
     "dots1": (1e-05, "sdpa"),
     "dots3_note_text": (1e-05, "sdpa"),
     "emu3_text_model": (1e-10, "sdpa"),
@@ -102,6 +103,7 @@ VERIFIED = {
     "minicpm3": (1e-10, "sdpa"),
     "minimax": (1e-10, "sdpa"),
     "minimax_m2": (1e-05, "sdpa"),
+    "minimax_m3_vl_text": (1e-05, "sdpa"),
     "ministral": (1e-10, "sdpa"),
     "ministral3": (1e-10, "sdpa"),
     "mistral": (1e-10, "sdpa"),
@@ -151,10 +153,8 @@ VERIFIED = {
 NOT_VERIFIED = {
     "blt": "refused at apply: model_type 'blt' cannot run under context parallelism with hf-contextpar, registered or…",
     "cpmant": "refused at apply: model_type 'cpmant' cannot run under context parallelism with hf-contextpar, register…",
-    "dory": "refused at apply: model_type 'dory' cannot run under context parallelism with hf-contextpar, registered o…",
     "gemma4_assistant": "refused at apply: model_type 'gemma4_assistant' cannot run under context parallelism with hf-…",
     "gemma4_unified_assistant": "refused at apply: model_type 'gemma4_unified_assistant' cannot run under context para…",
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
-    "minimax_m3_vl_text": "refused at apply: this model (minimax_m3_vl_text) has ['minimax_m3_sparse'] layers (its min…",
     "xlstm": "refused at apply: model_type 'xlstm' cannot run under context parallelism with hf-contextpar, registered…",
 }
