@@ -106,6 +106,8 @@ def check_model(model, sparse: bool = False):
             f"this model ({config.model_type}) has {sorted(kinds)} layers{blocks}; hf-contextpar supports softmax attention "
             f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}".rstrip()
         )
+    if family is not None and family.recurrent and family.hooks.state_layers(text) is not None:
+        chained = {"linear_attention"}  # its layers' states in transformers' layers (FamilyHooks.state_layers)
     if getattr(text, "num_attention_heads", None) is None and not chained:
         raise UnsupportedModelError(
             f"{type(model).__name__}'s config declares no attention heads (num_attention_heads): its layers are "
@@ -126,7 +128,8 @@ def check_model(model, sparse: bool = False):
             f"use_bidirectional_attention={bidirectional!r} makes every token attend to later tokens too; "
             "hf-contextpar's algorithms implement causal (and sliding-window causal) attention only."
         )
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+    # a causal LM that computes every row (xLSTM's forward takes no logits_to_keep and ignores one): rows kept alike
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters and model.get_output_embeddings() is None:
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
         )
@@ -177,8 +180,11 @@ class InputContract:
         self.model, self.rank, self.world = model, rank, world
         self.attention_name = attention_name
         self.num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        # the sliding layers of the cache the unpatched model makes when given none
-        template = DynamicCache(config=model.config)
+        self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
+        # the sliding layers of the cache the unpatched model makes when given none (its states' layers, where it keeps
+        # them in a cache class outside transformers' Cache API: FamilyHooks.state_layers)
+        layers = self.hooks.state_layers(model.config.get_text_config(decoder=True))
+        template = DynamicCache(config=model.config) if layers is None else Cache(layers=layers)
         self.windows = cache_windows(template)
         self.recurrence = cache_recurrence(template)  # per layer: the LayerMaker of its cache layer (K/V, states)
         self.indexers = [hasattr(layer, "update_indexer") for layer in template.layers]  # DSA's index keys
@@ -186,7 +192,6 @@ class InputContract:
             self.attention_name = None
         # transformers' own list of models that take no DynamicCache (MiniMax keeps a cache class of its own)
         self.takes_dynamic = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-        self.hooks = hooks_of(model.config)  # what the family needs of the engine beyond its config (FamilyHooks)
         # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
         self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)
@@ -207,7 +212,7 @@ class InputContract:
         batch, num_new = x.shape[0], x.shape[1]
         if num_new == 0:  # one process fails inside the model too
             raise UnsupportedInputError("the input holds no tokens (sequence length 0); pass at least one.")
-        keep = kwargs.get("logits_to_keep", 0)
+        keep = kwargs.get("logits_to_keep", 0) if "logits_to_keep" in self.params else 0  # else ignored, as there
         if isinstance(keep, int) and keep < 0:  # outside transformers' documented "keep the last N rows"
             raise UnsupportedInputError(
                 f"logits_to_keep={keep}: a negative int is not supported under context parallelism (models "
@@ -234,7 +239,7 @@ class InputContract:
             mask=mask,
             padding=None if mask is None or ones_only(mask) else mask.bool(),  # None: ones alone
             position_ids=position_ids,
-            logits_to_keep=kwargs.get("logits_to_keep", 0),
+            logits_to_keep=keep,
             output_hidden_states=kwargs.get("output_hidden_states"),
             as_tuple=not (return_dict if return_dict is not None else getattr(self.model.config, "return_dict", True)),
         )

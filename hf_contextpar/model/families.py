@@ -45,6 +45,13 @@ class FamilyHooks:
         adapter checks that those are exactly the K/V that layer's update returned in the forward."""
         return None
 
+    def state_layers(self, config) -> list | None:
+        """Where the unpatched model keeps its per-layer recurrent states in a cache class of its own, outside
+        transformers' Cache API (xLSTM's xLSTMCache): transformers cache layers (LinearAttentionLayer) that hold the
+        same states, one per layer, for the contract's cache, so that the chain passes them (the family's patch runs
+        its layers through them). None: the layers of DynamicCache(config=config), the model's own cache."""
+        return None
+
     def selection(self, module, attention_mask, indexer_mask):
         """An indexed-attention layer that hands its top-k otherwise than as `indices=`: its (B, Tq, T) bool
         selection read from what it passed as `attention_mask` (the mask function gave it `indexer_mask`), else
