@@ -22,10 +22,11 @@ process's result to fp64 rounding.
 
 Between forwards one process keeps the states in its cache's dtype (the model's): read again, they are cast to it; a
 state passed down the ranks inside a forward is not (one process does not store it there). The states are stored in
-the wider of the model's and the state dtype, which holds every value the kernels return. Not reproduced: a bfloat16
+the wider of the model's and the state dtype, which holds every value the kernels return. Given no cache and
+use_cache=False over more than max_inference_chunksize tokens, one process keeps the states between its pieces in a
+cache it makes for them, of xLSTMCache's default bfloat16: so do the ranks (`_caller`). Not reproduced: a bfloat16
 model's chunkwise kernel run from a state another rank passed (one process keeps that state in the kernel's
-bfloat16; the chain passes the stored float32 copy), and use_cache=False over more than max_inference_chunksize
-tokens, where one process keeps the states between its pieces in a bfloat16 cache of its own.
+bfloat16; the chain passes the stored float32 copy).
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ from .wrapping import install
 STATES = 3  # C (batch, heads, qk_head_dim, v_head_dim), n (batch, heads, qk_head_dim), m (batch, heads, 1)
 _INDEX = "_hf_contextpar_layer_idx"  # an mLSTM backend's block index (its cache layer), set by apply
 _running: ContextVar = ContextVar("hf_contextpar_xlstm_forward", default=None)  # the running `_Forward`
+_fresh: ContextVar = ContextVar("hf_contextpar_xlstm_fresh", default=False)  # the caller: no cache, use_cache off
+
+
+def _caller(module, args, kwargs):
+    """Before the context-parallel runtime (which runs the model with its cache): did the caller pass no cache and
+    turn use_cache off, as one process then runs the model?"""
+    use = kwargs.get("use_cache")
+    use = module.config.use_cache if use is None else use
+    given = any(kwargs.get(name) is not None for name in ("cache", "cache_params", "past_key_values"))
+    _fresh.set(not use and not given)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class _Forward:
     cache: object  # the ShardedCache
     pieces: tuple  # `_pieces` of this rank's tokens
     dtype: torch.dtype  # the model's (inputs_embeds'): what one process's cache keeps the states in
+    between: torch.dtype  # what one process keeps them in between its pieces of max_inference_chunksize tokens
 
 
 def _pieces(start: int, stop: int, total: int, chunk: int, segment: int) -> tuple:
@@ -99,8 +111,9 @@ def _span(cache, tokens: int) -> tuple[int, int, int]:
 
 def _model(forward):
     def xlstm_model_forward(self, input_ids=None, inputs_embeds=None, cache=None, use_cache=None, **kwargs):
-        if not isinstance(cache, ChainedStates):
-            return forward(self, input_ids, inputs_embeds, cache, use_cache, **kwargs)
+        if not isinstance(cache, ChainedStates):  # one process: transformers' forward, called as it was
+            given = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, use_cache=use_cache)
+            return forward(self, **{k: v for k, v in given.items() if v is not None}, **kwargs)
         hidden = kwargs.get("output_hidden_states")
         hidden = self.config.output_hidden_states if hidden is None else hidden
         if not isinstance(hidden, bool):
@@ -115,7 +128,9 @@ def _model(forward):
         config = self.config
         segment = config.max_inference_chunksize
         segment = segment if not self.training and segment < total and not hidden else total
-        token = _running.set(_Forward(cache, _pieces(start, stop, total, config.chunk_size, segment), x.dtype))
+        pieces = _pieces(start, stop, total, config.chunk_size, segment)
+        # given no cache and use_cache off, one process makes one for its pieces: xLSTMCache's default bfloat16
+        token = _running.set(_Forward(cache, pieces, x.dtype, torch.bfloat16 if _fresh.get() else x.dtype))
         states = []
         try:
             for block in self.blocks:
@@ -162,7 +177,7 @@ def _scan(backend, run: _Forward, qkvif: tuple, state: tuple):
     eps, outs = kernels["eps"], []
     for lo, hi, kernel, size, segment in run.pieces:
         if segment:  # one process read this segment's state from its cache
-            state = tuple(t.to(run.dtype) for t in state)
+            state = tuple(t.to(run.between) for t in state)
         q, k, v, i, f = (x[:, :, lo:hi].contiguous() for x in qkvif)
         c, n, m = state
         if kernel == "step":
@@ -208,8 +223,9 @@ def check(config) -> None:
 
 def _reorder_cache(cache, beam_idx):
     raise UnsupportedInputError(
-        "beam search is not supported for xLSTM under context parallelism: on one process xLSTMCache has no "
-        "reorder for the beams, so there is no single-process result to match. Use greedy decoding or sampling."
+        "beam search is not supported for xLSTM under context parallelism: transformers refuses it on one process "
+        "too (its xLSTMCache cannot be reordered with the beams), so there is no result to match. Use greedy "
+        "decoding or sampling."
     )
 
 
@@ -226,8 +242,10 @@ def apply(model):
         setattr(backend, _INDEX, i)
     undos = [install(module.xLSTMModel, "forward", _model), install(module.xLSTMBackend, "forward", _backend)]
     model._reorder_cache = _reorder_cache  # generate() calls a model's own _reorder_cache when it has one
+    handle = model.register_forward_pre_hook(_caller, with_kwargs=True)  # before the runtime's hook (installed later)
 
     def undo():
+        handle.remove()
         for u in undos:
             u()
         del model._reorder_cache

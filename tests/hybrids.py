@@ -28,6 +28,9 @@ SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a
     "falcon_h1": dict(mamba_d_state=16, mamba_chunk_size=16),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
     "minimax": dict(block_size=4),  # lightning attention's blocks cut inside every partition
+    # chunks of 4 and one-process pieces of 12 tokens (max_inference_chunksize), both cut inside partitions
+    # (its xLSTMCache sizes its states by hidden_size * factor rounded up to 64: the census's sizes keep them whole)
+    "xlstm": dict(hidden_size=128, num_heads=2, qk_dim_factor=0.5, chunk_size=4, max_inference_chunksize=12),
 }
 MIX = ["linear_attention"] * 3 + ["full_attention"]
 LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
@@ -56,11 +59,12 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     "recurrent_gemma": dict(block_types=["recurrent"] * 3 + ["attention"], sliding_window=8),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
+    "xlstm": None,  # mLSTM blocks alone, their states in xLSTMCache (patches/xlstm.py: through the cache's layers)
 }
 FAMILIES = list(LAYOUT)
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
-BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
+BEAMS_REFUSED = {"minimax", "recurrent_gemma", "xlstm"}  # xLSTM: transformers refuses beams on one process too
 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
