@@ -208,6 +208,7 @@ AREAS: dict[str, Area] = {
             "patches/gated_delta.py",
             "patches/mamba1.py",
             "patches/recurrent_gemma.py",
+            "patches/xlstm.py",
         ),
         (
             "test_recurrent.py",

@@ -72,6 +72,12 @@ def has_sinks(model) -> bool:
     return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
 
 
+def _states_of_its_own(family, text) -> bool:
+    """A recurrent family that keeps its layers' states in a cache class of its own, run through transformers' layers
+    (FamilyHooks.state_layers, xLSTM's): recurrent layers its config does not list in layer_types."""
+    return family is not None and family.recurrent and family.hooks.state_layers(text) is not None
+
+
 def check_model(model, sparse: bool = False):
     """The model's family patch, after refusing what the algorithms (sparse: CSA too) do not implement."""
     _refuse_wrapper(model)
@@ -106,9 +112,7 @@ def check_model(model, sparse: bool = False):
             f"this model ({config.model_type}) has {sorted(kinds)} layers{blocks}; hf-contextpar supports softmax attention "
             f"layers (full, sliding-window or chunked){also if kinds & _RECURRENT_LAYER_TYPES else ''}. {why}".rstrip()
         )
-    if family is not None and family.recurrent and family.hooks.state_layers(text) is not None:
-        chained = {"linear_attention"}  # its layers' states in transformers' layers (FamilyHooks.state_layers)
-    if getattr(text, "num_attention_heads", None) is None and not chained:
+    if getattr(text, "num_attention_heads", None) is None and not chained and not _states_of_its_own(family, text):
         raise UnsupportedModelError(
             f"{type(model).__name__}'s config declares no attention heads (num_attention_heads): its layers are "
             "not softmax attention (a recurrence such as RWKV's), which hf-contextpar does not shard."
