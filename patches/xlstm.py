@@ -6,7 +6,9 @@ n, the max state m), kept in `xLSTMCache.rnn_state`, a plain class outside trans
 `LinearAttentionLayer` of three recurrent states per block instead (`XlstmHooks.state_layers`), and under a
 context-parallel cache this patch runs the model's blocks with their states read from and written to those layers
 (`_model`, `_backend`): a chained rank continues from what rank - 1 left, decode from the states every rank took after
-prefill. Any other cache (one process) runs transformers' forward untouched.
+prefill. Any other cache (one process) runs transformers' forward untouched. Refused as one process fails them:
+beam search (xLSTMCache has no reorder) and generate() over a cache passed back (its second turn is a forward over
+the returned cache, model(new_ids, cache=out.cache), as on one process).
 
 One process's arithmetic, kept as it is. Its inference backend (`wrap_chunkwise_arbitrary_sequence_length`) runs a
 forward's tokens in whole chunks of `chunk_size` with the chunkwise kernel (in the model's dtype) and the rest, fewer
@@ -229,6 +231,20 @@ def _reorder_cache(cache, beam_idx):
     )
 
 
+def _given_cache(prepare):
+    def prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
+        if model_kwargs.get("cache") is not None:
+            raise UnsupportedInputError(
+                "generate() over a cache passed back is not supported for xLSTM under context parallelism: on one "
+                "process transformers' generate() fails there too ('xLSTMCache' object has no attribute "
+                "'is_compileable'), so there is no result to match. Continue with forwards over the returned cache "
+                "(model(new_ids, cache=out.cache)), as one process does."
+            )
+        return prepare(generation_config, model_kwargs, *args, **kwargs)
+
+    return prepare_cache_for_generation
+
+
 def apply(model):
     """Run the model's blocks through the context-parallel cache's state API; returns undo()."""
     module = sys.modules[type(model.get_decoder()).__module__]
@@ -242,6 +258,7 @@ def apply(model):
         setattr(backend, _INDEX, i)
     undos = [install(module.xLSTMModel, "forward", _model), install(module.xLSTMBackend, "forward", _backend)]
     model._reorder_cache = _reorder_cache  # generate() calls a model's own _reorder_cache when it has one
+    model._prepare_cache_for_generation = _given_cache(model._prepare_cache_for_generation)  # every generate() call
     handle = model.register_forward_pre_hook(_caller, with_kwargs=True)  # before the runtime's hook (installed later)
 
     def undo():
@@ -249,6 +266,7 @@ def apply(model):
         for u in undos:
             u()
         del model._reorder_cache
+        del model._prepare_cache_for_generation
         for backend in backends:
             delattr(backend, _INDEX)
 

@@ -65,6 +65,9 @@ FAMILIES = list(LAYOUT)
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma", "xlstm"}  # xLSTM: transformers refuses beams on one process too
+# generate() over a cache passed back: one process's fails over xLSTMCache (no is_compileable), or, where it runs,
+# feeds the whole history again on top of the state (patches/xlstm.py refuses it; a forward over the cache runs)
+CACHED_GENERATE_REFUSED = {"xlstm"}
 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
