@@ -385,7 +385,8 @@ _add(
     )
 )
 # xLSTM keeps its mLSTM states in xLSTMCache, outside the Cache API: patches/xlstm.py runs its blocks through
-# transformers' layers (its hooks' state_layers), each token with the kernel one process runs it with
+# transformers' layers (its hooks' state_layers), each token with the kernel one process runs it with; no attention
+# layer for CSA to prune
 _add(
     FamilyPatch(
         "xlstm",
@@ -394,6 +395,7 @@ _add(
         apply=xlstm.apply,
         recurrent=True,
         hooks=xlstm.HOOKS,
+        csa=False,
     )
 )
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)

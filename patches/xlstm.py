@@ -123,6 +123,12 @@ def _model(forward):
                 f"output_hidden_states={hidden!r}: under context parallelism xLSTM returns all hidden states "
                 "(True) or none (False); select the ones you want from the tuple."
             )
+        if kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False:  # before the chain starts
+            raise UnsupportedInputError(
+                "config.return_dict=False: xLSTMForCausalLM's forward fails on one process with it too (its backbone "
+                "then returns a tuple, which has no .cache). Set config.return_dict = True; pass return_dict=False to "
+                "a call for a tuple."
+            )
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
