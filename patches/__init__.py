@@ -55,6 +55,7 @@ from . import (
     rwkv,
     shared_kv,
     xglm,
+    xlstm,
 )
 from .verified import CENSUS, NOT_VERIFIED, VERIFIED
 
@@ -423,6 +424,20 @@ _add(
         csa=False,  # its looped layers attend through cache copies, which CSA's pruning and reference do not define
     )
 )
+# xLSTM keeps its mLSTM states in xLSTMCache, outside the Cache API: patches/xlstm.py runs its blocks through
+# transformers' layers (its hooks' cache), each token with the kernel one process runs it with; no attention
+# layer for CSA to prune
+_add(
+    FamilyPatch(
+        "xlstm",
+        "xLSTM: mLSTM blocks (matrix memory, normalizer and max state per layer)",
+        check=xlstm.check,
+        apply=xlstm.apply,
+        recurrent=True,
+        hooks=xlstm.HOOKS,
+        csa=False,
+    )
+)
 # Bamba numbers a forward's positions from 0 when given none, even over a cache (patches/bamba.py)
 _add(FamilyPatch("bamba", "Bamba: Mamba2 layers beside attention", apply=bamba.apply, recurrent=True))
 _add(FamilyPatch("gemma3", "Gemma3 multimodal (rejected: use Gemma3ForCausalLM)", check=_text_only_gemma3))
@@ -448,14 +463,6 @@ INEXACT |= {
         "its global transformer attends over patches pooled from the bytes, with no cache and positions from 0 in "
         "every forward: a rank's bytes would form patches without the earlier ranks', and its own cached decode is "
         "not its recompute (use_cache=False). Run it on one process"
-    ),
-    # every block an mLSTM recurrence (matrix memory, normalizer and max state per layer and head) kept in xLSTMCache,
-    # a plain class with no cache layers or state API: even one process's second generate() over it fails
-    # ('xLSTMCache' object has no attribute 'is_compileable')
-    "xlstm": (
-        "its blocks are mLSTM recurrences, not softmax attention, whose states live in xLSTMCache, outside "
-        "transformers' Cache API (the only way hf-contextpar passes a recurrent state down the ranks). Run it on one "
-        "process: its state does not grow with the context"
     ),
 }
 # a drafter for Gemma 4's assisted decoding, not a causal LM of its own (modeling_gemma4_assistant.py): its forward

@@ -214,6 +214,7 @@ AREAS: dict[str, Area] = {
             "patches/mamba1.py",
             "patches/recurrent_gemma.py",
             "patches/rwkv.py",
+            "patches/xlstm.py",
         ),
         (
             "test_recurrent.py",

@@ -144,7 +144,8 @@ def check_model(model, sparse: bool = False):
             f"use_bidirectional_attention={bidirectional!r} makes every token attend to later tokens too; "
             "hf-contextpar's algorithms implement causal (and sliding-window causal) attention only."
         )
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+    # a causal LM that computes every row (xLSTM's forward takes no logits_to_keep and ignores one): rows kept alike
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters and model.get_output_embeddings() is None:
         raise UnsupportedModelError(
             f"{type(model).__name__}.forward has no logits_to_keep argument; load the model with AutoModelForCausalLM."
         )
@@ -236,7 +237,7 @@ class InputContract:
         batch, num_new = x.shape[0], x.shape[1]
         if num_new == 0:  # one process fails inside the model too
             raise UnsupportedInputError("the input holds no tokens (sequence length 0); pass at least one.")
-        keep = kwargs.get("logits_to_keep", 0)
+        keep = kwargs.get("logits_to_keep", 0) if "logits_to_keep" in self.params else 0  # else ignored, as there
         if isinstance(keep, int) and keep < 0:  # outside transformers' documented "keep the last N rows"
             raise UnsupportedInputError(
                 f"logits_to_keep={keep}: a negative int is not supported under context parallelism (models "
@@ -263,7 +264,7 @@ class InputContract:
             mask=mask,
             padding=None if mask is None or ones_only(mask) else mask.bool(),  # None: ones alone
             position_ids=position_ids,
-            logits_to_keep=kwargs.get("logits_to_keep", 0),
+            logits_to_keep=keep,
             output_hidden_states=kwargs.get("output_hidden_states"),
             as_tuple=not (return_dict if return_dict is not None else getattr(self.model.config, "return_dict", True)),
         )

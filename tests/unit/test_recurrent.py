@@ -476,3 +476,78 @@ def test_an_attended_layers_later_states_go_at_their_writes():
     cache.context.chain.leave_layer()
     assert receiver.queue == []
     cache.context.chain.abandon()
+
+
+def _xlstm_backend(chunk: int):
+    """A tiny xLSTM's first mLSTM backend (the census's sizes) with chunks of `chunk`, and its heads' sizes."""
+    config = AutoConfig.for_model(
+        "xlstm", hidden_size=128, num_heads=2, qk_dim_factor=0.5, num_hidden_layers=1, vocab_size=64, chunk_size=chunk
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    return model.backbone.blocks[0].mlstm_layer.mlstm_backend, config.qk_head_dim, config.v_head_dim
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("length, segment", [(22, 22), (22, 10), (9, 9)])
+def test_xlstm_ranks_run_each_token_on_one_process_kernel(world, length, segment):
+    """patches/xlstm.py: one process runs a forward's whole chunks with the chunkwise kernel (fp64 here) and its last
+    tokens with the sequence kernel, whose state and outputs are float32 even in an fp64 model, per piece of
+    max_inference_chunksize tokens (`segment`). A rank runs each of its tokens on the kernel one process runs it
+    with, from the state the rank before passed: fp64-exact as shipped (no Fp64Internals), where the backend run on
+    each partition as a forward of its own is float32-far. 9 tokens at N = 4: partitions of 2 and 3, inside a chunk."""
+    from hf_contextpar.patches import xlstm
+
+    chunk = 4
+    backend, dk, dv = _xlstm_backend(chunk)
+    g = torch.Generator().manual_seed(world)
+    shape = (2, 2, length)
+    q, k = (torch.randn(*shape, dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(*shape, dv, generator=g, dtype=torch.float64)
+    i, f = (torch.randn(*shape, generator=g, dtype=torch.float64) * 2 for _ in range(2))
+    zeros = (torch.zeros(2, 2, dk, dv), torch.zeros(2, 2, dk), torch.zeros(2, 2, 1))
+    zeros = tuple(z.double() for z in zeros)
+
+    def one_forward(lo, hi, state):  # the backend's own inference path, as xLSTMModel calls it for a piece
+        h, state = backend(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], i[:, :, lo:hi], f[:, :, lo:hi], *state)
+        return h, tuple(t.double() for t in state)  # one process's cache keeps them in the model's dtype
+
+    with torch.no_grad():
+        state, want = zeros, []
+        for lo in range(0, length, segment):
+            h, state = one_forward(lo, min(lo + segment, length), state)
+            want.append(h)
+        want = torch.cat(want, 2)
+        parts = torch.arange(length).tensor_split(world)
+        state, got, naive = zeros, [], []
+        for part in parts:
+            a, b = int(part[0]), int(part[-1]) + 1
+            run = xlstm._Forward(None, xlstm._pieces(a, b, length, chunk, segment), torch.float64, torch.float64)
+            h, state = xlstm._scan(backend, run, tuple(x[:, :, a:b] for x in (q, k, v, i, f)), state)
+            got.append(h)
+        state = zeros
+        for part in parts:
+            h, state = one_forward(int(part[0]), int(part[-1]) + 1, state)
+            naive.append(h)
+    diff = (torch.cat(got, 2) - want).abs().max().item()
+    assert diff < 1e-12, f"N={world}: the ranks' outputs are {diff:.2e} from one process's"
+    # a partition's own forward moves tokens between the kernels (no partition boundary on the chunk grid here)
+    assert (torch.cat(naive, 2) - want).abs().max().item() > 1e-9
+
+
+def test_xlstm_pieces_cover_a_partition_on_one_process_grid():
+    """patches/xlstm.py `_pieces`: the tokens [start, stop) of a forward, each once, in order; chunkwise pieces on
+    the grid of their segment (a cut chunk as a chunk of its own), a segment's last tokens on the sequence kernel,
+    a 1-token segment on the step kernel, and a new segment marked where one process read its cache."""
+    from hf_contextpar.patches.xlstm import _pieces
+
+    pieces = _pieces(5, 27, 30, 4, 12)  # segments [0, 12), [12, 24), [24, 30); chunks of 4 from each segment's start
+    assert [(lo + 5, hi + 5, kernel, size, new) for lo, hi, kernel, size, new in pieces] == [
+        (5, 8, "chunk", 3, False),
+        (8, 12, "chunk", 4, False),
+        (12, 24, "chunk", 4, True),
+        (24, 27, "chunk", 3, True),
+    ]
+    assert _pieces(0, 10, 10, 4, 10) == ((0, 8, "chunk", 4, False), (8, 10, "sequence", 2, False))
+    assert _pieces(0, 1, 13, 4, 12)[0][2] == "chunk" and _pieces(12, 13, 13, 4, 12) == ((0, 1, "step", 1, True),)

@@ -30,6 +30,9 @@ SIZES = {  # smaller states than the census's tiny configs (those take 10-20 s a
     "falcon_h1": dict(mamba_d_state=16, mamba_chunk_size=16),
     "kimi_linear": dict(linear_num_heads=4, linear_head_dim=16),
     "minimax": dict(block_size=4),  # lightning attention's blocks cut inside every partition
+    # chunks of 4 and one-process pieces of 12 tokens (max_inference_chunksize), both cut inside partitions
+    # (its xLSTMCache sizes its states by hidden_size * factor rounded up to 64: the census's sizes keep them whole)
+    "xlstm": dict(hidden_size=128, num_heads=2, qk_dim_factor=0.5, chunk_size=4, max_inference_chunksize=12),
 }
 MIX = ["linear_attention"] * 3 + ["full_attention"]
 LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny config's)
@@ -70,6 +73,7 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
     ),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
+    "xlstm": None,  # mLSTM blocks alone, their states in xLSTMCache (patches/xlstm.py: through the cache's layers)
 }
 FAMILIES = list(LAYOUT)
 # recurrent models whose states are a list of their own (`state=`), outside the Cache API, and no attention
@@ -80,7 +84,10 @@ STATE_LIST = {"rwkv": dict(rescale_every=1)}  # hidden states halved after every
 PER_QUERY = {"inkling_text", "inkling2_text"}
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
-BEAMS_REFUSED = {"minimax", "recurrent_gemma"}
+BEAMS_REFUSED = {"minimax", "recurrent_gemma", "xlstm"}  # xLSTM: transformers refuses beams on one process too
+# generate() over a cache passed back: one process's fails over xLSTMCache (no is_compileable), or, where it runs,
+# feeds the whole history again on top of the state (patches/xlstm.py refuses it; a forward over the cache runs)
+CACHED_GENERATE_REFUSED = {"xlstm"}
 
 
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
