@@ -145,6 +145,7 @@ VERIFIED = {
     "starcoder2": (1e-10, "sdpa"),
     "vaultgemma": (1e-05, "eager"),
     "xglm": (1e-10, "eager"),
+    "xlstm": (1e-10, "eager"),
     "youtu": (1e-10, "sdpa"),
     "zamba": (1e-10, "sdpa"),
     "zamba2": (0.0001, "sdpa"),
@@ -156,5 +157,4 @@ NOT_VERIFIED = {
     "gemma4_assistant": "refused at apply: model_type 'gemma4_assistant' cannot run under context parallelism with hf-…",
     "gemma4_unified_assistant": "refused at apply: model_type 'gemma4_unified_assistant' cannot run under context para…",
     "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
-    "xlstm": "refused at apply: model_type 'xlstm' cannot run under context parallelism with hf-contextpar, registered…",
 }
