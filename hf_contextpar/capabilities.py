@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import mesh
 from .attention import indexed, ulysses
 from .cache import recurrent
 from .model.families import hooks_of
@@ -54,6 +55,7 @@ class Capability:
 RECORD: dict[str, Capability] = {
     c.name: c
     for c in (
+        Capability("tensor_parallel", mesh.check),
         Capability("whole_heads", ulysses.check),
         Capability("indexed", indexed.check),
         Capability("chain", recurrent.check),

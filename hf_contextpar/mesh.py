@@ -67,6 +67,19 @@ def check_cp_group(group, tp_group) -> None:
         )
 
 
+def check(facts) -> int:
+    """At apply (capabilities.py): the TP ranks of each CP rank (1: none), after refusing a family whose attention
+    cannot split its heads over them (`FamilyHooks.tensor_parallel`: MiniMax-M3's block indexer selects per KV head
+    of the whole model)."""
+    why = facts.hooks.tensor_parallel() if facts.tp > 1 else None
+    if why is not None:
+        raise UnsupportedModelError(
+            f"tensor parallelism (tp={facts.tp}) is not supported on {facts.config.model_type}: {why}. Load it with "
+            "tp=1 and use more context-parallel ranks."
+        )
+    return facts.tp
+
+
 def check_tp_heads(config, tp: int) -> int:
     """Each TP rank must hold whole heads: tp must divide the query heads, and divide or be a multiple of
     the KV heads. Returns dcp: the TP ranks sharing one KV head (1: tp divides the KV heads)."""

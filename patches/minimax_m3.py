@@ -43,6 +43,12 @@ class BlockIndices(FamilyHooks):
     def indexed_layer_type(self) -> str:
         return "minimax_m3_sparse"
 
+    def tensor_parallel(self) -> str | None:
+        return (
+            "its block indexer hands one selection per KV head of the whole model (block_indices: B, H_kv, Tq, k), "
+            "and a TP rank attends with a share of the heads"
+        )
+
     def selected_blocks(self, module, kwargs: dict):
         blocks, indexer = kwargs.get("block_indices"), getattr(module, "indexer", None)
         if blocks is None or indexer is None:

@@ -63,6 +63,11 @@ class FamilyHooks:
         transformers' own ("indexed_attention") unless the family names its kind otherwise."""
         return "indexed_attention"
 
+    def tensor_parallel(self) -> str | None:
+        """Why the family's attention cannot run with its heads split over tensor-parallel ranks, refused at apply
+        (mesh.check); None: it runs as any family's, each TP rank attending with the heads it holds."""
+        return None
+
     def selected_blocks(self, module, kwargs: dict):
         """An indexed-attention layer that hands its top-k as blocks of key columns (a block indexer's selection,
         counted from column 0) rather than as `indices=`: (its (B, H, Tq, k) block numbers, -1 for an unused slot, one

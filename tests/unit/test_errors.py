@@ -208,6 +208,7 @@ def test_a_new_capability_is_its_room_and_one_record_entry(monkeypatch):
     monkeypatch.setitem(capabilities.RECORD, "toy", capabilities.Capability("toy", toy))
     model = tiny_model("llama", tie_word_embeddings=True)
     assert _runtime(model, 2).patched.capabilities == {
+        "tensor_parallel": 1,
         "whole_heads": False,
         "indexed": frozenset(),
         "chain": False,
@@ -221,3 +222,18 @@ def test_a_new_capability_is_its_room_and_one_record_entry(monkeypatch):
         _runtime(model, heads + 1, strategy="ulysses")
     monkeypatch.delitem(capabilities.RECORD, "toy")
     _runtime(model, 2, strategy="ring_pass_q")  # without the entry the toy refuses nothing: the record is the route
+
+
+def test_a_family_whose_attention_cannot_split_its_heads_is_refused_under_tensor_parallelism():
+    """MiniMax-M3's block indexer selects per KV head of the whole model (FamilyHooks.tensor_parallel): with its heads
+    split over TP ranks it is refused at apply with what to do, not failed inside the kernel; without TP it runs."""
+    from hf_contextpar import mesh
+    from hf_contextpar.capabilities import Facts
+
+    model = AutoModelForCausalLM.from_config(tiny_config("minimax_m3_vl_text"))
+    facts = lambda tp: Facts(model, None, 2, tp, None, None, False)  # noqa: E731
+    with pytest.raises(hf_contextpar.UnsupportedModelError, match=r"tensor parallelism \(tp=2\).*use more context"):
+        mesh.check(facts(2))
+    assert mesh.check(facts(1)) == 1
+    llama = tiny_model("llama")
+    assert mesh.check(Facts(llama, None, 2, 2, None, None, False)) == 2  # a family that splits its heads: no refusal
