@@ -41,6 +41,7 @@ import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from hf_contextpar.cache.recurrent import ChainedStates, running_chain
+from hf_contextpar.cache.sharded import cache_aliases
 from hf_contextpar.errors import UnsupportedInputError, UnsupportedModelError
 from hf_contextpar.model.families import FamilyHooks
 
@@ -57,7 +58,9 @@ def _caller(module, args, kwargs):
     turn use_cache off, as one process then runs the model?"""
     use = kwargs.get("use_cache")
     use = module.config.use_cache if use is None else use
-    given = any(kwargs.get(name) is not None for name in ("cache", "cache_params", "past_key_values"))
+    # the names its forward takes a cache under (cache, and the alias cache_params): past_key_values is not one of
+    # them, and one process ignores it (it lands in **kwargs), making its own bfloat16 cache for the pieces
+    given = any(kwargs.get(name) is not None for name in ("cache", *cache_aliases(type(module))))
     _fresh.set(not use and not given)
 
 

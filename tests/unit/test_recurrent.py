@@ -551,3 +551,21 @@ def test_xlstm_pieces_cover_a_partition_on_one_process_grid():
     ]
     assert _pieces(0, 10, 10, 4, 10) == ((0, 8, "chunk", 4, False), (8, 10, "sequence", 2, False))
     assert _pieces(0, 1, 13, 4, 12)[0][2] == "chunk" and _pieces(12, 13, 13, 4, 12) == ((0, 1, "step", 1, True),)
+
+
+def test_xlstm_a_cache_under_a_name_it_ignores_is_no_cache():
+    """xLSTM's forward takes its cache as `cache` (or the alias `cache_params`); `past_key_values` lands in its
+    **kwargs, ignored on one process, which then makes its own bfloat16 cache for its pieces when use_cache is off.
+    The patch reads the caller the same way (the fuzz's N = 3 case with past_key_values was 4.8e-3 off before)."""
+    from hf_contextpar.patches import xlstm
+
+    model = AutoModelForCausalLM.from_config(tiny_config("xlstm"))
+    for kwargs, fresh in (
+        ({"past_key_values": object(), "use_cache": False}, True),
+        ({"cache_params": object(), "use_cache": False}, False),
+        ({"cache": object(), "use_cache": False}, False),
+        ({"use_cache": True}, False),
+    ):
+        xlstm._caller(model, (), kwargs)
+        assert xlstm._fresh.get() is fresh, kwargs
+    xlstm._fresh.set(False)
