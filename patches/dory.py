@@ -24,10 +24,13 @@ def _loops(config) -> tuple[range, int]:
 
 
 def check(config):
+    mode = getattr(config, "recurrent_kv_cache_mode", "per_loop")  # DoryConfig's default
+    if mode == "per_loop":
+        return
     section, loops = _loops(config)
-    if loops > 1 and len(section) and config.recurrent_kv_cache_mode != "per_loop":
+    if loops > 1 and len(section):
         raise UnsupportedModelError(
-            f"Dory's recurrent_kv_cache_mode={config.recurrent_kv_cache_mode!r}: its loops before the last attend "
+            f"Dory's recurrent_kv_cache_mode={mode!r}: its loops before the last attend "
             "over the cache's stored K/V read directly plus their own tokens, never stored, which a rank's share of "
             "a context-parallel cache cannot answer. Load the model with recurrent_kv_cache_mode='per_loop' (its "
             "default: one cache copy per loop, same outputs), or run it on one process."

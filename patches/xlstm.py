@@ -225,9 +225,10 @@ HOOKS = XlstmHooks()
 
 def check(config) -> None:
     """What one process does not run from a passed state: the training backends and the external package's blocks."""
-    if config.mode != "inference":
+    mode = getattr(config, "mode", "inference")  # xLSTMConfig's default
+    if mode != "inference":
         raise UnsupportedModelError(
-            f"xLSTM's mode={config.mode!r} runs the chunkwise kernel over the whole sequence (a multiple of "
+            f"xLSTM's mode={mode!r} runs the chunkwise kernel over the whole sequence (a multiple of "
             "chunk_size, or padded to one), with no state to continue from; under context parallelism use "
             "mode='inference' (the config's default, what generation needs)."
         )
