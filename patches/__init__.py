@@ -40,6 +40,7 @@ from . import (
     hrm_text,
     inkling,
     inkling2,
+    inkling2_loop,
     jetmoe,
     llama4_text,
     mamba1,
@@ -345,12 +346,6 @@ for _mt, _what, _fp32 in [
     _add(FamilyPatch(_mt, _what, recurrent=True, apply=gated_delta.apply, fp32_tolerance=_fp32))
 # why a family's layers of a kind the contract does not run are refused (the kind named by the refusal, this after it)
 NOT_CHAINED = families.NOT_CHAINED
-# Inkling 2's loop passes run the loop layers again on deep copies of their cache layers, appended inside the forward
-NOT_CHAINED["inkling2_loop_text"] = (
-    "its loop passes append deep copies of the loop layers' cache layers to the cache inside the forward "
-    "(cache.layers += copy.deepcopy(...)), outside the sharded cache's layers and their shared layout; its relative "
-    "bias, per-token sinks and short convolutions would run as Inkling 2's (patches/inkling2.py)"
-)
 # Inkling: short convolutions on K, V and around attention and MLP (chained), and a relative bias per query token
 # (patches/inkling.py: a score bias from global columns that stays with the queries; pass-Q and Ulysses refused)
 _add(
@@ -371,6 +366,19 @@ _add(
         recurrent=True,
         csa=False,
         reference_attn="eager",  # its per-token sinks: no SDPA
+    )
+)
+# Inkling 2 Loop: Inkling 2's, with a section of layers run loop_num_passes times, each pass after the first through
+# copies of the section's cache layers, made up front (patches/inkling2_loop.py)
+_add(
+    FamilyPatch(
+        "inkling2_loop_text",
+        "Inkling 2 Loop (text): Inkling 2's layers, a section of them looped, one cache copy per pass",
+        apply=inkling2_loop.apply,
+        recurrent=True,
+        csa=False,
+        reference_attn="eager",  # its per-token sinks: no SDPA
+        hooks=inkling2_loop.HOOKS,
     )
 )
 # Mamba1's scan starts every multi-token forward from zero: patches/mamba1.py adds the passed state's share

@@ -17,6 +17,8 @@ chained); under transformers' own attention the model's forwards run unchanged.
 
 from __future__ import annotations
 
+import sys
+
 from hf_contextpar.attention import current_step
 
 from . import ported
@@ -74,24 +76,29 @@ def _residual(self, block_states, partial_block_states):
     """transformers' Inkling2BlockAttentionResidual.forward (5.x) through the family's eager attention: each token
     attends over its own layers' states, which never leave its rank."""
     import torch
-    from transformers.models.inkling2 import modeling_inkling2 as module
 
     if not ported.switched(self.config):
         return type(self).forward(self, block_states, partial_block_states)
     stacked = self.norm(torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float())
     hidden_size = stacked.shape[-1]
     query = self.query.float().view(-1, hidden_size).expand(*stacked.shape[:-2], -1, -1)
-    out, _ = module.eager_attention_forward(self, query, stacked, stacked, None, scaling=hidden_size**-0.5)
+    out, _ = eager_of(self)(self, query, stacked, stacked, None, scaling=hidden_size**-0.5)
     return out.transpose(1, 2).unbind(-2)
 
 
-def apply(model):
-    """Patch every Inkling 2 attention and attention residual of `model` (reversible); returns undo()."""
+def eager_of(module):
+    """The eager attention of the module's own modeling file (Inkling 2's, Inkling 2 Loop's: the same function)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def apply(model, prefix: str = "Inkling2", extra: tuple = ()):
+    """Patch every Inkling 2 attention and attention residual of `model` (reversible); returns undo(). `prefix`: the
+    classes' (Inkling 2 Loop's are "Inkling2Loop..."); `extra`: more (class name, forward) ports of the family's."""
     undo = [
-        ported.port(model, name, _forward, lambda module: {})
-        for name in ("Inkling2SlidingAttention", "Inkling2FullAttention")
+        ported.port(model, prefix + name, _forward, lambda module: {}) for name in ("SlidingAttention", "FullAttention")
     ]
-    undo.append(ported.port(model, "Inkling2BlockAttentionResidual", _residual, lambda module: {}))
+    undo.append(ported.port(model, prefix + "BlockAttentionResidual", _residual, lambda module: {}))
+    undo += [ported.port(model, name, forward, lambda module: {}) for name, forward in extra]
 
     def undo_all():
         for u in reversed(undo):

@@ -125,7 +125,23 @@ OVERRIDES: dict[str, dict] = {
         rel_extent=20,
         log_scaling_n_floor=8,
     ),
-    "inkling2_loop_text": dict(unpadded_vocab_size=256),
+    # Inkling 2's geometry (below), its loop inside the layers: layers 1-2 (sliding, full) run 3 passes, one cache copy
+    # of theirs per pass after the first (the config's defaults loop layers 6-17 of 24, past the tiny config's layers)
+    "inkling2_loop_text": dict(
+        num_hidden_layers=4,
+        layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        unpadded_vocab_size=256,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        rel_extent=20,
+        log_scaling_n_floor=8,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=3,
+        loop_gate_rank=8,
+    ),
     # Inkling's geometry (above), with its per-token sinks; attention residual blocks of one layer (every layer a block boundary)
     "inkling2_text": dict(
         unpadded_vocab_size=256,

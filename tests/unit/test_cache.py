@@ -572,24 +572,31 @@ def test_a_block_indexers_top_blocks_are_its_layers_selection_per_kv_head():
         layer_selection(step, layer, ours, None, dict(block_indices=blocks + 4))
 
 
-# -- Dory's loops: a copy of the looped section's cache layers per loop after the first, made up front --------------
-def test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it():
-    """Dory (patches/dory.py) appends, in its first forward, a copy of its recurrent section's cache layers per loop
-    after the first and writes each loop to its copy: the sharded cache makes those copies with itself (from no
-    cache, and bound to generate()'s DynamicCache(config=...)), each with its layer's window, as one process's cache
-    holds them after that forward; the model then finds them and appends none."""
+# -- looped sections (Dory's, Inkling 2 Loop's): a copy of the section's cache layers per pass after the first --------
+@pytest.mark.parametrize(
+    "family,copies,windows",
+    [
+        ("dory", (1, 2), (24, 24, None, 24, 24, None)),  # two recurrent layers looped twice
+        ("inkling2_loop_text", (1, 2, 1, 2), (24, 24, None, 24, 24, None, 24, None)),  # a sliding and a full, 3 passes
+    ],
+)
+def test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it(family, copies, windows):
+    """Dory and Inkling 2 Loop (patches/dory.py, patches/inkling2_loop.py) append, in their first forward, a copy of
+    their looped section's cache layers per pass after the first and write each pass to its copy: the sharded cache
+    makes those copies with itself (from no cache, and bound to generate()'s DynamicCache(config=...)), each with its
+    layer's window, as one process's cache holds them after that forward; the model then finds them and appends none."""
     from dev.census.configs import build
     from hf_contextpar.model.contract import InputContract, attention_layers
 
-    model = build("dory", torch.float64, "sdpa")
+    model = build(family, torch.float64, hf_contextpar.patches.REGISTRY[family].reference_attn)
     ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
     one = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, cache=one)
     contract = InputContract(model, 0, 2, "hf_contextpar")
-    assert contract.copies == (1, 2) and contract.num_layers == len(one.layers) == 6
-    assert attention_layers(model.config) == 6  # each loop's calls counted, for the coverage check
+    assert contract.copies == copies and contract.num_layers == len(one.layers) == len(windows)
+    assert attention_layers(model.config) == len(windows)  # each pass's calls counted, for the coverage check
     made = contract.new_cache()
-    bound = ShardedCache.bind(DynamicCache(config=model.config), 6, 0, 2, contract.recurrence, contract.copies)
-    windows = tuple(getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in one.layers)
-    assert made.windows == bound.windows == windows == (24, 24, None, 24, 24, None)
+    bound = ShardedCache.bind(DynamicCache(config=model.config), len(windows), 0, 2, contract.recurrence, copies)
+    held = tuple(getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in one.layers)
+    assert made.windows == bound.windows == held == windows

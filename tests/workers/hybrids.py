@@ -71,6 +71,18 @@ LAYOUT = {  # the layer pattern, in each config's own terms (None: the tiny conf
         n_layers_per_attn_res_block=2,
         unpadded_vocab_size=384,  # its embedding's rows: the byte tokenizer's vocabulary (BYTE_IDS)
     ),
+    # Inkling 2's, with layers 1-2 (a sliding and a full one) looped: 2 more passes, each through cache copies of
+    # theirs (patches/inkling2_loop.py), messages from the pass before; every layer a residual block
+    "inkling2_loop_text": dict(
+        layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        sliding_window=8,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=3,
+        loop_gate_rank=8,
+        unpadded_vocab_size=384,
+    ),
     "mamba": None,  # Mamba1 layers alone; the model multiplies its input by the raw mask (patches/mamba1.py MaskedInput)
     "falcon_mamba": None,
     "xlstm": None,  # mLSTM blocks alone, their states in xLSTMCache (patches/xlstm.py: through the cache's layers)
@@ -81,7 +93,7 @@ FAMILIES = list(LAYOUT)
 STATE_LIST = {"rwkv": dict(rescale_every=1)}  # hidden states halved after every block (checkpoints: every 6th)
 # the families whose bias or sinks are computed per query token (held with the queries): strategies that move
 # queries (pass-Q, Ulysses) are refused with an UnsupportedModelError at the first forward
-PER_QUERY = {"inkling_text", "inkling2_text"}
+PER_QUERY = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
 GIVEN_CACHE = {"recurrent_gemma"}  # returns no cache (its states are its modules'): the caller passes one and keeps it
 # one process does not reorder its states with the beams (patches/minimax.py, patches/recurrent_gemma.py)
 BEAMS_REFUSED = {"minimax", "recurrent_gemma", "xlstm"}  # xLSTM: transformers refuses beams on one process too
