@@ -79,6 +79,7 @@ VERIFIED = {
     "hy_v3": (1e-05, "sdpa"),
     "hy_v4": (1e-05, "eager"),
     "hyperclovax": (1e-10, "sdpa"),
+    "inkling2_loop_text": (100.0, "eager"),
     "inkling2_text": (100.0, "eager"),
     "inkling_text": (1e-06, "sdpa"),
     "internlm3": (1e-10, "sdpa"),
@@ -156,5 +157,4 @@ NOT_VERIFIED = {
     "cpmant": "refused at apply: model_type 'cpmant' cannot run under context parallelism with hf-contextpar, register…",
     "gemma4_assistant": "refused at apply: model_type 'gemma4_assistant' cannot run under context parallelism with hf-…",
     "gemma4_unified_assistant": "refused at apply: model_type 'gemma4_unified_assistant' cannot run under context para…",
-    "inkling2_loop_text": "refused at apply: this model (inkling2_loop_text) has ['hybrid', 'hybrid_sliding'] layers (…",
 }
