@@ -14,9 +14,9 @@ both kinds; a (module, function) pair names the one that defines the function. S
 The rotation: the exhaustive slices of the multi-process matrices (the exactness and hybrid matrices, split by
 family: a family runs at N = 3 one day in six, at N = 4 one day in six and at N = 2 every third day (exactness;
 every verified family's short check runs daily in test_families.py); N = 3 or 4,
-on alternate days, of the CSA matrix; DCP's matrix on odd days; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
+on alternate days, of the CSA matrix; DCP's matrix on two days in six; one N of 2, 3, 4 a day of the strategy and multi-turn matrices and of the
 census's re-run; the hybrid strategy matrix in two halves; N = 3 of the holes and user-code matrices; the geometry
-and interleave matrices at one N a day; one of the three script orders of the exit check and two of its four tools;
+and interleave matrices at one N a day; the exit check's three script orders one every sixth day each and two of its four tools a day;
 one of lm-eval's six runs (3 processes, TP 2 x CP 2, two nodes, replicas two ways, the server); needlebench on
 3 processes) run in some of SLICES slices, one slice picked
 by the day (every slice runs every SLICES days) and printed in the header. Replay one with
@@ -179,8 +179,9 @@ ROTATING = {
     ("test_holes.py", "test_case"): lambda p: _alternate(1) if p["n"] == 3 else None,
     ("test_interleave.py", "test_case"): lambda p: _alternate(0) if p["n"] == 3 else _alternate(1),
     ("test_user_code.py", "test_user_code"): lambda p: _alternate(1) if p["n"] == 3 else None,
+    # the exit check's three script orders, one every sixth day each (group, model, library on slices 0, 2, 4)
     ("test_exit.py", "test_every_script_order_exits_cleanly"): lambda p: {
-        k for k in range(SLICES) if k % 3 == ("group", "model", "library").index(p["order"])
+        2 * ("group", "model", "library").index(p["order"])
     },
     # lm-eval's six runs, one a day (each also needs the one-process reference run)
     ("test_lmeval.py", "test_three_processes_under_torchrun"): lambda p: {0},
@@ -195,9 +196,9 @@ ROTATING = {
     ("test_replicas.py", "test_apply_makes_a_cp_group_per_replica"): lambda p: _alternate(1),
     # the server at N = 3 every other day (N = 2 every run)
     **{("test_serve.py", name): lambda p: _alternate(1) if p.get("server") == 3 else None for name in SERVE_TESTS},
-    # DCP's matrix and its refusals every other day (TP x CP's every day)
-    ("test_tp.py", "test_dcp_exact"): lambda p: _alternate(1),
-    ("test_tp.py", "test_dcp_refusals_and_fp32"): lambda p: _alternate(1),
+    # DCP's matrix and its refusals on slices 1 and 3 (TP x CP's every day)
+    ("test_tp.py", "test_dcp_exact"): lambda p: {1, 3},
+    ("test_tp.py", "test_dcp_refusals_and_fp32"): lambda p: {1, 3},
     # one mechanism (comm/group.py's teardown) under four tools: two a day, the heavier pair on the lighter days
     ("test_exit.py", "test_tools_leave_no_gloo_thread_to_finalization"): lambda p: _alternate(
         1 if p["tool"] in ("bench", "eval") else 0
