@@ -1,19 +1,7 @@
 """Every attention algorithm as a specification (issue 12), in ring-flash-attention's shape.
 
-The specification lives in `hf_contextpar.tools.selftest.spec` (one copy, shared with `python -m
-hf_contextpar selftest --simulated`): whole-sequence Q, K, V are cut the way a plan says, the
-plan's algorithm runs unmodified on N simulated ranks (`hf_contextpar.tools.selftest.simulated`, one thread per
-rank), and every rank's (out, LSE) must equal plain whole-sequence attention and its traffic the
-analytical bytes. This file runs it as a CPU matrix.
-
-A test id reads `<case>-N<ranks>-T<length>-<heads>-<mask>-<dtype>`. T is the number of new
-tokens of a prefill, or the prompt length before the decode steps of a decode case. Seeded random
-sequences of forwards cover the combinations the matrix does not list. Issue 13's single-GPU
-check runs the same specification on CUDA in bf16/fp16/fp32 (`selftest --simulated`, run by
-tests/multi_process/test_cuda.py where a GPU is present). The last tests break an algorithm or its messages on
-purpose and check that this file notices.
-
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_algorithms.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_algorithms.py.
 """
 
 from __future__ import annotations

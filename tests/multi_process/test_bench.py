@@ -1,6 +1,7 @@
 """The benchmark end to end at tiny sizes (N=2, then N=1 into the same directory), and the cost model.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_bench.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_bench.py.
 """
 
 from __future__ import annotations

@@ -2,18 +2,8 @@
 the installed transformers is classified, what it generates is what is committed, and a rotating few still
 get their committed classification at N = 2, 3 and 4.
 
-(a) The model types transformers maps to AutoModelForCausalLM, after the census's stated filters, are
-exactly the families of docs/census.json (and the dropped ones its `excluded`): a transformers release
-that adds a family fails here until the census is re-run and committed.
-(b) patches/verified.py (the families that run with no opt-in), docs/census.md and README's block are what
-docs/census.json generates: nobody verifies a family by hand-editing the list. A verified family resolves
-with no registration; any other is refused with what the census found.
-(c) A rotating subset re-runs: at N = 2 six of the families the census does not verify (refused or skipped),
-drawn by the day, through the census (every verified family runs every day in tests/*/test_families.py); at N = 2, 3 and 4 two verified families each through the
-sweep (every prefill strategy, both decode modes, padded batches), each variant against its committed
-outcome. HF_CONTEXTPAR_CENSUS_FAMILIES=a,b picks the families instead (a failure names the day's draw).
-
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_census.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_census.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (tests/workers/csa_worker.py), its distributed run against its one-process reference and, keeping every token,
 against the unpatched model.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_csa.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_csa.py.
 """
 
 import pytest

@@ -3,7 +3,8 @@
 contiguous spans continuing from the compressors' unfinished groups the span before left, every span's compressors handed the whole layer's entries, are the one
 forward to fp64 rounding once the model's fp32 internals run in fp64; a 1-token span is not (HCA's decode path).
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_deepseek_v4.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_deepseek_v4.py.
 """
 
 from __future__ import annotations

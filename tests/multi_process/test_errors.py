@@ -1,6 +1,7 @@
 """Bad input fails with a clear error, on every rank, instead of a hang or a wrong answer.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_errors.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_errors.py.
 """
 
 from __future__ import annotations

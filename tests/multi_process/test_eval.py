@@ -2,7 +2,8 @@
 the built-in model, offline, N=2 (CPU, gloo): it says "equivalent" for the real engine and
 "not equivalent" (exit 1) for an engine with one ring step dropped.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_eval.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_eval.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The pass-KV / pass-Q planner: the cost-model rule, Alg. 5 boundaries, h(T,P), calibration I/O.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_planner.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_planner.py.
 """
 
 from __future__ import annotations

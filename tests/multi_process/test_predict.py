@@ -1,6 +1,7 @@
 """`python -m hf_contextpar predict`: the cost model on paper, for any model and machine.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_predict.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_predict.py.
 """
 
 import json

@@ -4,7 +4,8 @@ arithmetic and its refusals; launched (4 processes): `apply_context_parallel(mod
 each rank in its replica's CP group of 2, each replica exact on its own prompt. lm-eval over replicas is
 tests/*/test_lmeval.py's.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_replicas.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_replicas.py.
 """
 
 from __future__ import annotations

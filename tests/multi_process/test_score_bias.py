@@ -1,14 +1,8 @@
 """Score biases from global columns (hf_contextpar/attention/bias.py): ALiBi (BLOOM, MPT, Falcon's alibi=True) and
 Doge's per-key bias from the keys' values.
 
-The kernels' bias on its own (one process): attending key blocks apart and merging their partials by LSE is the
-whole attention under the explicit bias, with padding, a window, batched decode's per-sequence columns, Ulysses' head
-slice. Then the families against the unpatched model on one process at 2,048 tokens, where the bias dominates
-(tests/workers/bias_worker.py: each prefill strategy, KV-Runahead, pass-Q and all-gather included, a left-padded batch,
-both decode modes, a second turn), fp64 with the models' fp32 softmax kept in fp64: 1e-10; Doge with its A drawn
-from N(0, 1), where its census model's zeros make the bias a constant softmax ignores.
-
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_score_bias.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_score_bias.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`predict --gpus`: the (tp, cp) layout recommended for a model on G GPUs (hf_contextpar/tools/layout.py), on paper.
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_tp_layouts.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_tp_layouts.py.
 """
 
 from __future__ import annotations

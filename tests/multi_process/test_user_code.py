@@ -3,7 +3,8 @@ custom attention functions, attention forwards patched to call SDPA themselves, 
 training mode, model.forward and the inner decoder, PEFT's LoRA, compile order, re-registered families and
 dropped models. The multi-process cases run in one launch per N (tests/workers/user_code_worker.py).
 
-This file holds the checks that launch ranks (tests/launch.py); the in-process ones are in tests/unit/test_user_code.py.
+This file holds the checks that launch ranks (tests/launch.py); the others, and the feature's whole description, are in
+tests/unit/test_user_code.py.
 """
 
 from __future__ import annotations

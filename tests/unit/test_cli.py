@@ -1,6 +1,7 @@
 """The README's main job: `torchrun --nproc_per_node 2 -m hf_contextpar generate` (needle-lm, a needle prompt).
 
-This file holds the checks that run in the pytest process; the ones that launch ranks are in tests/multi_process/test_cli.py.
+This file holds the checks that run in the pytest process; the others, and the feature's whole description, are in
+tests/multi_process/test_cli.py.
 """
 
 from __future__ import annotations

@@ -3,11 +3,8 @@ the unpatched single-process model. One launch per N runs the families whose tes
 (see cp_worker.py; at N = 3 and 4 the day's rotation picks half of them each, tests/conftest.py); each case is its own test, so a failure reads like
 `test_exact[N3-llama-beam_search]`. Tolerances are the exactness oracle's (hf_contextpar.eval.oracle).
 
-N = 1 is not in the matrix: on one process apply_context_parallel validates the model and returns
-it untouched, so a comparison with the stock model cannot fail; `test_world_size_one_changes_nothing`
-checks exactly that instead.
-
-This file holds the checks that run in the pytest process; the ones that launch ranks are in tests/multi_process/test_exactness.py.
+This file holds the checks that run in the pytest process; the others, and the feature's whole description, are in
+tests/multi_process/test_exactness.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ per-sample loglikelihoods and the metrics made of them within fp32 rounding (the
 logit tolerance, twice per scored token: a log-softmax moves by at most twice its logits' error), and
 only global rank 0 writing results or samples, also where every rank is a node's local rank 0.
 
-This file holds the checks that run in the pytest process; the ones that launch ranks are in tests/multi_process/test_lmeval.py.
+This file holds the checks that run in the pytest process; the others, and the feature's whole description, are in
+tests/multi_process/test_lmeval.py.
 """
 
 from __future__ import annotations

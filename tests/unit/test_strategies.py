@@ -1,7 +1,8 @@
 """All-gather KV, KV-Runahead and Ulysses prefill (issue: the other prefill families), every strategy's
 traffic against the analytical formulas, and KV-Runahead's partition search and table.
 
-This file holds the checks that run in the pytest process; the ones that launch ranks are in tests/multi_process/test_strategies.py.
+This file holds the checks that run in the pytest process; the others, and the feature's whole description, are in
+tests/multi_process/test_strategies.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 on 4 gloo processes against the unpatched model on one process, DCP (more TP ranks than KV heads:
 TP 4 x CP 1 on 2 KV heads, TP 2 x CP 2 on 1), and the refusals.
 
-This file holds the checks that run in the pytest process; the ones that launch ranks are in tests/multi_process/test_tp.py.
+This file holds the checks that run in the pytest process; the others, and the feature's whole description, are in
+tests/multi_process/test_tp.py.
 """
 
 from __future__ import annotations
