@@ -52,15 +52,12 @@ def _forward(self, hidden_states, position_embeddings, attention_mask=None, cach
     query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    attention = ported.attention_function(self.config, None)
-    out, weights = attention(
+    out, weights = ported.attend(
         self,
         query,
         key,
         value,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
         score_bias=DynamicBias(self, self.keep_window_size),
         **kwargs,
     )

@@ -76,15 +76,12 @@ def _forward(self, hidden_states, attention_mask, conv_mask=None, cache=None, **
         tau = tau.view(1, 1, -1, 1)
         query = (query.float() * tau).to(query.dtype)
         rows = (rows.float() * tau).to(rows.dtype)
-    attention = ported.attention_function(self.config, None)
-    out, weights = attention(
+    out, weights = ported.attend(
         self,
         query,
         key,
         value,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
         sliding_window=self.sliding_window,
         score_bias=RelativeBias(rows, q_cols),
         **kwargs,

@@ -55,15 +55,12 @@ def _forward(
     bias = self.relative_position_bias
     states = bias.norm(bias.linear(hidden_states).view(*input_shape, bias.num_heads, -1), positions)
     rows = (states @ bias.proj).transpose(1, 2)  # (B, H, Tq, rel_extent): the model's rel_logits
-    attention = ported.attention_function(self.config, None)
-    out, weights = attention(
+    out, weights = ported.attend(
         self,
         query,
         key,
         value,
         attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
         sliding_window=self.sliding_window,
         score_bias=RelativeBias(rows, current_step.get().q_cols),
         s_aux=self.sink_proj(hidden_states).transpose(1, 2),  # (B, H, Tq): a sink logit per query and head

@@ -65,6 +65,15 @@ def attention_function(config, default):
     return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, default)
 
 
+def attend(module, query, key, value, attention_mask, **kwargs):
+    """The call a ported forward of an AttentionInterface family makes (Doge's, Inkling's): the attention the config
+    names, with the module's scaling and its dropout outside training; kwargs: the family's own (its score bias,
+    sliding window, sinks) and the forward's. Returns (output, weights)."""
+    attention = attention_function(module.config, None)
+    dropout = 0.0 if not module.training else module.attention_dropout
+    return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling, **kwargs)
+
+
 def eager(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0, **kwargs):
     """The hand-written attention these families keep (scores, additive mask, softmax, dropout, values), as an
     attention function: what a ported model runs when its config names 'eager'."""
