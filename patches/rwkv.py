@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from hf_contextpar.cache.recurrent import ChainedStates, running_chain
 from hf_contextpar.cache.states import load_states
-from hf_contextpar.errors import UnsupportedInputError
+from hf_contextpar.errors import CacheMismatchError, UnsupportedInputError
 from hf_contextpar.model.families import FamilyHooks
 
 from .wrapping import install
@@ -52,6 +52,8 @@ def _caller(module, args, kwargs):
         use_cache = module.config.use_cache and not module.training
     wants = given.get("state") is not None or bool(use_cache)
     x = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
+    if given.get("state") is not None and x is not None:
+        _check_state(module, given["state"], x.shape[0])
     if wants and x is not None and x.shape[0] > 1 and x.shape[1] == 1:
         raise UnsupportedInputError(
             f"{type(module).__name__} mixes the rows of a batch in a one-token forward with a state: its time-mix and "
@@ -63,6 +65,22 @@ def _caller(module, args, kwargs):
     if wants and "use_cache" not in dict(zip(names, args)):
         kwargs = dict(kwargs, use_cache=True)
     return args, kwargs
+
+
+def _check_state(model, state, rows: int) -> None:
+    """A state list that does not fit the call, refused on every rank before any of them runs a block: one process
+    fails inside a block there (writing a (rows, hidden) state into the list's slot), but under context parallelism
+    only the first rank reads the caller's list in a prefill (the others start from what rank - 1 passes), so that
+    rank alone would fail while its peers wait for its states."""
+    want = (rows, model.config.hidden_size, model.config.num_hidden_layers)
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in state]
+    if len(shapes) != 5 or any(shape != want for shape in shapes):
+        raise CacheMismatchError(
+            f"state= does not fit this call: {type(model).__name__} takes a list of five (batch, hidden_size, "
+            f"num_hidden_layers) = {want} tensors for these {rows} sequences, got {shapes}. Pass the list a call over "
+            "the same sequences returned (generate() with num_return_sequences or beams has no state for the rows it "
+            "adds)."
+        )
 
 
 def _causal_lm(forward):

@@ -50,6 +50,7 @@ def test_hybrid_strategies(strategy, family, tmp_path_factory):
 
 STATE_CASES = {"prefill", "second_turn", "short_then_step", "pairs", "no_cache", "greedy", "greedy_tokens"}
 STATE_CASES |= {"generate_turn", "padding_refused", "batched_step_refused", "beams_refused", "sample", "greedy_fp32"}
+STATE_CASES |= {"mismatched_state_refused"}
 
 
 @pytest.mark.parametrize("family", list(STATE_LIST))

@@ -8,7 +8,8 @@ reproduces it, e.g.
 Case k of seed s on N ranks is drawn from random.Random(f"{s}/{N}/{k}") alone, so it is the same
 case whether it runs in a long loop or by itself. A case draws a family (the registered ones, a
 few opted in through `hf_contextpar.patches.register`, the families exact through a family patch that the census
-verifies (tests/workers/hybrids.py CENSUS_CONFIGS, on the census's tiny configs), and the real-checkpoint geometries of tests/workers/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
+verifies (tests/workers/hybrids.py CENSUS_CONFIGS, on the census's tiny configs), the hybrids and RWKV (their
+realistic layer mixes, tests/workers/hybrids.py; RWKV's states a list it takes back as `state=`), and the real-checkpoint geometries of tests/workers/geometries.py), dtype, RoPE type, strategy, decode mode and KV interleave, batch size,
 padding, prompt lengths, 1 to 3 turns and a generation mode per turn, the cache copied between turns (deep
 copy, pickle, torch.save) and user code around the model (a custom attention function, a layer calling SDPA
 itself, register() of the family: refused by type, or exact). Rank 0 runs the unpatched model (the
@@ -61,8 +62,9 @@ sequences (PackedSequenceError), assisted / prompt-lookup decoding over a cache 
 filled (transformers feeds the whole sequence again on top of the cache there; CacheMismatchError,
 as for Phi-3's dropped caller cache), assisted / prompt-lookup decoding from inputs_embeds (with or
 without input_ids; transformers drafts from input_ids and crops the mask to them:
-CandidateDecodingError), and a
-negative int logits_to_keep (UnsupportedInputError: Gemma 4 slices by it twice).
+CandidateDecodingError), a
+negative int logits_to_keep (UnsupportedInputError: Gemma 4 slices by it twice), and RWKV's (`listed_refuses`:
+padding, beams, a one-token step of several rows with a state).
 Tolerances, the near-tie rule and the digests are the exactness oracle's (hf_contextpar.eval.oracle).
 """
 
@@ -107,6 +109,7 @@ from hybrids import (
     CENSUS_CONFIGS,  # noqa: E402
     GIVEN_CACHE,  # noqa: E402
     PER_QUERY,  # noqa: E402
+    STATE_LIST,  # noqa: E402
     census_family_config,  # noqa: E402
     hybrid_config,  # noqa: E402
 )
@@ -123,6 +126,8 @@ from hf_contextpar.sparse import CSA  # noqa: E402
 from hf_contextpar.sparse.csa import refuse_layers as refuse_csa_layers  # noqa: E402
 
 REGISTERED = [mt for mt, p in REGISTRY.items() if p.tiny is not None]
+# recurrent families whose states are a list of their own, passed back as `state=` (RWKV's): drawn with the hybrids
+LISTED = sorted(STATE_LIST)
 _BASE = TINY_BASE
 # Families outside the registry that a user could opt in (plain causal softmax attention), each
 # with what sets it apart: Granite's attention/logit multipliers, StarCoder2's biases, LayerNorm
@@ -245,14 +250,14 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         if u < 0.5
         else r.choice(sorted(OPTED_IN))
         if u < 0.62
-        else r.choice(HYBRIDS)
+        else r.choice(HYBRIDS + LISTED)
         if u < 0.8
         else r.choice(sorted(GEOMETRIES))
     )
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
     ropes = (
         ["default"]
-        if family in GEOMETRIES or family in HYBRIDS or family in CENSUS_CONFIGS
+        if family in GEOMETRIES or family in HYBRIDS or family in LISTED or family in CENSUS_CONFIGS
         else ["default", "longrope"]
         if family == "phi3"
         else [x for x in ROPES if x != "longrope"]
@@ -271,6 +276,13 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     )
     padding = r.choice(PADDINGS)
     batch = r.randint(1, n + 1)
+    # RWKV refuses padding and batched decode steps (patches/rwkv.py), and decode='ring_pass_q' (as every recurrent
+    # model does): three cases in four are one unpadded sequence and another decode, so that most of its cases run
+    # (drawn from a stream of its own: the other draws stay as they were)
+    listed = random.Random(f"{seed}/{n}/{index}/listed")
+    if family in LISTED and listed.random() < 0.75:
+        padding, batch = "none", 1
+        case["decode"] = listed.choice(["auto", "replicated"])
     if padding == "packed":
         batch = 1
     if padding == "all_pad_row" and batch == 1:
@@ -279,6 +291,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     cache = r.choice(["returned", "returned", "inplace"])
     if family in GIVEN_CACHE:  # it returns no cache (its states are its modules'): the caller keeps one
         cache = "inplace"
+    if family in LISTED:  # the list it returns is the one it fills in place when passed back: one way to hand it on
+        cache = "returned"
     # per turn: a mode; assisted / prompt lookup need one sequence, beam search ends the conversation
     turns, rows = [], batch
     for t in range(turns_wanted):
@@ -450,7 +464,8 @@ def csa_refuses(case: dict) -> bool:
 
 def chained(case: dict) -> bool:
     """A family with recurrent layers, whose states pass down the ranks in prefill (a chain)."""
-    return case["family"] in HYBRIDS or model_type(case["family"]) in CENSUS_CHAINED  # a geometry: its family's
+    family = case["family"]
+    return family in HYBRIDS or family in LISTED or model_type(family) in CENSUS_CHAINED  # a geometry: its family's
 
 
 def indexed(case: dict) -> bool:
@@ -501,7 +516,7 @@ def build_config(family: str, rope: str = "default", window: int | None = None, 
     (not the fixed real geometries), the drawn window; `deep`: enough layers for CSA to prune (`deepened`)."""
     if family in GEOMETRIES:
         config = geometry_config(family)
-    elif family in HYBRIDS:  # their realistic layer mix (tests/workers/hybrids.py)
+    elif family in HYBRIDS or family in LISTED:  # their realistic layer mix (tests/workers/hybrids.py)
         config = hybrid_config(family)
     elif family in CENSUS_CONFIGS:  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
         config = census_family_config(family)
@@ -656,11 +671,16 @@ def conversation(model, case: dict, make_assistant):
     passes the cache on: `out.past_key_values` or `out.cache` ("returned") or the caller's own DynamicCache (with
     or without the model's config: sliding layers or none), passed again every turn ("inplace"). Generation runs `generate(input_ids=everything so far,
     past_key_values=cache)` (or `cache=cache`, transformers >= 5.24), as transformers documents multi-turn
-    generation."""
+    generation. A family whose states are a list of its own (LISTED: RWKV) takes it back as `state=` with the tokens it
+    has not seen alone, in generate() too (one process reads every token given as new there), and returns it as
+    `state` (forward) or `past_key_values` (generate)."""
     g = torch.Generator().manual_seed(case["data_seed"])
     ids, mask, position_ids, comparable = first_prompt(case, g)
     cache = None
     name = case.get("cache_name", "past_key_values") if cache_argument(model) == "cache" else "past_key_values"
+    listed = case["family"] in LISTED
+    if listed:
+        name = "state"
     if case["cache"] == "inplace":
         cache = DynamicCache(config=model.config) if case.get("inplace_config") else DynamicCache()
     seq, cached = None, 0  # the sequence so far, and how many of its tokens the cache holds
@@ -694,7 +714,7 @@ def conversation(model, case: dict, make_assistant):
             inputs = {"inputs_embeds": embed(new)} if case.get("embeds") else {"input_ids": new}
             out = forward(model, case, inputs, kw, keep, hidden)
             if isinstance(out, tuple):  # (logits, [cache], [hidden states]): to_tuple() leaves out the Nones
-                caches = [x for x in out[1:] if isinstance(x, Cache)]
+                caches = [x for x in out[1:] if isinstance(x, list if listed else Cache)]
                 states = [x for x in out[1:] if isinstance(x, tuple)]
                 out = types.SimpleNamespace(
                     logits=out[0], hidden_states=states[0] if states else None, **{name: (caches or [None])[0]}
@@ -711,10 +731,14 @@ def conversation(model, case: dict, make_assistant):
             if mode == "sample":  # the same seed for the reference and on every rank, right before the call
                 torch.manual_seed(case["data_seed"] + t)
             from_embeds = case.get("embeds") and len(case["turns"]) == 1
-            inputs = {"inputs_embeds": embed(full)} if from_embeds else {"inputs": full}
+            given = full[:, cached:] if listed and cache is not None else full  # a state list has seen the rest
+            inputs = {"inputs_embeds": embed(full)} if from_embeds else {"inputs": given}
             if from_embeds and case.get("embeds_with_ids"):
                 inputs["input_ids"] = full
             out = model.generate(**inputs, attention_mask=mask, **{name: cache}, **kw)
+            if given is not full:  # the whole sequence, as generate() returns it for a Cache
+                seen = full[:, :cached].repeat_interleave(out.sequences.shape[0] // full.shape[0], 0)
+                out.sequences = torch.cat([seen, out.sequences], 1)
             if (defined := sees_a_key(mask, smallest_window(model.config))) is not None:
                 comparable = comparable & defined  # the first new token comes from the last query
             expand = out.sequences.shape[0] // full.shape[0]
@@ -745,7 +769,7 @@ def conversation(model, case: dict, make_assistant):
                     1,
                 )
         if case["cache"] == "returned":
-            cache = getattr(out, name)
+            cache = out.past_key_values if listed and mode != "forward" else getattr(out, name)
         cache = copied(cache, case.get("copy_cache"))
         yield result
 
@@ -887,6 +911,12 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         return True
     if type(exc) is hf_contextpar.UnsupportedInputError and case["family"] == "minimax_m3_vl_text":
         return case["padding"] != "none"  # a token whose own key block is padding (patches/minimax_m3.py check_mask)
+    if (
+        type(exc) is hf_contextpar.UnsupportedInputError
+        and case["family"] in LISTED
+        and listed_refuses(case, turn, decode_rows)
+    ):
+        return True
     beam = case["turns"][turn]["mode"] == "beam"
     if type(exc) is hf_contextpar.UnsupportedInputError and case["family"] in BEAMS_REFUSED and beam:
         return True  # one process does not reorder MiniMax's states with the beams
@@ -924,6 +954,33 @@ def expected_error(case: dict, exc: Exception, decode_rows: int | None, turn: in
         keep = case.get("logits_to_keep", 0)
         return isinstance(keep, int) and keep < 0 and case["turns"][turn]["mode"] == "forward"
     return False
+
+
+def listed_refuses(case: dict, turn: int, rows: int | None) -> bool:
+    """RWKV's refusals (patches/rwkv.py): a mask with padding (one process ignores it: padded tokens enter the state),
+    beam search (one process does not reorder its state list), and a one-token forward of several rows with a state
+    (one process broadcasts the rows' shift states against each other): every decode step of a batch, and a forward
+    turn of one new token in a conversation (given a state, or asked for one with use_cache)."""
+    spec = case["turns"][turn]
+    g = torch.Generator().manual_seed(case["data_seed"])
+    mask = first_prompt(case, g)[1]
+    if spec["mode"] == "beam" or (mask is not None and not bool(mask.bool().all())):
+        return True
+    if rows is None or rows < 2:
+        return False
+    if spec["mode"] != "forward":
+        return True
+    return fed(case, turn) == 1 and len(case["turns"]) > 1
+
+
+def fed(case: dict, turn: int) -> int:
+    """The tokens a forward turn feeds (conversation's `new`): the prompt, or the chunk after the last turn's (after a
+    generate() turn, its last token too: the cache has not seen it)."""
+    if turn == 0:
+        return max(max(case["lengths"]), 1)
+    spec, before = case["turns"][turn], case["turns"][turn - 1]
+    chunk = 0 if case.get("empty_turn") and spec["mode"] == "forward" else spec["chunk"]
+    return chunk + (before["mode"] != "forward")
 
 
 def takes_cache_name(case: dict) -> bool:

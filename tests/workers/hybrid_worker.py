@@ -40,10 +40,10 @@ def _uneven(strategy: str, n: int) -> tuple[str, dict]:
     return "kv_runahead", dict(partitions=dict(world=n, entries={"8": [x / sum(ratios) for x in ratios]}))
 
 
-def _refused(run) -> bool:
+def _refused(run, error=hf_contextpar.UnsupportedInputError) -> bool:
     try:
         run()
-    except hf_contextpar.UnsupportedInputError:
+    except error:
         return True
     return False
 
@@ -56,7 +56,7 @@ def check_state_list(family: str, n: int, strategy: str, rec):
     partitions), one under 2 per rank (every rank runs it: 5 tokens at N = 4) and a decode step from its list; no
     cache; greedy, sampled and fp32 generation and generate's second turn from its list; padding, batched one-token
     steps and beam search refused (one process ignores the mask, mixes a batch's rows in a one-token step and does not
-    reorder the list with the beams)."""
+    reorder the list with the beams); a list of another batch refused on every rank."""
     g = torch.Generator().manual_seed(n)
     ids = torch.randint(3, 250, (2, 6 * n + 5), generator=g)
     more = torch.randint(3, 250, (2, 2 * n + 1), generator=g)
@@ -92,6 +92,10 @@ def check_state_list(family: str, n: int, strategy: str, rec):
     rec("padding_refused", refused=_refused(lambda: cp(ids, attention_mask=padded)))
     rec("batched_step_refused", refused=_refused(lambda: cp(more[:, :1], state=[t.clone() for t in sb])))
     rec("beams_refused", refused=_refused(lambda: cp.generate(ids[:1], num_beams=2, max_new_tokens=3)))
+    # a list of another batch (one sequence's, for two): one process fails in a block; only rank 0 reads the caller's
+    # list in a prefill, so the refusal must come before any rank runs one, or rank 0 fails while the others wait
+    one = [t.clone() for t in short.state]
+    rec("mismatched_state_refused", refused=_refused(lambda: cp(ids, state=one), hf_contextpar.CacheMismatchError))
     torch.manual_seed(5)
     a = ref.generate(ids[:1], max_new_tokens=5, do_sample=True, top_k=20)
     torch.manual_seed(5)
