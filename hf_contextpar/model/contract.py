@@ -220,9 +220,13 @@ class InputContract:
         # hyper-connections (hc_mult streams): hidden states (B, T, hc, H), their token dim counted from the front
         self.streams = getattr(model.config.get_text_config(decoder=True), "hc_mult", None) is not None
         self.params = list(inspect.signature(model.forward).parameters)
-        # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one)
+        # the forward's cache argument, and the names a caller may pass it under (5.24 keeps the old one); a forward
+        # that takes none (OpenAI GPT's, RWKV's) leaves a cache passed to it in its **kwargs, ignored on one process:
+        # no name (the runtime passes the forward's own cache under cache_arg all the same, for its family patch)
         self.cache_arg = cache_argument(model)
         self.cache_names = ("cache", *cache_aliases(model)) if self.cache_arg == "cache" else ("past_key_values",)
+        if self.cache_arg not in self.params:
+            self.cache_names = ()
 
     def read(self, args, kwargs) -> tuple[dict, Inputs]:
         """(the forward's keyword arguments without the cache, its checked Inputs)."""

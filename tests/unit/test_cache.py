@@ -600,3 +600,21 @@ def test_a_looped_models_cache_holds_each_loops_copy_as_one_process_appends_it(f
     bound = ShardedCache.bind(DynamicCache(config=model.config), len(windows), 0, 2, contract.recurrence, copies)
     held = tuple(getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in one.layers)
     assert made.windows == bound.windows == held == windows
+
+
+@pytest.mark.parametrize("family", ["openai-gpt", "rwkv"])
+def test_a_cache_passed_to_a_forward_that_takes_none_is_ignored_as_one_process_ignores_it(family):
+    """OpenAI GPT's and RWKV's forwards take no cache argument: one passed as `past_key_values` lands in their
+    **kwargs, ignored on one process (a later turn's mask over past + new tokens then fails there). The contract reads
+    no cache under any name for them (the fuzz's N = 3 case read a DynamicCache for OpenAI GPT, filled it and answered
+    a second turn one process refuses)."""
+    from dev.census.configs import build
+    from hf_contextpar.model.contract import InputContract
+
+    contract = InputContract(build(family, torch.float64, "default"), 0, 2, "hf_contextpar")
+    given = DynamicCache()
+    kwargs = {"past_key_values": given, "cache": given}
+    assert contract.cache_names == () and contract._take_cache(kwargs) is None
+    assert kwargs == {"past_key_values": given, "cache": given}  # left for the forward's **kwargs, as one process
+    llama = InputContract(build("llama", torch.float64, "sdpa"), 0, 2, "hf_contextpar")
+    assert llama._take_cache(dict(past_key_values=given)) is given  # the alias a forward that takes `cache` keeps
