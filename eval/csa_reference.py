@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from hf_contextpar.cache.sharded import cache_recurrence
+from hf_contextpar.model.families import REGISTRY
 from hf_contextpar.plan.partitions import PartitionTable, even
 from hf_contextpar.sparse.csa import (
     CSA,
@@ -48,12 +49,18 @@ def csa_reference(model, csa: CSA, world: int, partitions=None):
     reference = _Reference(SparseRun.of(csa, world, full_layers(model.config)), world, chained, _sizes(partitions))
     AttentionInterface.register(NAME, reference)
     AttentionMaskInterface.register(NAME, _padding_mask)
+    # the family's patch, as the distributed run installs it: a family whose attention transformers keeps hand-written
+    # (Falcon, GPT-Neo, XGLM: patches/ported.py) calls the attention its config names only once ported; unported,
+    # it would keep its own and attend to every key (a patch changes nothing else a one-process forward computes)
+    family = REGISTRY.get(model.config.model_type)
+    undo = family.apply(model) if family is not None and family.apply is not None else (lambda: None)
     original = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
     try:
+        model.set_attn_implementation(NAME)
         yield model
     finally:
         model.set_attn_implementation(original)
+        undo()
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):

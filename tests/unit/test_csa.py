@@ -106,6 +106,33 @@ def test_the_reference_on_one_partition_is_the_model(monkeypatch):
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
+@pytest.mark.parametrize("family", ["falcon", "gpt_neox_japanese"])
+def test_the_reference_prunes_a_ported_family_as_the_distributed_run_does(family):
+    """A family whose attention transformers keeps hand-written (patches/ported.py) calls the attention its config
+    names only once its patch is in: the reference installs it for the block, as apply_context_parallel does (without
+    it the model kept its own attention and the reference was the unpruned model: the fuzz's Falcon cases 1.5 apart),
+    and takes it out after."""
+    from transformers import AutoModelForCausalLM
+
+    from dev.census.configs import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(family, num_hidden_layers=4)  # the middle layers prune (the first and last keep every key)
+    impl = hf_contextpar.patches.REGISTRY[family].reference_attn
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation=impl).eval()
+    ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with csa_reference(model, CSA(keep=1.0, topology="3"), 3):
+            kept = model(ids).logits
+        with csa_reference(model, CSA(keep=0.1, topology="3", observe=8), 3):
+            pruned = model(ids).logits
+        after = model(ids).logits
+    assert (plain - kept).abs().max().item() < 1e-10  # every level keeps every key: the model
+    assert (plain - pruned).abs().max().item() > 1e-3  # the middle layers' far keys pruned
+    assert torch.equal(after, plain) and not any("forward" in vars(m) for m in model.modules())  # port undone
+
+
 def test_parse_and_save_round_trip(tmp_path):
     assert CSA.parse("0.8").keep == 0.8 and CSA.parse("0.9,0.5", "2x2").keep == (0.9, 0.5)
     path = CSA(keep=(0.9, 0.5), topology="2x2", observe=16).save(str(tmp_path / "s.json"), note="x")
