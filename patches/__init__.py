@@ -230,6 +230,14 @@ for _patch in [
         tiny=dict(**SHARED_KV_GEMMA, initializer_range=0.05),
         hooks=shared_kv.HOOKS,
     ),
+    # Gemma 4 Unified's text model: Gemma 4's layers (its fp32 bound, KV shared across layers when the config shares
+    # some); bidirectional attention over image tokens alone (use_bidirectional_attention="vision"): text is causal
+    FamilyPatch(
+        "gemma4_unified_text",
+        "Gemma 4 Unified (text): per-layer head sizes, KV shared across layers, alternating sliding/global layers",
+        fp32_tolerance=3e-4,
+        hooks=shared_kv.HOOKS,
+    ),
     # OPT numbers tokens by its attention mask (a left-padded row starts at 0): its positions are computed from the
     # whole mask before the inputs are sharded
     FamilyPatch("opt", "OPT: learned absolute positions read off the attention mask", apply=opt.apply),
@@ -250,17 +258,23 @@ for _patch in [
     # HRM's cycles repeat every layer: its unpatched fp32 model is 1.4e-4 to 2.6e-4 from fp64 (census config, 6 prompts)
     FamilyPatch("hrm_text", "HRM (text): H/L cycles", apply=hrm_text.apply, csa=False, fp32_tolerance=5e-4),
     # families whose attention transformers keeps hand-written, ported to its AttentionInterface (patches/ported.py)
-    FamilyPatch("xglm", "XGLM: sinusoidal positions, a hand-written attention ported", apply=xglm.apply),
+    # (reference_attn: the implementation transformers runs them with; GPT-Neo's, GPT-NeoX-Japanese's and XGLM's classes
+    # take "eager" alone, Falcon's SDPA too)
+    FamilyPatch(
+        "xglm", "XGLM: sinusoidal positions, a hand-written attention ported", apply=xglm.apply, reference_attn="eager"
+    ),
     FamilyPatch(
         "gpt_neo",
         "GPT-Neo: alternating global and local (windowed) layers, a hand-written attention ported",
         apply=gpt_neo.apply,
+        reference_attn="eager",
         fp64_tolerance=1e-4,  # its scores are fp32 even in an fp64 model (the census measures the bound)
     ),
     FamilyPatch(
         "gpt_neox_japanese",
         "GPT-NeoX-Japanese: fused QKV, partial RoPE, a hand-written attention ported",
         apply=gpt_neox_japanese.apply,
+        reference_attn="eager",
     ),
     FamilyPatch(
         "falcon",
