@@ -269,8 +269,9 @@ def _known(config) -> dict:
     return kwargs
 
 
-def tiny_config(model_type: str):
-    """The family's tiny config: GENERIC where its config (or its text config) knows the key, then OVERRIDES."""
+def tiny_config(model_type: str, **extra):
+    """The family's tiny config: GENERIC where its config (or its text config) knows the key, then OVERRIDES, then
+    `extra` (another configuration of the family: the tests' variants)."""
     from transformers import AutoConfig
 
     overrides = {k: v for k, v in OVERRIDES.get(model_type, {}).items() if not k.startswith("_")}
@@ -279,7 +280,7 @@ def tiny_config(model_type: str):
     except Exception:  # overrides that need the small sizes
         default = AutoConfig.for_model(model_type)
     kwargs = _known(default)
-    for key, value in overrides.items():
+    for key, value in {**overrides, **extra}.items():
         kwargs[key] = {**kwargs.get(key, {}), **value} if isinstance(value, dict) else value
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -102,11 +102,13 @@ from hf_contextpar.eval.oracle import (  # noqa: E402
 from hf_contextpar.eval.oracle import digest as tensors_digest  # noqa: E402
 from hf_contextpar.patches import REGISTRY, FamilyPatch, register  # noqa: E402
 from hf_contextpar.patches.mamba1 import MaskedInput  # noqa: E402
+from hf_contextpar.patches.verified import VERIFIED  # noqa: E402
 from hybrids import (
     BEAMS_REFUSED,  # noqa: E402
     CACHED_GENERATE_REFUSED,  # noqa: E402
     CENSUS_CHAINED,  # noqa: E402
     CENSUS_CONFIGS,  # noqa: E402
+    CENSUS_VARIANTS,  # noqa: E402
     GIVEN_CACHE,  # noqa: E402
     PER_QUERY,  # noqa: E402
     STATE_LIST,  # noqa: E402
@@ -150,6 +152,10 @@ OPTED_IN = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
 }
+# families one process cannot run in fp64: XGLM's attention clamps its scores at torch.full((), finfo(float64).min),
+# made in the default dtype (float32), which overflows (RuntimeError); its port computes what it would, so the fp64
+# reference raising would make the fuzz ask the patched model to raise
+FP32_ONLY = {"xglm"}
 STRATEGIES = [*prefill_names(), "auto"]
 DECODES = ["auto", "replicated", "ring_pass_q"]
 KV_INTERLEAVES = [1, 1, 2, 3, 16]  # decode tokens per rank in a run (apply_context_parallel(kv_interleave=k))
@@ -221,9 +227,28 @@ ROPE_OVERRIDES = {  # thresholds of 64 positions, so the drawn prompts (1 to 300
 
 
 # -- the case ---------------------------------------------------------------------------------
+# the census's verified families drawn on no other list: plain AttentionInterface models it verified with no family
+# patch, on its tiny configs (not their text configs that no causal LM class takes: Mllama's is drawn whole, as
+# `mllama` in CENSUS_CONFIGS; Emu3's is built by the census from its multimodal config)
+BUILT_WHOLE = {"emu3_text_model", "mllama_text_model"}
+
+
+@functools.cache
+def verified_plain() -> list:
+    drawn = {*REGISTERED, *HYBRIDS, *LISTED, *(model_type(f) for f in (*GEOMETRIES, *OPTED_IN, *CENSUS_CONFIGS))}
+    return sorted(mt for mt in VERIFIED if mt not in drawn and mt not in BUILT_WHOLE)
+
+
+def on_census_config(family: str) -> bool:
+    """Drawn on the census's tiny config (CENSUS_CONFIGS, a variant of one, or a plain verified family)."""
+    return family in CENSUS_CONFIGS or family in verified_plain()
+
+
 def model_type(family: str) -> str:
     if family in GEOMETRIES:
         return GEOMETRIES[family]["model_type"]
+    if family in CENSUS_VARIANTS:
+        return CENSUS_VARIANTS[family][0]
     return OPTED_IN[family]["model_type"] if family in OPTED_IN else family
 
 
@@ -249,6 +274,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         else r.choice(CENSUS_CONFIGS)
         if u < 0.5
         else r.choice(sorted(OPTED_IN))
+        if u < 0.56
+        else r.choice(verified_plain())
         if u < 0.62
         else r.choice(HYBRIDS + LISTED)
         if u < 0.8
@@ -257,7 +284,7 @@ def draw_case(seed: int, n: int, index: int) -> dict:
     # Phi-3's config accepts only default and longrope; longrope is Phi-3's alone
     ropes = (
         ["default"]
-        if family in GEOMETRIES or family in HYBRIDS or family in LISTED or family in CENSUS_CONFIGS
+        if family in GEOMETRIES or family in HYBRIDS or family in LISTED or on_census_config(family)
         else ["default", "longrope"]
         if family == "phi3"
         else [x for x in ROPES if x != "longrope"]
@@ -274,6 +301,8 @@ def draw_case(seed: int, n: int, index: int) -> dict:
         decode=r.choice(DECODES),
         data_seed=r.randrange(2**31),
     )
+    if family in FP32_ONLY:
+        case["dtype"] = "float32"
     padding = r.choice(PADDINGS)
     batch = r.randint(1, n + 1)
     # RWKV refuses padding and batched decode steps (patches/rwkv.py), and decode='ring_pass_q' (as every recurrent
@@ -397,7 +426,7 @@ def _within_csa(case: dict, r: random.Random) -> None:
     attention function for the block, so a user's would not run on one process. No packed sequences: refused
     before CSA is reached, so they test nothing of it (an unpadded prompt instead). The rest (padding, lengths,
     turns, strategies for the later turns, decode) stays as drawn."""
-    if csa_refuses(case) and r.random() < 0.8:
+    if (csa_refuses(case) and r.random() < 0.8) or case["family"] in FP32_ONLY:  # its reference is fp64 (below)
         case["family"], case["rope"] = r.choice(csa_families()), "default"
     # 3 full-attention layers, so the middle one prunes (else CSA keeps all); a family CSA refuses stays as it is
     case["csa_deep"] = r.random() < 0.85 and case["family"] in csa_families()
@@ -440,8 +469,8 @@ def csa_keeps_all(case: dict) -> bool:
 @functools.cache
 def csa_families() -> tuple:
     """The fuzz's families CSA runs (a full-attention layer, no layer kind it refuses), in a fixed order."""
-    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *CENSUS_CONFIGS, *sorted(GEOMETRIES)]
-    return tuple(f for f in every if not csa_refuses(dict(family=f, rope="default")))
+    every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *CENSUS_CONFIGS, *verified_plain(), *sorted(GEOMETRIES)]
+    return tuple(f for f in every if f not in FP32_ONLY and not csa_refuses(dict(family=f, rope="default")))
 
 
 SHARED_ATTENTION = {"zamba", "zamba2"}  # one attention module (layer_idx None / -1) for several layers: no CSA
@@ -455,6 +484,8 @@ def csa_refuses(case: dict) -> bool:
     if (family is not None and not family.csa) or case["family"] in SHARED_ATTENTION:
         return True
     config = build_config(case["family"], case["rope"], case.get("window"))
+    if getattr(config, "alibi", False):  # Falcon-RW's ALiBi, refused at its first forward (a score bias from positions)
+        return True
     try:  # GPT-OSS's attention modules hold learned sinks (what apply finds on the model, model/contract.has_sinks)
         refuse_csa_layers(config, sinks=config.model_type == "gpt_oss")
     except hf_contextpar.UnsupportedModelError:
@@ -518,7 +549,7 @@ def build_config(family: str, rope: str = "default", window: int | None = None, 
         config = geometry_config(family)
     elif family in HYBRIDS or family in LISTED:  # their realistic layer mix (tests/workers/hybrids.py)
         config = hybrid_config(family)
-    elif family in CENSUS_CONFIGS:  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
+    elif on_census_config(family):  # the census's tiny configs (its drawn window kept out: Moshi's attention has none)
         config = census_family_config(family)
     else:
         config = _family_config(family, rope)
@@ -562,7 +593,7 @@ def build_model(case: dict, dtype: torch.dtype, seed: int = 0):
     # the family's reference kernel (HF runs Gemma2's soft-capping and gpt-oss's sinks only in eager)
     impl = REGISTRY[config.model_type].reference_attn if config.model_type in REGISTRY else "sdpa"
     kw = dict(attn_implementation=impl) if getattr(config, "num_attention_heads", None) else {}  # Mamba2: none
-    if case["family"] in HYBRIDS or case["family"] in CENSUS_CONFIGS:  # grouped MoE matmuls have no fp64 CPU kernel
+    if case["family"] in HYBRIDS or on_census_config(case["family"]):  # grouped MoE matmuls have no fp64 CPU kernel
         kw["experts_implementation"] = "eager"
     torch.manual_seed(seed)
     model = drawn_zero_init(AutoModelForCausalLM.from_config(config, dtype=dtype, **kw)).eval()
@@ -599,7 +630,7 @@ def copied(cache, how: str | None):
 def internals(case: dict):
     """A hybrid's fp32 internals (chunked scans, gates; DeepSeek-V4's compressors) run in fp64 in an fp64 case, on
     both sides: split at other points, they alone would move fp64 logits by ~1e-6."""
-    fp32_parts = chained(case) or compressed(case) or case["family"] in CENSUS_CONFIGS
+    fp32_parts = chained(case) or compressed(case) or on_census_config(case["family"])
     return Fp64Internals() if fp32_parts else contextlib.nullcontext()
 
 
@@ -651,6 +682,8 @@ def generate_kwargs(turn: dict, assistant):
 def smallest_window(config) -> int | None:
     """The narrowest sliding window of the model's layers (None: every layer attends to all keys)."""
     window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if "local" in (getattr(config, "attention_layers", None) or []):  # GPT-Neo's local layers: window_size keys
+        return config.window_size
     return window if window and (types is None or "sliding_attention" in types) else None
 
 
@@ -983,6 +1016,14 @@ def fed(case: dict, turn: int) -> int:
     return chunk + (before["mode"] != "forward")
 
 
+def takes_a_cache(case: dict) -> bool:
+    """Does the drawn family's forward take a cache at all (OpenAI GPT's does not: it runs the whole sequence)?"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    params = inspect.signature(MODEL_FOR_CAUSAL_LM_MAPPING[type(build_config(case["family"]))].forward).parameters
+    return "cache" in params or "past_key_values" in params or case["family"] in LISTED
+
+
 def takes_cache_name(case: dict) -> bool:
     """Does the drawn family's forward take its cache under the case's name (`cache`, or a deprecated alias)?"""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -1022,7 +1063,7 @@ def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> boo
 
 def ulysses_fits(case: dict) -> bool:
     """N divides the query and KV heads, and they are heads: MLA caches one latent for all of them."""
-    config = build_config(case["family"])
+    config = build_config(case["family"]).get_text_config(decoder=True)  # Mllama's heads are its text config's
     latent = getattr(config, "kv_lora_rank", None) is not None
     if getattr(config, "num_attention_heads", None) is None:  # no attention layer (Mamba2): nothing to split
         return True
@@ -1031,6 +1072,8 @@ def ulysses_fits(case: dict) -> bool:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # HRM's config: no GQA
     if compressed(case):  # DeepSeek-V4's attention is MQA (one K=V head) whatever num_key_value_heads says
         kv_heads = 1
+    if config.model_type == "falcon" and not config.new_decoder_architecture:  # multi-query: one K/V head, else one
+        kv_heads = 1 if config.multi_query else config.num_attention_heads  # per head (num_kv_heads is the new one's)
     return config.num_attention_heads % case["n"] == 0 and kv_heads % case["n"] == 0
 
 
@@ -1102,9 +1145,11 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
         )
         if case.get("transport") == "gloo" and hf_contextpar.get_runtime(cp) is not None:
             hf_contextpar.get_runtime(cp).comm.close_shm()
-        # DiffLlama's and JetMoE's refusals come at a forward that runs Ulysses: their layers hand the attention other
-        # K/V heads than apply's probe sees (an expansion of the cached K/V; the K/V before JetMoE's repeat)
-        if case["strategy"] == "ulysses" and not ulysses_fits(case) and case["family"] not in ("diffllama", "jetmoe"):
+        # DiffLlama's, JetMoE's and the ported families' refusals come at a forward that runs Ulysses: their layers hand
+        # the attention other K/V heads than apply's probe sees (an expansion of the cached K/V; the K/V before JetMoE's
+        # repeat), or apply's probe does not run their ported attention (Falcon's)
+        later = model_type(case["family"]) in ("diffllama", "jetmoe", "falcon")
+        if case["strategy"] == "ulysses" and not ulysses_fits(case) and not later:
             rec.update(outcome="fail", detail="expected HeadsNotDivisibleError for Ulysses, got none")
             return rec
         rows = case["batch"]
@@ -1123,6 +1168,7 @@ def _run_patched(case: dict, ref_turns: list, ref_error: str | None = None) -> d
                 case["decode"] == "ring_pass_q"
                 and decode_rows < case["n"]
                 and turn["mode"] in ("greedy", "sample", "beam")
+                and takes_a_cache(case)  # else every generation step is a prefill (OpenAI GPT's): no decode to refuse
             ):
                 rec.update(
                     outcome="fail",

@@ -105,9 +105,11 @@ CACHED_GENERATE_REFUSED = {"xlstm"}
 BYTE_IDS = dict(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=258)  # the byte tokenizer's ids
 # registered families with no tiny config of their registry entry, verified by the census: exact through a family
 # patch (patches/: deepseek_v4.py, diffllama.py, hrm_text.py, jetmoe.py, bloom.py and mpt.py's ALiBi, doge.py's per-key
-# bias; Dory's per-loop cache copies, dory.py; Moshi's cache_window), DSA-indexed (axk2, hy_v4, qwen4_exp_text;
-# minimax_m3_vl_text's block indexer), hybrids (bailing_hybrid, zamba, zaya) and dots3_note_text. The fuzz draws them
-# with the census's tiny configs.
+# bias; Dory's per-loop cache copies, dory.py; Moshi's cache_window; the hand-written attentions ported: falcon.py,
+# gpt_neo.py's local layers, gpt_neox_japanese.py, openai_gpt.py, xglm.py; mllama.py's cross-attention layer, skipped
+# text-only), DSA-indexed (axk2, hy_v4, qwen4_exp_text; minimax_m3_vl_text's block indexer), hybrids (bailing_hybrid,
+# zamba, zaya), dots3_note_text and gemma4_unified_text (bidirectional over images only: causal text). The fuzz draws
+# them with the census's tiny configs, and the variants of CENSUS_VARIANTS.
 CENSUS_CONFIGS = [
     "axk2",
     "bailing_hybrid",
@@ -117,23 +119,46 @@ CENSUS_CONFIGS = [
     "doge",
     "dory",
     "dots3_note_text",
+    "falcon",
+    "falcon_rw",
+    "gemma4_unified_text",
+    "gemma4_unified_shared_kv",
+    "gpt_neo",
+    "gpt_neox_japanese",
     "hrm_text",
     "hy_v4",
     "jetmoe",
     "minimax_m3_vl_text",
+    "mllama",
     "moshi",
     "mpt",
+    "openai-gpt",
     "qwen4_exp_text",
+    "xglm",
     "zamba",
     "zaya",
 ]
+# a census family in another configuration its checkpoints use: (family, overrides of the census's tiny config)
+CENSUS_VARIANTS = {
+    # Falcon-RW: ALiBi instead of RoPE, one K/V head per head, attention then MLP, biases (the census's Falcon: RoPE)
+    # Gemma 4 Unified's last layers reusing an earlier layer's K/V (patches/shared_kv.py; its config's default shares none)
+    "gemma4_unified_shared_kv": (
+        "gemma4_unified_text",
+        dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+    ),
+    "falcon_rw": (
+        "falcon",
+        dict(alibi=True, new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True),
+    ),
+}
 CENSUS_CHAINED = ["bailing_hybrid", "deepseek_v4", "qwen4_exp_text", "zamba", "zaya"]  # of those, the chained ones
 # (recurrent layers; DeepSeek-V4's compressors' unfinished groups)
 
 
 def census_family_config(family: str):
-    """The census's tiny config of `family` (the one it verified) with the byte tokenizer's ids."""
-    config = tiny_config(family)
+    """The census's tiny config of `family` (the one it verified, or a variant of it) with the byte tokenizer's ids."""
+    family, overrides = CENSUS_VARIANTS.get(family, (family, {}))
+    config = tiny_config(family, **overrides)
     text = config.get_text_config(decoder=True)
     for key, value in BYTE_IDS.items():
         setattr(text, key, value)
