@@ -39,6 +39,9 @@ def shard_inputs(kwargs: dict, plan: ForwardPlan, inputs, rank: int, hooks) -> N
         for name in TOKEN_ARGS:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][mine]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # its sequences' rows: a model may read the mask by its
+            kwargs["attention_mask"] = mask[mine]  # own batch size (CTRL views it as (batch, -1)); `mine`: a slice
     keep = kwargs.get("logits_to_keep", 0)
     if isinstance(keep, int):  # the rows an int means, as an index: a model may act on an int itself (Gemma 4
         # drops the other rows before its KV-shared layers, by each rank's own token count)

@@ -377,3 +377,25 @@ def test_the_plan_keeps_the_policys_decision():
     table = dict(world=3, entries={"12": [0.5, 0.25, 0.25]})  # KVR-P: a table's partitions
     policy, s, _ = _prefill_policy(world=3, strategy="kv_runahead", partitions=table)
     assert plan_for(ShardLayout(0, 3), 12, policy=policy.of(s)).decision.partitions == (6, 3, 3)
+
+
+def test_batched_decode_hands_each_rank_its_sequences_mask_rows():
+    """A rank running some of the sequences (batched decode) gets their rows of the attention mask with their
+    tokens: a model may read the mask by its own batch size (CTRL views it as (batch, -1): with the whole batch's
+    rows, 8 sequences over 3 ranks failed on two ranks and ran on the third, which then waited for them)."""
+    import types
+
+    from hf_contextpar.inputs import shard_inputs
+
+    world, batch = 3, 8
+    layout = ShardLayout(0, world)
+    layout.commit(plan_for(layout, 9, batch=batch).storage)
+    plan = plan_for(layout, 1, batch=batch)
+    assert plan.shards.seq_rows is not None
+    ids = torch.arange(batch)[:, None]
+    mask = torch.arange(batch)[:, None].expand(batch, 10)  # row i holds i
+    for rank in range(world):
+        kwargs = dict(input_ids=ids, attention_mask=mask, logits_to_keep=0)
+        shard_inputs(kwargs, plan, types.SimpleNamespace(position_ids=None, mask=mask), rank, None)
+        assert kwargs["attention_mask"].shape == (kwargs["input_ids"].shape[0], 10)
+        assert torch.equal(kwargs["attention_mask"][:, 0], kwargs["input_ids"][:, 0])
