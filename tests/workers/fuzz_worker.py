@@ -122,6 +122,7 @@ from user_patches import call_sdpa_itself  # noqa: E402
 
 import hf_contextpar  # noqa: E402
 from hf_contextpar.cache.sharded import cache_aliases, cache_argument  # noqa: E402
+from hf_contextpar.model.contract import has_sinks  # noqa: E402
 from hf_contextpar.models import TINY_BASE, tiny_config  # noqa: E402
 from hf_contextpar.plan.strategies import prefill_names  # noqa: E402
 from hf_contextpar.sparse import CSA  # noqa: E402
@@ -470,27 +471,39 @@ def csa_keeps_all(case: dict) -> bool:
 def csa_families() -> tuple:
     """The fuzz's families CSA runs (a full-attention layer, no layer kind it refuses), in a fixed order."""
     every = [*REGISTERED, *sorted(OPTED_IN), *HYBRIDS, *CENSUS_CONFIGS, *verified_plain(), *sorted(GEOMETRIES)]
-    return tuple(f for f in every if f not in FP32_ONLY and not csa_refuses(dict(family=f, rope="default")))
+    # sinks read off the config alone (GPT-OSS's): building every family to look for them would cost the first CSA case
+    # tens of seconds; a family with learned sinks drawn from here is refused as predicted (`csa_refuses`)
+    return tuple(
+        f for f in every if f not in FP32_ONLY and not csa_refuses(dict(family=f, rope="default"), build=False)
+    )
 
 
 SHARED_ATTENTION = {"zamba", "zamba2"}  # one attention module (layer_idx None / -1) for several layers: no CSA
 
 
-def csa_refuses(case: dict) -> bool:
+def csa_refuses(case: dict, build: bool = True) -> bool:
     """The family has a layer kind CSA does not define (chunked attention, sinks, MLA, shared K/V, no full
     attention, a family patch that makes its layers attend otherwise, one attention module shared by several
-    layers): refused at apply with an UnsupportedModelError."""
+    layers): refused at apply with an UnsupportedModelError. build: look for learned sinks on the model (else on the
+    config: GPT-OSS's)."""
     family = REGISTRY.get(model_type(case["family"]))
     if (family is not None and not family.csa) or case["family"] in SHARED_ATTENTION:
         return True
     config = build_config(case["family"], case["rope"], case.get("window"))
     if getattr(config, "alibi", False):  # Falcon-RW's ALiBi, refused at its first forward (a score bias from positions)
         return True
-    try:  # GPT-OSS's attention modules hold learned sinks (what apply finds on the model, model/contract.has_sinks)
-        refuse_csa_layers(config, sinks=config.model_type == "gpt_oss")
+    sinks = learned_sinks(case["family"]) if build else config.model_type == "gpt_oss"
+    try:  # GPT-OSS's, Flint's, Granite SWA's attention modules hold learned sinks (apply finds them on the model)
+        refuse_csa_layers(config, sinks=sinks)
     except hf_contextpar.UnsupportedModelError:
         return True
     return False
+
+
+@functools.cache
+def learned_sinks(family: str) -> bool:
+    """Do the family's attention modules hold learned sinks (model/contract.has_sinks, what apply checks)?"""
+    return has_sinks(build_model(dict(family=family, rope="default"), torch.float32))
 
 
 def chained(case: dict) -> bool:
