@@ -1087,6 +1087,10 @@ def ulysses_fits(case: dict) -> bool:
         kv_heads = 1
     if config.model_type == "falcon" and not config.new_decoder_architecture:  # multi-query: one K/V head, else one
         kv_heads = 1 if config.multi_query else config.num_attention_heads  # per head (num_kv_heads is the new one's)
+    if config.model_type == "gpt_bigcode" and config.multi_query:  # GPT-BigCode's multi-query: one K/V head
+        kv_heads = 1
+    if config.model_type == "dbrx":  # DBRX's K/V heads are its attention config's
+        kv_heads = config.attn_config.kv_n_heads
     return config.num_attention_heads % case["n"] == 0 and kv_heads % case["n"] == 0
 
 
