@@ -183,6 +183,5 @@ def _attend(q, k, v, vis, scale, softcap):
     s = s.masked_fill(~vis.to(q.device).unsqueeze(2), -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bgqtk,bgkd->bgqtd", p, v.to(acc)).reshape(b, h, t, v.shape[-1])
-    return (
-        out.to(q.dtype).transpose(1, 2).contiguous()
-    )  # as transformers' attention functions return it (AFMoE views it)
+    # contiguous, as transformers' attention functions return it (AFMoE views it)
+    return out.to(q.dtype).transpose(1, 2).contiguous()

@@ -224,9 +224,10 @@ class InputContract:
         # that takes none (OpenAI GPT's, RWKV's) leaves a cache passed to it in its **kwargs, ignored on one process:
         # no name (the runtime passes the forward's own cache under cache_arg all the same, for its family patch)
         self.cache_arg = cache_argument(model)
-        self.cache_names = ("cache", *cache_aliases(model)) if self.cache_arg == "cache" else ("past_key_values",)
         if self.cache_arg not in self.params:
             self.cache_names = ()
+        else:
+            self.cache_names = ("cache", *cache_aliases(model)) if self.cache_arg == "cache" else ("past_key_values",)
 
     def read(self, args, kwargs) -> tuple[dict, Inputs]:
         """(the forward's keyword arguments without the cache, its checked Inputs)."""

@@ -1029,20 +1029,22 @@ def fed(case: dict, turn: int) -> int:
     return chunk + (before["mode"] != "forward")
 
 
-def takes_a_cache(case: dict) -> bool:
-    """Does the drawn family's forward take a cache at all (OpenAI GPT's does not: it runs the whole sequence)?"""
+def causal_lm_class(case: dict):
+    """The class AutoModelForCausalLM makes for the drawn family."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    params = inspect.signature(MODEL_FOR_CAUSAL_LM_MAPPING[type(build_config(case["family"]))].forward).parameters
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(build_config(case["family"]))]
+
+
+def takes_a_cache(case: dict) -> bool:
+    """Does the drawn family's forward take a cache at all (OpenAI GPT's does not: it runs the whole sequence)?"""
+    params = inspect.signature(causal_lm_class(case).forward).parameters
     return "cache" in params or "past_key_values" in params or case["family"] in LISTED
 
 
 def takes_cache_name(case: dict) -> bool:
     """Does the drawn family's forward take its cache under the case's name (`cache`, or a deprecated alias)?"""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(build_config(case["family"]))]
-    return case.get("cache_name", "past_key_values") in ("cache", *cache_aliases(model_class))
+    return case.get("cache_name", "past_key_values") in ("cache", *cache_aliases(causal_lm_class(case)))
 
 
 def phi3_dropped_the_callers_cache(case: dict, exc: Exception, turn: int) -> bool:
